@@ -1,0 +1,1 @@
+"""decision_service."""
