@@ -136,12 +136,12 @@ class Settings:
     def from_mapping(cls, data: Mapping[str, Any]) -> Settings:
         data = dict(data)
         sections: dict[str, Any] = {
-            "decision": _section(DecisionSettings, data.pop("decision", {}), "decision"),
-            "policy": _section(PolicySettings, data.pop("policy", {}), "policy"),
-            "timeouts": _section(TimeoutSettings, data.pop("timeouts", {}), "timeouts"),
-            "sessions": _section(SessionSettings, data.pop("sessions", {}), "sessions"),
-            "pool": _section(PoolSettings, data.pop("pool", {}), "pool"),
-            "log": _section(LogSettings, data.pop("log", {}), "log"),
+            "decision": DecisionSettings(**_section(DecisionSettings, data.pop("decision", {}), "decision")),
+            "policy": PolicySettings(**_section(PolicySettings, data.pop("policy", {}), "policy")),
+            "timeouts": TimeoutSettings(**_section(TimeoutSettings, data.pop("timeouts", {}), "timeouts")),
+            "sessions": SessionSettings(**_section(SessionSettings, data.pop("sessions", {}), "sessions")),
+            "pool": PoolSettings(**_section(PoolSettings, data.pop("pool", {}), "pool")),
+            "log": LogSettings(**_section(LogSettings, data.pop("log", {}), "log")),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):

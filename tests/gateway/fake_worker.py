@@ -103,7 +103,14 @@ class FakeWorker:
         if k.hang:
             await asyncio.sleep(3600)
         if k.status is not None:
-            err = {"error": {"message": f"fake {k.status}", "type": "BadRequestError", "param": None, "code": k.status}}
+            err = {
+                "error": {
+                    "message": f"fake {k.status}",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": k.status,
+                }
+            }
             return web.json_response(err, status=k.status)
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 8
         rid = request.headers.get("X-Request-Id", "x")
@@ -133,14 +140,25 @@ class FakeWorker:
                 "object": "chat.completion" if chat else "text_completion",
                 "model": body.get("model"),
                 "choices": [choice],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n},
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n,
+                    "total_tokens": prompt_tokens + n,
+                },
                 "kv_transfer_params": kv,
             }
             return web.json_response(out)
         return await self._stream(request, body, words, chat=chat, rid=rid, prompt_tokens=prompt_tokens)
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], words: list[str], *, chat: bool, rid: str, prompt_tokens: int
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        words: list[str],
+        *,
+        chat: bool,
+        rid: str,
+        prompt_tokens: int,
     ) -> web.StreamResponse:
         k = self.knobs
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -153,7 +171,9 @@ class FakeWorker:
                     request.transport.close()
                     return resp
                 if k.error_event and i == 1:
-                    err = {"error": {"message": "fake engine error", "type": "InternalServerError", "code": 500}}
+                    err = {
+                        "error": {"message": "fake engine error", "type": "InternalServerError", "code": 500}
+                    }
                     await resp.write(f"data: {json.dumps(err)}\n\n".encode())
                     await resp.write(b"data: [DONE]\n\n")
                     return resp
@@ -170,8 +190,14 @@ class FakeWorker:
             options = body.get("stream_options") or {}
             if options.get("include_usage"):
                 n = len(words)
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
-                await resp.write(f"data: {json.dumps({'id': rid, 'choices': [], 'usage': usage})}\n\n".encode())
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": n,
+                    "total_tokens": prompt_tokens + n,
+                }
+                await resp.write(
+                    f"data: {json.dumps({'id': rid, 'choices': [], 'usage': usage})}\n\n".encode()
+                )
             if not k.no_done:
                 await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
