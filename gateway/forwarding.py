@@ -397,29 +397,8 @@ class Forwarder:
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
         relay = StreamRelay(strip_usage=p.strip_usage)
-        failure: str | None = None
-        chunks = upstream.content.iter_any()
         try:
-            while True:
-                try:
-                    data = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                    failure = f"worker {call.worker} failed mid-stream: {type(exc).__name__}"
-                    self._upstream_error(call.worker, _ROLE_OF[turn.path], "mid_stream")
-                    break
-                out, content = relay.feed(data)
-                if content:
-                    now = time.perf_counter()
-                    if turn.ttft is None:
-                        turn.ttft = now - turn.start
-                    turn.last_token = now
-                if out:
-                    await response.write(out)
-            if failure is None and relay.truncated:
-                failure = f"worker {call.worker} ended the stream before [DONE]"
-                self._upstream_error(call.worker, _ROLE_OF[turn.path], "truncated")
+            failure = await self._pump(turn, call, upstream, relay, response)
             if failure is not None:
                 self._d.metrics.stream_errors.labels("upstream").inc()
                 log.warning("request %s: %s", turn.request_id, failure)
@@ -440,6 +419,42 @@ class Forwarder:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         return response
+
+    async def _pump(
+        self,
+        turn: _Turn,
+        call: UpstreamCall,
+        upstream: aiohttp.ClientResponse,
+        relay: StreamRelay,
+        response: web.StreamResponse,
+    ) -> str | None:
+        """Copy the worker's events to the client; returns what went wrong upstream, if anything.
+        A failed write to the client raises ConnectionResetError."""
+        role = _ROLE_OF[turn.path]
+        chunks = upstream.content.iter_any()
+        while True:
+            try:
+                data = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                self._upstream_error(call.worker, role, "mid_stream")
+                return f"worker {call.worker} failed mid-stream: {type(exc).__name__}"
+            out, content = relay.feed(data)
+            if content:
+                now = time.perf_counter()
+                if turn.ttft is None:
+                    turn.ttft = now - turn.start
+                turn.last_token = now
+            if out:
+                await response.write(out)
+        tail = relay.end()
+        if tail:
+            await response.write(tail)
+        if relay.truncated:
+            self._upstream_error(call.worker, role, "truncated")
+            return f"worker {call.worker} ended the stream before [DONE]"
+        return None
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.sse import DONE, SSEParser, encode_data
+from gateway.sse import DONE, SSEEvent, SSEParser, encode_data
 
 __all__ = ["StreamRelay", "Usage", "answer_from_body", "error_event"]
 
@@ -89,9 +89,16 @@ class StreamRelay:
 
     def feed(self, data: bytes) -> tuple[bytes, bool]:
         """(bytes for the client, whether new answer content arrived)."""
+        return self._events(self._parser.feed(data))
+
+    def end(self) -> bytes:
+        """The worker closed the stream; whatever whole event was still held."""
+        return self._events(self._parser.end())[0]
+
+    def _events(self, events: list[SSEEvent]) -> tuple[bytes, bool]:
         out: list[bytes] = []
         content = False
-        for event in self._parser.feed(data):
+        for event in events:
             if event.data == DONE:
                 self.done = True
                 out.append(_DONE_BYTES)

@@ -67,6 +67,12 @@ class SSEParser:
         self._buf = buf[start:]
         return events
 
+    def end(self) -> list[SSEEvent]:
+        """The stream closed: a trailing lone `\r` was a line end after all."""
+        if self._buf.endswith(b"\r"):
+            return self.feed(b"\n")
+        return []
+
     def _line(self, raw: bytes) -> SSEEvent | None:
         if not raw:
             if not self._has_fields:
