@@ -183,30 +183,39 @@ class WorkerMetrics:
         self.waiting_by_reason.labels(**labels, reason="deferred").set(deferred)
         self.kv_usage.labels(**labels).set(kv_usage)
 
-    def on_admitted(self, *, prompt_tokens: int, local_hit: int, external_hit: int) -> None:
-        """A new request looked up the prefix cache; external hits are tokens loaded over the KV link."""
+    def add_engine_counts(
+        self,
+        *,
+        prefix_queries: int,
+        prefix_hits: int,
+        external_queries: int,
+        external_hits: int,
+        preemptions: int,
+        expired: int,
+        local_compute: int,
+        local_cache_hit: int,
+        external: int,
+    ) -> None:
+        """Add the growth of the engine's cumulative counters since the last call."""
         labels = self._labels
-        self.prefix_queries.labels(**labels).inc(prompt_tokens)
-        self.prefix_hits.labels(**labels).inc(local_hit)
-        if external_hit:
-            self.external_queries.labels(**labels).inc(prompt_tokens - local_hit)
-            self.external_hits.labels(**labels).inc(external_hit)
-        self.prompt_cached.labels(**labels).inc(local_hit + external_hit)
-        self.prompt_tokens.labels(**labels).inc(prompt_tokens)
-        self.prompt_by_source.labels(**labels, source="local_cache_hit").inc(local_hit)
-        self.prompt_by_source.labels(**labels, source="external_kv_transfer").inc(external_hit)
-        self.prompt_by_source.labels(**labels, source="local_compute").inc(
-            prompt_tokens - local_hit - external_hit
-        )
+        self.prefix_queries.labels(**labels).inc(prefix_queries)
+        self.prefix_hits.labels(**labels).inc(prefix_hits)
+        self.external_queries.labels(**labels).inc(external_queries)
+        self.external_hits.labels(**labels).inc(external_hits)
+        self.prompt_cached.labels(**labels).inc(local_cache_hit + external)
+        self.prompt_tokens.labels(**labels).inc(local_compute + local_cache_hit + external)
+        self.preemptions.labels(**labels).inc(preemptions)
+        self.nixl_expired.labels(**labels).inc(expired)
+        self.prompt_by_source.labels(**labels, source="local_compute").inc(local_compute)
+        self.prompt_by_source.labels(**labels, source="local_cache_hit").inc(local_cache_hit)
+        self.prompt_by_source.labels(**labels, source="external_kv_transfer").inc(external)
 
-    def on_step(self, *, tokens: int, generated: int, preemptions: int) -> None:
+    def on_step(self, *, tokens: int, generated: int) -> None:
         labels = self._labels
         if tokens:
             self.iteration_tokens.labels(**labels).observe(tokens)
         if generated:
             self.generation_tokens.labels(**labels).inc(generated)
-        if preemptions:
-            self.preemptions.labels(**labels).inc(preemptions)
 
     def on_token_gap(self, seconds: float) -> None:
         self.itl.labels(**self._labels).observe(seconds)

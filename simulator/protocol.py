@@ -73,6 +73,7 @@ class GenerationRequest:
     echo: bool
     request_id: str | None
     kv_transfer: KvTransferRequest | None
+    max_tokens_given: bool = True  # False: a chat request without max_tokens / max_completion_tokens
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -368,6 +369,7 @@ def parse_chat(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) 
         echo=False,
         request_id=request_id,
         kv_transfer=kv,
+        max_tokens_given=requested is not None,
     )
 
 

@@ -20,7 +20,9 @@ from typing import Literal
 
 from simulator.tokenizer import Llama3Tokenizer
 
-__all__ = ["FinishReason", "SampledOutput", "SamplerSettings", "sample_output"]
+__all__ = ["UNLIMITED_MEAN_TOKENS", "FinishReason", "SampledOutput", "SamplerSettings", "sample_output"]
+
+UNLIMITED_MEAN_TOKENS = 256
 
 FinishReason = Literal["length", "stop"]
 
@@ -63,19 +65,31 @@ def sample_output(
     ignore_eos: bool,
     settings: SamplerSettings,
     tokenizer: Llama3Tokenizer,
+    explicit_limit: bool = True,
 ) -> SampledOutput:
-    """The generated token ids (at most `max_tokens`) and the finish reason."""
+    """The generated token ids (at most `max_tokens`) and the finish reason.
+
+    `explicit_limit=False` (a chat request without max_tokens) makes a model that never stops by
+    itself stop after `UNLIMITED_MEAN_TOKENS` on average instead of filling the context window.
+    """
     rng = _rng(prompt_ids, seed)
     natural: int | None = None
-    if not ignore_eos and settings.mean_natural_tokens > 0:
-        if settings.mean_natural_tokens == 1:
+    mean = settings.mean_natural_tokens or (0 if explicit_limit else UNLIMITED_MEAN_TOKENS)
+    if not ignore_eos and mean > 0:
+        if mean == 1:
             natural = 0
         else:
             u = 1.0 - rng.random()  # (0, 1]
-            natural = int(math.log(u) / math.log(1.0 - 1.0 / settings.mean_natural_tokens))
+            natural = int(math.log(u) / math.log(1.0 - 1.0 / mean))
         natural = max(natural, min_tokens)
     if natural is None or natural + 1 > max_tokens:
-        return SampledOutput(tuple(rng.choices(tokenizer.word_ids, k=max_tokens)), "length")
-    words = rng.choices(tokenizer.word_ids, k=natural)
+        return SampledOutput(tuple(_words(rng, tokenizer, max_tokens)), "length")
+    words = _words(rng, tokenizer, natural)
     words.append(tokenizer.eot_id)
     return SampledOutput(tuple(words), "stop")
+
+
+def _words(rng: random.Random, tokenizer: Llama3Tokenizer, n: int) -> list[int]:
+    if n <= 0:
+        return []
+    return [rng.choice(tokenizer.first_word_ids), *rng.choices(tokenizer.word_ids, k=n - 1)]

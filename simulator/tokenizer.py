@@ -63,21 +63,33 @@ class Llama3Tokenizer:
         self.bos_id: int = self._enc.encode_single_token(BEGIN_OF_TEXT)
         self.eot_id: int = self._enc.encode_single_token(EOT_ID)
         self.vocab_size: int = int(self._enc.n_vocab)
-        self._word_ids: tuple[int, ...] = self._find_word_tokens()
+        self._word_ids, self._first_word_ids = self._find_word_tokens()
 
-    def _find_word_tokens(self) -> tuple[int, ...]:
-        """Ids of tokens that are a space plus a short lowercase word: readable, self-delimiting output."""
+    def _find_word_tokens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Readable, self-delimiting output: " word" tokens, and capitalised "Word" tokens to open a text.
+
+        An answer opens without a space so that the chat template's `trim` leaves it unchanged and the
+        next turn's prompt re-tokenizes to exactly the ids generated (the prefix cache then hits them).
+        """
         words: list[int] = []
-        for rank, raw in enumerate(self._enc.token_byte_values()):
+        firsts: list[int] = []
+        for raw in self._enc.token_byte_values():  # sorted by bytes, not by rank
             piece = bytes(raw)
             if 4 <= len(piece) <= 9 and piece[:1] == b" " and piece[1:].isalpha() and piece[1:].islower():
-                words.append(rank)
-        return tuple(words)
+                words.append(self._enc.encode_single_token(piece))
+            elif 3 <= len(piece) <= 8 and piece.isalpha() and piece[:1].isupper() and piece[1:].islower():
+                firsts.append(self._enc.encode_single_token(piece))
+        return tuple(sorted(words)), tuple(sorted(firsts))
 
     @property
     def word_ids(self) -> tuple[int, ...]:
         """The pool generated text is drawn from."""
         return self._word_ids
+
+    @property
+    def first_word_ids(self) -> tuple[int, ...]:
+        """The pool the first generated token is drawn from."""
+        return self._first_word_ids
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         ids: list[int] = self._enc.encode_with_special(text)
