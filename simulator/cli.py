@@ -33,7 +33,7 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
 
     def run(args: argparse.Namespace) -> int:
-        from simulator.calibration import run_calibration
+        from simulator.calibrate import run_calibration
 
         return run_calibration(args.profile, as_json=args.json, raw=args.raw, out=sys.stdout)
 

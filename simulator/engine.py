@@ -772,10 +772,16 @@ class Engine:
             return float(prefix + (total - prefix * len(self._decoding)))
         shared = 0
         for r in self._decoding.values():
-            for h in r.hashes:
-                if pool.ref_count(h) <= 1:
-                    break
-                shared += bs
+            # Ref counts never grow along a chain (a holder of block i+1 holds block i): bisect.
+            hashes = r.hashes
+            lo, hi = 0, len(hashes)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if pool.ref_count(hashes[mid]) > 1:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            shared += lo * bs
         return total - shared + self._rho * shared
 
     def _lookup(self, r: _Req) -> None:

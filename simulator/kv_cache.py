@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["BlockContent", "BlockPool", "StreamBlocks", "TokenBlocks"]
+__all__ = ["BlockContent", "BlockPool", "PrefixedBlocks", "StreamBlocks", "TokenBlocks"]
 
 
 class BlockContent(Protocol):
@@ -69,6 +69,22 @@ class StreamBlocks:
 
     def block_hash(self, index: int) -> int:
         return self._base - index
+
+
+class PrefixedBlocks:
+    """A shared prefix of ``n_prefix_blocks`` blocks, then content of this request only."""
+
+    __slots__ = ("_n", "_own", "_prefix")
+
+    def __init__(self, prefix: BlockContent, n_prefix_blocks: int, own: BlockContent) -> None:
+        self._prefix = prefix
+        self._n = n_prefix_blocks
+        self._own = own
+
+    def block_hash(self, index: int) -> int:
+        if index < self._n:
+            return self._prefix.block_hash(index)
+        return self._own.block_hash(index)
 
 
 class BlockPool:

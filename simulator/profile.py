@@ -194,7 +194,7 @@ class Profile:
 
 def available_profiles() -> list[str]:
     """Names of the profiles shipped as package data."""
-    folder = resources.files("simulator").joinpath("profiles")
+    folder = resources.files("simulator.profiles")
     return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
 
 
@@ -208,7 +208,7 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> Profile:
             raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from exc
         source = str(path)
     else:
-        ref = resources.files("simulator").joinpath("profiles", f"{name_or_path}.json")
+        ref = resources.files("simulator.profiles").joinpath(f"{name_or_path}.json")
         if not ref.is_file():
             raise ProfileError(
                 f"unknown profile {name_or_path!r} (shipped: {', '.join(available_profiles())})"
