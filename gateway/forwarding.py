@@ -100,6 +100,10 @@ class _Turn:
     rebound: bool = False
     ttft: float | None = None
     last_token: float | None = None
+    # The gateway's own share of the time to first token (see GatewayMetrics.overhead).
+    prefill_wait: float = 0.0
+    decode_sent: float | None = None
+    overhead: float | None = None
     ok: bool = False
     error: str | None = None
 
@@ -306,6 +310,7 @@ class Forwarder:
             if i:
                 d.metrics.prefill_retries.inc()
             d.pool.acquire(call.worker)
+            sent = time.perf_counter()
             try:
                 reply = await d.upstream.call_json(call, prefill=True)
                 body = reply.json()
@@ -326,6 +331,7 @@ class Forwarder:
                 continue
             finally:
                 d.pool.release(call.worker)
+                turn.prefill_wait += time.perf_counter() - sent
             turn.prefill_worker = call.worker
             d.pool.note_pick(call.worker)
             params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
@@ -369,6 +375,7 @@ class Forwarder:
         d.pool.acquire(call.worker)
         try:
             try:
+                turn.decode_sent = time.perf_counter()
                 upstream = await d.upstream.open_stream(call)
             except UpstreamStatusError:
                 self._upstream_error(call.worker, _ROLE_OF[turn.path], "status")
@@ -440,14 +447,18 @@ class Forwarder:
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 self._upstream_error(call.worker, role, "mid_stream")
                 return f"worker {call.worker} failed mid-stream: {type(exc).__name__}"
+            received = time.perf_counter()
             out, content = relay.feed(data)
             if content:
-                now = time.perf_counter()
                 if turn.ttft is None:
-                    turn.ttft = now - turn.start
-                turn.last_token = now
+                    turn.ttft = received - turn.start
+                turn.last_token = received
             if out:
                 await response.write(out)
+                if turn.overhead is None and turn.decode_sent is not None:
+                    # Everything since arrival, minus the time the workers had the request.
+                    now = time.perf_counter()
+                    turn.overhead = (now - turn.start) - turn.prefill_wait - (received - turn.decode_sent)
         tail = relay.end()
         if tail:
             await response.write(tail)
@@ -511,6 +522,8 @@ class Forwarder:
             m.decisions.labels(turn.path, turn.reason).inc()
         d.metrics.token_counts.labels(turn.n_in.source).inc()
         tpot: float | None = None
+        if turn.overhead is not None:
+            m.overhead.labels(turn.path or "pd").observe(turn.overhead)
         if turn.ok and turn.ttft is not None:
             m.ttft.labels(turn.path, turn.turn_class).observe(turn.ttft)
             if turn.last_token is not None and turn.n_out > 1:

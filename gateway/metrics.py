@@ -10,6 +10,10 @@ __all__ = ["GatewayMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_OVERHEAD_BUCKETS = (
+    0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
+    0.02, 0.05, 0.1,
+)  # fmt: skip
 _RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)
 
 
@@ -54,6 +58,14 @@ class GatewayMetrics:
             "Mean time between output tokens after the first, per request",
             ["path", "turn_class"],
             buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "ppd_gateway_overhead_seconds",
+            "The gateway's own time on the way to the first token of a stream: request handling, "
+            "decision and planning, the gaps around the prefill leg, relaying the first chunk",
+            ["path"],
+            buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
         self.upstream_errors = Counter(

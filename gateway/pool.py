@@ -3,8 +3,8 @@
 Rule 1: workers come from the static config or from authenticated registration; nothing in a client
 request can add an address. Registered workers expire when no heartbeat arrived for
 `heartbeat_expiry_s` (paper: heartbeat every 10 s, removed after 30 s); static ones never expire.
-Rule 2: a worker is *live* while its last health check passed and no request failed on it since;
-a failed request marks it down at once, the next passing health check brings it back.
+Rule 2: a worker is *live* until `unhealthy_after` health checks in a row failed, or a request could
+not connect to it (that marks it down at once); the next passing health check brings it back.
 Rule 3: planning reads an immutable `PoolView` snapshot, never this mutable object, so the planner
 stays pure and one request sees one consistent pool.
 Concurrency: owned by one event loop; no locks.
@@ -85,12 +85,22 @@ class PoolView:
 
 
 class _State:
-    __slots__ = ("healthy", "inflight", "last_heartbeat", "last_pick", "load", "spec", "static")
+    __slots__ = (
+        "failed_checks",
+        "healthy",
+        "inflight",
+        "last_heartbeat",
+        "last_pick",
+        "load",
+        "spec",
+        "static",
+    )
 
     def __init__(self, spec: WorkerSpec, *, static: bool, now: float) -> None:
         self.spec = spec
         self.static = static
         self.healthy = True
+        self.failed_checks = 0
         self.load = Load()
         self.inflight = 0
         self.last_pick = 0
@@ -145,6 +155,19 @@ class WorkerPool:
         state = self._workers.get(worker_id)
         if state is not None:
             state.healthy = healthy
+
+    def record_check(self, worker_id: str, ok: bool, *, unhealthy_after: int = 1) -> None:
+        """One active health check's result."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        if ok:
+            state.failed_checks = 0
+            state.healthy = True
+        else:
+            state.failed_checks += 1
+            if state.failed_checks >= unhealthy_after:
+                state.healthy = False
 
     def set_load(self, worker_id: str, load: Load) -> None:
         state = self._workers.get(worker_id)

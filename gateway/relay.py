@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.sse import DONE, SSEEvent, SSEParser, encode_data
+from gateway.sse import DONE, SSEEvent, SSEParser, encode_data, encode_event
 
 __all__ = ["StreamRelay", "Usage", "answer_from_body", "error_event"]
 
@@ -89,39 +89,48 @@ class StreamRelay:
 
     def feed(self, data: bytes) -> tuple[bytes, bool]:
         """(bytes for the client, whether new answer content arrived)."""
-        return self._events(self._parser.feed(data))
+        events, raw = self._parser.feed_raw(data)
+        return self._events(events, raw)
 
     def end(self) -> bytes:
         """The worker closed the stream; whatever whole event was still held."""
-        return self._events(self._parser.end())[0]
+        events, raw = self._parser.end_raw()
+        return self._events(events, raw)[0]
 
-    def _events(self, events: list[SSEEvent]) -> tuple[bytes, bool]:
-        out: list[bytes] = []
+    def _events(self, events: list[SSEEvent], raw: bytes) -> tuple[bytes, bool]:
+        """Observe each event; pass the worker's bytes on unchanged unless an event is dropped."""
         content = False
+        dropped = False
+        kept: list[SSEEvent] = []
         for event in events:
             if event.data == DONE:
                 self.done = True
-                out.append(_DONE_BYTES)
+                kept.append(event)
                 continue
             try:
                 obj = json.loads(event.data)
             except ValueError:
-                out.append(encode_data(event.data))
+                kept.append(event)
                 continue
-            if isinstance(obj, Mapping):
+            if isinstance(obj, dict):
                 if "error" in obj:
                     err = obj["error"]
                     msg = err.get("message") if isinstance(err, Mapping) else err
                     self.error = str(msg)
-                usage = Usage.parse(obj.get("usage"))
+                usage = obj.get("usage")
                 if usage is not None:
-                    self.usage = usage
-                    if self._strip_usage and obj.get("choices") == []:
-                        continue
+                    parsed = Usage.parse(usage)
+                    if parsed is not None:
+                        self.usage = parsed
+                        if self._strip_usage and obj.get("choices") == []:
+                            dropped = True
+                            continue
                 text = _choice_text(_first_choice(obj.get("choices")))
                 if text:
                     self._parts.append(text)
                     self.chunks += 1
                     content = True
-            out.append(encode_data(event.data))
-        return b"".join(out), content
+            kept.append(event)
+        if not dropped:
+            return raw, content
+        return b"".join(encode_event(e) for e in kept), content

@@ -85,6 +85,8 @@ class SessionSettings:
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     health_interval_s: float = 2.0
+    # Consecutive failed /health checks before a worker leaves the pool (a refused request: at once).
+    unhealthy_after: int = 2
     heartbeat_expiry_s: float = 30.0
     scrape_metrics: bool = True
 

@@ -29,10 +29,11 @@ class SSEEvent:
 class SSEParser:
     """Incremental parser; one per stream."""
 
-    __slots__ = ("_buf", "_data", "_event", "_has_fields", "_id", "_retry")
+    __slots__ = ("_buf", "_data", "_event", "_has_fields", "_id", "_raw", "_retry")
 
     def __init__(self) -> None:
         self._buf = b""
+        self._raw = b""  # whole lines consumed since the last dispatched event
         self._data: list[str] = []
         self._event: str | None = None
         self._id: str | None = None
@@ -45,8 +46,14 @@ class SSEParser:
         return bool(self._buf) or self._has_fields
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        return self.feed_raw(chunk)[0]
+
+    def feed_raw(self, chunk: bytes) -> tuple[list[SSEEvent], bytes]:
+        """The events completed by this chunk, and the exact bytes that made them up (for relays
+        that pass a stream on unchanged, event by event)."""
         buf = self._buf + chunk if self._buf else chunk
         events: list[SSEEvent] = []
+        cut = -1
         start = 0
         n = len(buf)
         while start < n:
@@ -63,15 +70,27 @@ class SSEParser:
             event = self._line(buf[start:end])
             if event is not None:
                 events.append(event)
+                cut = nxt
             start = nxt
         self._buf = buf[start:]
-        return events
+        if cut < 0:
+            if start:
+                self._raw += buf[:start]
+            return events, b""
+        raw = self._raw + buf[:cut] if self._raw else buf[:cut]
+        self._raw = buf[cut:start]
+        return events, raw
 
     def end(self) -> list[SSEEvent]:
         """The stream closed: a trailing lone `\r` was a line end after all."""
         if self._buf.endswith(b"\r"):
             return self.feed(b"\n")
         return []
+
+    def end_raw(self) -> tuple[list[SSEEvent], bytes]:
+        if self._buf.endswith(b"\r"):
+            return self.feed_raw(b"\n")
+        return [], b""
 
     def _line(self, raw: bytes) -> SSEEvent | None:
         if not raw:

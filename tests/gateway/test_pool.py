@@ -111,3 +111,17 @@ vllm:num_requests_running{broken
 """
     assert load_from_metrics(text) == Load(running=5.0, waiting=4.0, kv_usage=0.5)
     assert load_from_metrics("vllm:num_requests_running 7\n") == Load(running=7.0)
+
+
+def test_health_checks_need_consecutive_failures() -> None:
+    pool = WorkerPool(STATIC, heartbeat_expiry_s=30, clock=FakeClock())
+    pool.record_check("D0", False, unhealthy_after=2)
+    assert pool.is_live("D0")
+    pool.record_check("D0", True, unhealthy_after=2)
+    pool.record_check("D0", False, unhealthy_after=2)
+    assert pool.is_live("D0")
+    pool.record_check("D0", False, unhealthy_after=2)
+    assert not pool.is_live("D0")
+    pool.record_check("D0", True, unhealthy_after=2)
+    assert pool.is_live("D0")
+    pool.record_check("nope", True)

@@ -65,3 +65,21 @@ def test_any_split_gives_the_same_events(payloads: list[str], cuts: list[int], e
     split, parser = _feed_all(pieces)
     assert split == whole == [SSEEvent(p) for p in payloads]
     assert not parser.pending
+
+
+@given(
+    st.lists(_payload, max_size=6), st.lists(st.integers(0, 300), max_size=8), st.sampled_from(["\n", "\r\n"])
+)
+def test_raw_bytes_are_exactly_the_completed_events(payloads: list[str], cuts: list[int], eol: str) -> None:
+    stream = "".join(f": c{eol}data: {p}{eol}{eol}" for p in payloads).encode()
+    bounds = sorted({min(c, len(stream)) for c in cuts})
+    parser = SSEParser()
+    raw = b""
+    events: list[SSEEvent] = []
+    for i, j in zip([0, *bounds], [*bounds, len(stream)], strict=True):
+        got, piece = parser.feed_raw(stream[i:j])
+        events += got
+        raw += piece
+        # Whatever was passed on so far is a whole number of events.
+        assert SSEParser().feed(raw) == events
+    assert raw == stream
