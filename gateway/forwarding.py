@@ -141,6 +141,9 @@ class Forwarder:
         except GatewayError as exc:
             turn.error = exc.message
             raise
+        except asyncio.CancelledError:
+            turn.error = turn.error or "client disconnected"
+            raise
         finally:
             d.metrics.inflight.dec()
             self._finish(turn)

@@ -29,13 +29,16 @@ TABLE_REASONS = {
 }
 
 
-def _config(workers: list[dict[str, str]], tmp: Path, *, decision: str = "", extra: str = "") -> Path:
+def _config(
+    workers: list[dict[str, str]], tmp: Path, *, decision: str = "", extra: str = "", stream: bool = False
+) -> Path:
     lines = [f'mode = "ppd"\nadmin_token = "tok"\n{extra}']
     for w in workers:
         lines.append(f'[[workers]]\nid = "{w["id"]}"\nrole = "{w["role"]}"\nurl = "{w["url"]}"\n')
-    lines.append(f'[decision]\naddress = "{decision}"\ndeadline_ms = 250.0\nfallback = "pd"\n')
+    lines.append(f'[decision]\naddress = "{decision}"\ndeadline_ms = 10000.0\nfallback = "pd"\n')
+    lines.append(f"stream = {str(stream).lower()}\n")
     lines.append("[pool]\nhealth_interval_s = 0.5\n")
-    path = tmp / "gateway.toml"
+    path = tmp / ("gateway-stream.toml" if stream else "gateway.toml")
     path.write_text("\n".join(lines))
     return path
 
@@ -135,6 +138,20 @@ def test_models_tokenize_and_health_pass_through(gateway: Process) -> None:
     tok = json.loads(_http(url + "/tokenize", {"model": MODEL, "prompt": "Hello world"})[1])
     assert tok["count"] >= 2
     assert _http(url + "/health")[0] == 200
+
+
+def test_route_stream_form(cluster: Process, decision: Process, tmp: Path) -> None:
+    config = _config(
+        cluster.ready["workers"], tmp, decision=f"127.0.0.1:{decision.ready['grpc']}", stream=True
+    )
+    gw = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway-stream")
+    try:
+        client = openai.OpenAI(base_url=_url(gw) + "/v1", api_key="unused", max_retries=0)
+        headers = _converse(client, turns=3, stream=True, first="stream form")
+        assert [h["x-ppd-turn"] for h in headers] == ["1", "2", "3"]
+        assert all(h["x-ppd-reason"] in TABLE_REASONS for h in headers[1:])
+    finally:
+        assert gw.stop() == 0
 
 
 def test_prefill_errors_retry_on_the_other_p(gateway: Process, cluster: Process) -> None:
