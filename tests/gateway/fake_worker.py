@@ -101,7 +101,12 @@ class FakeWorker:
         chat = request.path.endswith("chat/completions")
         k = self.knobs
         if k.hang:
-            await asyncio.sleep(3600)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.aborted += 1
+                self.aborted_event.set()
+                raise
         if k.status is not None:
             err = {
                 "error": {
