@@ -43,6 +43,7 @@ class StepTiming:
     log: list[dict[str, Any]] = field(default_factory=list)
     record_log: bool = False
     max_samples: int = 1_000_000
+    tokens: int = 0  # tokens delivered while lateness is being recorded
 
 
 class RealtimeDriver:
@@ -156,6 +157,7 @@ class RealtimeDriver:
                 timing = self.timing
                 if len(timing.lateness) < timing.max_samples:
                     timing.lateness.append(woke - result.end)
+                    timing.tokens += len(result.sampled)
                 continuing = True
             else:
                 continuing = False

@@ -73,12 +73,15 @@ class Llama3Tokenizer:
         """
         words: list[int] = []
         firsts: list[int] = []
-        for raw in self._enc.token_byte_values():  # sorted by bytes, not by rank
-            piece = bytes(raw)
-            if 4 <= len(piece) <= 9 and piece[:1] == b" " and piece[1:].isalpha() and piece[1:].islower():
-                words.append(self._enc.encode_single_token(piece))
-            elif 3 <= len(piece) <= 8 and piece.isalpha() and piece[:1].isupper() and piece[1:].islower():
-                firsts.append(self._enc.encode_single_token(piece))
+        token_bytes = self._enc.decode_single_token_bytes
+        for rank in range(self.bos_id):  # the ordinary (non-special) tokens
+            piece: bytes = token_bytes(rank)
+            if not 3 <= len(piece) <= 9:
+                continue
+            if piece[:1] == b" " and len(piece) >= 4 and piece[1:].isalpha() and piece[1:].islower():
+                words.append(rank)
+            elif len(piece) <= 8 and piece.isalpha() and piece[:1].isupper() and piece[1:].islower():
+                firsts.append(rank)
         return tuple(sorted(words)), tuple(sorted(firsts))
 
     @property

@@ -46,7 +46,7 @@ from simulator.protocol import (
 )
 from simulator.realtime import RealtimeDriver, StepTiming
 from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
-from simulator.sampler import sample_output
+from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
 from simulator.tokenizer import Llama3Tokenizer
 from simulator.worker_settings import WorkerSettings
 
@@ -464,14 +464,13 @@ class Worker:
             tokenizer=self.tokenizer,
             explicit_limit=req.max_tokens_given,
         )
-        tokens = sampled.token_ids
-        engine_request = EngineRequest.from_token_ids(
-            internal_id,
-            req.prompt_ids,
-            tokens,
-            max_tokens=len(tokens),
+        engine_request = EngineRequest(
+            request_id=internal_id,
+            n_prompt=len(req.prompt_ids),
+            content=GeneratedBlocks(req.prompt_ids, sampled),
+            max_tokens=sampled.length,
             ignore_eos=sampled.finish_reason == "length",
-            eos_at=len(tokens) if sampled.finish_reason == "stop" else None,
+            eos_at=sampled.length if sampled.finish_reason == "stop" else None,
             remote_decode=remote_decode,
             remote_prefill=remote_prefill,
         )
@@ -488,8 +487,7 @@ class Worker:
             req=req,
             renderer=renderer,
             handle=handle,
-            tokens=tokens,
-            finish_reason=sampled.finish_reason,
+            output=sampled,
             internal_id=internal_id,
         )
         try:
@@ -554,16 +552,15 @@ class _Run:
         req: GenerationRequest,
         renderer: ResponseRenderer,
         handle: JobHandle,
-        tokens: tuple[int, ...],
-        finish_reason: str,
+        output: SampledOutput,
         internal_id: str,
     ) -> None:
         self.w = worker
         self.req = req
         self.renderer = renderer
         self.handle = handle
-        self.tokens = tokens
-        self.finish_reason = finish_reason
+        self.output = output
+        self.finish_reason: str = output.finish_reason
         self.internal_id = internal_id
         self.produced = 0
         self.last_at: float | None = None
@@ -581,7 +578,7 @@ class _Run:
         )
 
     def _take(self, emission: Emission) -> list[int]:
-        ids = list(self.tokens[self.produced : self.produced + emission.tokens])
+        ids = self.output.ids(self.produced, self.produced + emission.tokens)
         self.produced += len(ids)
         if self.produced == len(ids) and ids:
             self.w.release_unpulled(self.internal_id, emission.at)

@@ -250,3 +250,37 @@ def test_faults_update_and_validation() -> None:
     for bad in ({"error_rate": 2}, {"down": "yes"}, {"nope": 1}, {"down_after_requests": -1}, [1]):
         with pytest.raises(ApiError):
             faults.updated(bad)
+
+
+def test_generated_blocks_hash_like_token_blocks(tok: Llama3Tokenizer) -> None:
+    from simulator.kv_cache import TokenBlocks
+    from simulator.sampler import GeneratedBlocks
+
+    prompt = tuple(tok.encode("a prompt of a few tokens " * 5, add_special_tokens=True))
+    out = sample_output(
+        prompt,
+        seed=1,
+        max_tokens=70,
+        min_tokens=0,
+        ignore_eos=True,
+        settings=SamplerSettings(),
+        tokenizer=tok,
+    )
+    lazy = GeneratedBlocks(prompt, out)
+    eager = TokenBlocks([*prompt, *out.token_ids])
+    n_blocks = (len(prompt) + 70) // 16
+    assert [lazy.block_hash(i) for i in range(n_blocks)] == [eager.block_hash(i) for i in range(n_blocks)]
+
+
+def test_huge_outputs_cost_nothing_up_front(tok: Llama3Tokenizer) -> None:
+    out = sample_output(
+        (1, 2),
+        seed=None,
+        max_tokens=10**6,
+        min_tokens=0,
+        ignore_eos=True,
+        settings=SamplerSettings(),
+        tokenizer=tok,
+    )
+    assert out.length == 10**6
+    assert len(out.ids(999_990)) == 10
