@@ -814,15 +814,15 @@ class Engine:
         return KvPull(r.rid, n, r.cached)
 
     def _register_full_blocks(self, r: _Req, n_tokens: int) -> None:
-        pool = self.pool
         full = n_tokens // self._bs
-        content = r.content
-        while r.scan < full:
-            h = content.block_hash(r.scan)
-            r.scan += 1
-            if r.private > 0 and pool.register(h):
-                r.hashes.append(h)
-                r.private -= 1
+        if r.scan >= full:
+            return
+        hashes = r.content.block_hashes(r.scan, full)
+        r.scan = full
+        if r.private > 0:
+            new = self.pool.register_many(hashes, r.private)
+            r.hashes.extend(new)
+            r.private -= len(new)
 
     def _start_decode(self, r: _Req) -> None:
         r.state = _S.DECODE
