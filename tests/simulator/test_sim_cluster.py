@@ -95,7 +95,7 @@ def test_records_follow_the_benchmark_schema(profile: Profile) -> None:
     by_conv = {(r["conversation_id"], r["turn"]): r for r in res.records}
     for conv in convs:
         a, b = by_conv[(conv.conversation_id, 1)], by_conv[(conv.conversation_id, 2)]
-        assert b["start_time"] == pytest.approx(a["start_time"] + a["e2e_ms"] / 1e3)  # type: ignore[operator]
+        assert b["start_time"] == pytest.approx(a["start_time"] + a["e2e_ms"] / 1e3)
 
 
 def test_fast_forward_does_not_change_results(profile: Profile) -> None:
