@@ -17,6 +17,7 @@ from typing import Any
 from simulator.cluster import ClusterConfig, Topology, simulate
 from simulator.link import TransferMode
 from simulator.profile import load_profile
+from simulator.routing import TableRouter
 from simulator.workload import Conversation, sharegpt_like, synthetic_conversations, turn_list_conversations
 
 __all__ = ["add_arguments", "main", "run_bench", "summarise"]
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--repeat", type=int, default=3, help="runs per mode; the fastest counts")
     parser.add_argument("--seed", type=int, default=1, help="workload seed")
+    parser.add_argument("--table", default=None, help="table file for mode ppd (decision_service format)")
     parser.add_argument("--json", action="store_true", help="one JSON line per mode")
 
 
@@ -79,8 +81,9 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         best = float("inf")
         records: list[dict[str, Any]] = []
         for _ in range(max(1, args.repeat)):
+            router = TableRouter.open(args.table) if mode == "ppd" and args.table else None
             t0 = time.process_time()
-            records = simulate(profile, config, convs).records
+            records = simulate(profile, config, convs, router).records
             best = min(best, time.process_time() - t0)
         row: dict[str, Any] = {
             "shape": args.shape,

@@ -15,9 +15,9 @@ Paths of one request (turn *k* of a conversation, prompt = the ``n_ctx`` tokens 
 
 Routing: turn 1 takes ``pd`` (``replica`` in replica mode) on the least-loaded P and D, and the
 conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``fraction:<x>`` (a fixed
-share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`Router`,
-normally the decision service's pure rule over a table). A request not finished ``timeout_s`` after
-it was sent fails (``error="timeout"``), is aborted on its engines, and ends its conversation.
+share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`LocalPolicy`,
+normally :class:`simulator.routing.TableRouter`: the decision service's pure rule over a table).
+A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on its engines, and ends its conversation.
 
 Fast-forward horizons (why results equal a step-by-step run): an engine may run several identical
 decode steps at once only up to the earliest time new work could reach it, which is bounded below
@@ -45,7 +45,7 @@ from simulator.workload import Conversation
 __all__ = [
     "ClusterConfig",
     "ClusterResult",
-    "Router",
+    "LocalPolicy",
     "Topology",
     "parse_mode",
     "simulate",
@@ -76,7 +76,7 @@ class Topology:
         return f"{self.replica}R" if self.replica else f"{self.prefill}P{self.decode}D"
 
 
-class Router(Protocol):
+class LocalPolicy(Protocol):
     """Per-request choice for turns 2+: True = local (append-prefill on the session's D)."""
 
     def local(
@@ -213,7 +213,7 @@ class _Req:
 
 
 class _Sim:
-    def __init__(self, profile: Profile, config: ClusterConfig, router: Router | None) -> None:
+    def __init__(self, profile: Profile, config: ClusterConfig, router: LocalPolicy | None) -> None:
         self.profile = profile
         self.cfg = config
         self.kind, self.fraction = parse_mode(config.mode)
@@ -578,7 +578,7 @@ def simulate(
     profile: Profile,
     config: ClusterConfig,
     conversations: Iterable[Conversation],
-    router: Router | None = None,
+    router: LocalPolicy | None = None,
 ) -> ClusterResult:
     """Run the conversations through a simulated cluster; one record per request sent."""
     return _Sim(profile, config, router).run(conversations)
