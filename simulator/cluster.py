@@ -17,7 +17,8 @@ Routing: turn 1 takes ``pd`` (``replica`` in replica mode) on the least-loaded P
 conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``fraction:<x>`` (a fixed
 share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`LocalPolicy`,
 normally :class:`simulator.routing.TableRouter`: the decision service's pure rule over a table).
-A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on its engines, and ends its conversation.
+A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
+its engines, and ends its conversation.
 
 Fast-forward horizons (why results equal a step-by-step run): an engine may run several identical
 decode steps at once only up to the earliest time new work could reach it, which is bounded below
