@@ -738,13 +738,19 @@ class Engine:
 
     # ---------------------------------------------------------------- helpers
     def _blocks_for_run(self, k: int) -> int:
+        """New blocks the decoding requests need over the next ``k`` steps (see ``_residue``)."""
         bs = self._bs
         full, part = divmod(k, bs)
         need = full * len(self._decoding)
-        d = self._d
-        res = self._residue
-        for j in range(part):
-            need += res[(-(d + j)) % bs]
+        if part:
+            # Steps j = 0..part-1 need res[(-(d + j)) % bs]: a run of indices going down from s0.
+            res = self._residue
+            s0 = (-self._d) % bs
+            lo = s0 - part + 1
+            if lo >= 0:
+                need += sum(res[lo : s0 + 1])
+            else:
+                need += sum(res[: s0 + 1]) + sum(res[bs + lo :])
         return need
 
     def _kv_read(self) -> float:

@@ -191,7 +191,7 @@ class BlockPool:
     def register_many(self, hashes: Sequence[int], limit: int) -> list[int]:
         """``register`` for each hash not cached yet, at most ``limit`` of them; returns those registered."""
         ref = self._ref
-        new = [h for h in hashes if h not in ref]
+        new = list(hashes) if ref.keys().isdisjoint(hashes) else [h for h in hashes if h not in ref]
         if len(new) > limit:
             new = new[:limit]
         ref.update(dict.fromkeys(new, 1))
