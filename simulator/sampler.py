@@ -165,3 +165,6 @@ class GeneratedBlocks:
             parent = hashes[i - 1] if i else 0
             hashes.append(hash((parent, self._tokens(i * bs, (i + 1) * bs))))
         return hashes[index]
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        return [self.block_hash(i) for i in range(start, stop)]
