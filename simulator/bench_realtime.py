@@ -30,7 +30,7 @@ from simulator.topology import Topology
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import WorkerSettings
 
-__all__ = ["BenchResult", "add_arguments", "run_bench", "run_from_args"]
+__all__ = ["BenchResult", "add_arguments", "print_result", "run_bench", "run_from_args"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -284,3 +284,41 @@ def test_huge_outputs_cost_nothing_up_front(tok: Llama3Tokenizer) -> None:
     )
     assert out.length == 10**6
     assert len(out.ids(999_990)) == 10
+
+
+@pytest.mark.parametrize(
+    "module_name",
+    [
+        "simulator.api_error",
+        "simulator.bench_realtime",
+        "simulator.fabric",
+        "simulator.faults",
+        "simulator.jobs",
+        "simulator.metrics",
+        "simulator.protocol",
+        "simulator.realtime",
+        "simulator.responses",
+        "simulator.sampler",
+        "simulator.serve_cli",
+        "simulator.tokenizer",
+        "simulator.topology",
+        "simulator.worker",
+        "simulator.worker_group",
+        "simulator.worker_settings",
+    ],
+)
+def test_all_lists_exactly_the_public_names(module_name: str) -> None:
+    import importlib
+    import inspect
+
+    module = importlib.import_module(module_name)
+    exported = set(module.__all__)
+    defined = {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isclass(value) or inspect.isfunction(value))
+        and getattr(value, "__module__", None) == module_name
+    }
+    assert defined <= exported, f"public but not in __all__: {defined - exported}"
+    assert all(hasattr(module, name) for name in exported)
