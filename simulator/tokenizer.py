@@ -64,6 +64,7 @@ class Llama3Tokenizer:
         self.eot_id: int = self._enc.encode_single_token(EOT_ID)
         self.vocab_size: int = int(self._enc.n_vocab)
         self._word_ids, self._first_word_ids = self._find_word_tokens()
+        self._text_of: dict[int, str] = {}  # token id -> its text alone (generated tokens are whole words)
 
     def _find_word_tokens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Readable, self-delimiting output: " word" tokens, and capitalised "Word" tokens to open a text.
@@ -119,6 +120,14 @@ class Llama3Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         kept = [i for i in ids if not (skip_special_tokens and self.is_special(i))]
         text: str = self._enc.decode(kept)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """`decode([token_id])` with special tokens skipped, memoised (the per-token streaming path)."""
+        text = self._text_of.get(token_id)
+        if text is None:
+            text = self.decode([token_id])
+            self._text_of[token_id] = text
         return text
 
     def token_str(self, token_id: int) -> str:

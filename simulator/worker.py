@@ -707,6 +707,7 @@ class _Run:
         await response.prepare(request)
         req = self.req
         continuous = req.include_usage and req.continuous_usage_stats
+        fast = not continuous and not req.return_token_ids
         try:
             if req.kind == "chat":
                 await response.write(
@@ -719,6 +720,10 @@ class _Run:
                     await response.write(sse_event(ApiError(500, _INTERNAL_ERROR).body()))
                     break
                 ids = self._take(emission)
+                if fast and not emission.finished:
+                    text = "".join(map(self.w.tokenizer.token_text, ids))
+                    await response.write(self.renderer.delta_event(text))
+                    continue
                 reason = self._final_reason() if emission.finished else None
                 kv_params = None
                 if emission.finished:
@@ -739,5 +744,5 @@ class _Run:
             await response.write(SSE_DONE)
             await response.write_eof()
         except ConnectionResetError:
-            logger.info("client went away during stream %s", self.renderer.response_id)
+            logger.debug("client went away during stream %s", self.renderer.response_id)
         return response

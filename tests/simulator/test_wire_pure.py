@@ -322,3 +322,16 @@ def test_all_lists_exactly_the_public_names(module_name: str) -> None:
     }
     assert defined <= exported, f"public but not in __all__: {defined - exported}"
     assert all(hasattr(module, name) for name in exported)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_fast_delta_event_matches_the_slow_path(tok: Llama3Tokenizer, kind: str) -> None:
+    if kind == "chat":
+        req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "stream": True}, tok, LIMITS)
+    else:
+        req = parse_completion({"prompt": "hi", "stream": True}, tok, LIMITS)
+    r = ResponseRenderer(req, response_id="x-1", created=5)
+    for text in (" word", 'quote " and \\ back', "caf\u00e9 \u2603", ""):
+        slow = sse_event(r.delta_chunk(text=text, token_ids=[1], finish_reason=None, usage=None))
+        assert r.delta_event(text) == slow
+    assert tok.token_text(tok.word_ids[0]) == tok.decode([tok.word_ids[0]])
