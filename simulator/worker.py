@@ -161,10 +161,11 @@ class Worker:
             self.port = int(addresses[0][1])
 
     async def stop(self) -> None:
-        if self._restore_task is not None:
-            self._restore_task.cancel()
-        for task in list(self._tasks):
+        pending = [*self._tasks, *([self._restore_task] if self._restore_task is not None else [])]
+        for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self._restore_task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -347,7 +348,9 @@ class Worker:
         if faults.down:
             await response.prepare(request)
             await response.write_eof()
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._go_down()))
+            task = asyncio.create_task(self._go_down())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return response
 
     def _sync_metrics(self) -> None:
