@@ -610,6 +610,7 @@ class Worker:
     def finish_metrics(self, req: GenerationRequest, handle: JobHandle, produced: int, reason: str) -> None:
         now = self.driver.now()
         first = handle.first_token_at if handle.first_token_at is not None else now
+        scheduled = handle.scheduled_at if handle.scheduled_at is not None else first
         ttft = max(0.0, first - handle.submitted_at)
         self.metrics.on_finished(
             FinishedRequest(
@@ -617,9 +618,9 @@ class Worker:
                 prompt_tokens=len(req.prompt_ids),
                 generation_tokens=produced,
                 max_tokens=req.max_tokens,
-                queue_s=0.0,
+                queue_s=max(0.0, scheduled - handle.submitted_at),
                 ttft_s=ttft,
-                prefill_s=ttft,
+                prefill_s=max(0.0, first - scheduled),
                 decode_s=max(0.0, now - first),
                 e2e_s=max(0.0, now - handle.submitted_at),
                 preemptions=handle.preemptions,
