@@ -388,7 +388,12 @@ class Engine:
         del now
         if req.request_id in self._reqs:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        capacity = self.pool.num_blocks * self._bs
+        if req.n_prompt >= capacity:
+            raise ValueError(f"prompt of {req.n_prompt} tokens does not fit the KV cache ({capacity} tokens)")
         r = _Req(req)
+        if r.target > capacity - r.n_prompt:  # like vLLM's max_model_len: the sequence must fit
+            r.target, r.reason = capacity - r.n_prompt, FinishReason.LENGTH
         self._reqs[r.rid] = r
         self._waiting.append(r)
         self._idle = False
@@ -645,7 +650,9 @@ class Engine:
             if r.req.remote_prefill and r.out == 0 and r.computed == r.cached and r.state is _S.WAITING:
                 pull = self._start_pull(r)
                 if pull is None:
+                    self._undo_lookup(r)
                     break  # no room for its blocks yet
+                self._count_admission(r)
                 self._waiting.popleft()
                 if pull.n_tokens > 0:
                     pulls.append(pull)
@@ -654,12 +661,15 @@ class Engine:
                     self._ready.append(r)
                 continue
             if left <= 0:
+                self._undo_lookup(r)
                 break
             n = min(r.prefill_target - r.computed, left)
             extra = self._chunk_blocks(r, n)
             if not self.pool.allocate(extra):
+                self._undo_lookup(r)
                 break
             r.private += extra
+            self._count_admission(r)
             self._waiting.popleft()
             self._to_prefill(r)
             chunks.append((r, n))
@@ -802,8 +812,19 @@ class Engine:
             r.hashes = self.pool.acquire(r.content, hit)
         r.scan = hit
         r.computed = hit * self._bs
-        if r.out == 0:  # a new, non-preempted request
+        if r.out == 0:
             r.cached = r.computed
+
+    def _undo_lookup(self, r: _Req) -> None:
+        """The request could not be admitted: it must not hold cached blocks while it waits."""
+        self.pool.release(r.hashes)
+        r.hashes = []
+        r.scan = 0
+        r.computed = 0
+        r.looked_up = False
+
+    def _count_admission(self, r: _Req) -> None:
+        if r.out == 0:  # a new, non-preempted request (vLLM's prefix-cache query rule)
             self._q += r.n_prompt
             self._hits += r.computed
             self._tok_hit += r.computed
