@@ -47,6 +47,13 @@ Scheduler rules (vLLM V1 with chunked prefill):
 3. When blocks run out for running requests, the most recently admitted running request is preempted
    (blocks freed, recomputed later from the front of the queue); a waiting request never preempts.
 4. Full prompt blocks are cached as they are computed; output blocks are cached when the request ends.
+5. Lookup and allocation are atomic: a request that cannot be admitted holds no blocks while it waits.
+6. A sequence never outgrows the KV cache: ``add_request`` refuses a prompt that does not fit and the
+   output is capped (reason ``length``) where prompt + output would exceed it (vLLM's max_model_len).
+
+Other queries: ``stats()`` (vLLM metric values), ``load()`` (unfinished requests), ``has_request``,
+``num_output_tokens``, ``remote_block_ids`` (ids for ``kv_transfer_params``), ``expire_leases(now)``,
+``pool`` (the :class:`~simulator.kv_cache.BlockPool`; ``pool.reset_prefix_cache()``).
 
 Step log (the format both drivers record, compared by tests): ``StepResult.log_entry()`` gives
 ``{"t": start, "dt": duration, "n": n_steps, "decode": [ids], "prefill": [[id, n_new, n_cached]],
