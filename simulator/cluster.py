@@ -434,7 +434,7 @@ class _Sim:
                 node.wake_version += 1
                 self.push(nxt, _WAKE, (node, node.wake_version))
                 return
-            horizon = self.horizon(node, t) if node.engine.config.fast_forward else math.inf
+            horizon = self.horizon(node, t) if node.engine.can_fast_forward() else math.inf
             result = node.engine.step(t, horizon)
             self.steps += result.n_steps
             for pull in result.kv_pulls:

@@ -193,7 +193,12 @@ class EngineRequest:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Run-time knobs; ``None`` means the profile's value."""
+    """Run-time knobs; ``None`` means the profile's value.
+
+    ``record_sampled=False`` (the cluster simulation) leaves ``StepResult.sampled``, ``decoded`` and
+    ``prefills`` empty: only first tokens, finishes, pulls and preemptions are reported.
+    ``kv_pull`` defaults to vLLM 0.33's behaviour (pull only what D lacks); the cluster sim uses ``FULL``.
+    """
 
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -505,6 +510,10 @@ class Engine:
             heapq.heappop(heap)
         return None
 
+    def can_fast_forward(self) -> bool:
+        """Whether the next ``step`` could be a fast-forward run (so a horizon is worth computing)."""
+        return self._ff and bool(self._decoding) and not (self._prefilling or self._waiting or self._ready)
+
     @property
     def busy_until(self) -> float:
         return self._free_at
@@ -589,7 +598,7 @@ class Engine:
             kv_read_tokens=self._kv_read(),
         )
         decoded: tuple[str, ...] = tuple(self._decoding) if self._record else ()
-        prefills = tuple(PrefillChunk(r.rid, n, r.computed) for r, n in chunks)
+        prefills = tuple(PrefillChunk(r.rid, n, r.computed) for r, n in chunks) if self._record else ()
         finished: list[Finished] = []
         first: list[str] = []
         sampled: list[str] = list(decoded)
