@@ -336,6 +336,7 @@ class Forwarder:
                 d.pool.release(call.worker)
                 turn.prefill_wait += time.perf_counter() - sent
             turn.prefill_worker = call.worker
+            d.pool.note_success(call.worker)
             d.pool.note_pick(call.worker)
             params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
             return p, params if isinstance(params, Mapping) else None
@@ -359,6 +360,7 @@ class Forwarder:
             raise
         finally:
             d.pool.release(call.worker)
+        d.pool.note_success(call.worker)
         try:
             body = reply.json()
         except ValueError:
@@ -380,6 +382,7 @@ class Forwarder:
             try:
                 turn.decode_sent = time.perf_counter()
                 upstream = await d.upstream.open_stream(call)
+                d.pool.note_success(call.worker)
             except UpstreamStatusError:
                 self._upstream_error(call.worker, _ROLE_OF[turn.path], "status")
                 raise
