@@ -249,15 +249,13 @@ class Worker:
             return await handler(request)
         faults = self.faults
         if self._down or faults.refuse_connections:
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("connection refused by fault injection")
+            return self._cut(request)
         if request.path in _GENERATION_ROUTES:
             self._generation_requests += 1
             after = faults.down_after_requests
             if after is not None and self._generation_requests > after:
                 await self._go_down()
-                raise ConnectionResetError("worker went down by fault injection")
+                return self._cut(request)
         if faults.added_latency_ms > 0 and request.path.startswith(_MODEL_ROUTES):
             await asyncio.sleep(faults.added_latency_ms / 1000.0)
         if (
@@ -267,6 +265,13 @@ class Worker:
         ):
             raise ApiError(500, _INTERNAL_ERROR)
         return await handler(request)
+
+    @staticmethod
+    def _cut(request: web.Request) -> web.Response:
+        """Reset the connection without a reply (aiohttp quietly drops the response returned here)."""
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=503)
 
     # ------------------------------------------------------------------ small routes
     async def _read_json(self, request: web.Request) -> Any:
