@@ -521,12 +521,41 @@ class Worker:
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        try:
+            req = parse_completion(body, self.tokenizer, self.limits)
+        except ApiError:
+            self._release_rejected(body)
+            raise
         return await self._generate(request, req)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        try:
+            req = parse_chat(body, self.tokenizer, self.limits)
+        except ApiError:
+            self._release_rejected(body)
+            raise
         return await self._generate(request, req)
+
+    def _release_rejected(self, body: object) -> None:
+        """A D leg rejected before the engine still frees P's pinned blocks (vLLM's rejection cleanup)."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        engine_id, rrid = params.get("remote_engine_id"), params.get("remote_request_id")
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(engine_id, str) or not isinstance(rrid, str):
+            return
+        remote = _Remote(
+            engine_id=engine_id,
+            remote_request_id=rrid,
+            host=host if isinstance(host, str) else None,
+            port=port if isinstance(port, int) and not isinstance(port, bool) else None,
+        )
+        key = f"rejected-{rrid}"
+        self._remote[key] = remote
+        self.release_unpulled(key, self.driver.now())
 
     def _ids(self, request: web.Request, req: GenerationRequest) -> tuple[str, str]:
         base = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
@@ -593,7 +622,11 @@ class Worker:
         """P's `kv_transfer_params` (vllm-protocol.md 1.3) once its blocks are pinned."""
         if not handle.kv_pinned:
             return None
-        self._pinned[internal_id] = _Pinned(pinned_at=self.driver.now())
+        now = self.driver.now()
+        if len(self._pinned) >= 256:  # forget leases the engine already expired (never read)
+            for rid in [r for r in self._pinned if not self.engine.lease_alive(r, now)]:
+                del self._pinned[rid]
+        self._pinned[internal_id] = _Pinned(pinned_at=now)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,

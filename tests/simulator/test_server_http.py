@@ -460,3 +460,17 @@ async def test_side_channel_to_a_dead_prefill_worker_fails_cleanly(http: aiohttp
         assert body["error"]["code"] == 500
     finally:
         await decode.stop()
+
+
+async def test_rejected_decode_leg_frees_the_prefill_blocks(
+    group: WorkerGroup, http: aiohttp.ClientSession
+) -> None:
+    p, d = group.worker("P0"), group.worker("D0")
+    client, p_body = _pd_bodies()
+    _, p_resp = await post(http, f"{p.url}/v1/completions", p_body)
+    assert p.engine.stats().num_pinned == 1
+    bad = client | {"min_tokens": 99, "kv_transfer_params": p_resp["kv_transfer_params"]}
+    status, body = await post(http, f"{d.url}/v1/completions", bad)
+    assert status == 400
+    assert "min_tokens" in body["error"]["message"]
+    assert p.engine.stats().num_pinned == 0
