@@ -184,7 +184,7 @@ async def test_chat_stream_with_usage(group: WorkerGroup, http: aiohttp.ClientSe
 
 
 async def test_completion_stream_without_usage(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
-    body = {"prompt": "hello", "max_tokens": 3, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": False}}
     events = await sse(http, f"{group.worker('D1').url}/v1/completions", body)
     assert events[-1] == "[DONE]"
     assert len(events) == 4
