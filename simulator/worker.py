@@ -282,8 +282,9 @@ class Worker:
             raise ApiError(400, f"Invalid JSON body: {exc}") from exc
 
     async def _health(self, request: web.Request) -> web.Response:
+        """200 with an empty body; 503 once the engine died (vLLM's `/health` contract)."""
         del request
-        return web.Response(status=200)
+        return web.Response(status=503 if self.driver.dead else 200)
 
     async def _version(self, request: web.Request) -> web.Response:
         del request
