@@ -474,3 +474,27 @@ async def test_rejected_decode_leg_frees_the_prefill_blocks(
     assert status == 400
     assert "min_tokens" in body["error"]["message"]
     assert p.engine.stats().num_pinned == 0
+
+
+async def test_workers_on_one_node_pair_share_a_link(http: aiohttp.ClientSession) -> None:
+    base = WorkerSettings(worker_id="W", role="replica")
+    nodes = {"P0": "prefill-node", "D0": "decode-node", "D1": "decode-node"}
+    settings = GroupSettings(
+        topology=Topology.parse("1P2D"), base_port=0, worker=base, nodes=nodes, spin_s=0.0
+    )
+    g = WorkerGroup(settings, load_profile())
+    await g.start()
+    try:
+        for i, d in enumerate(("D0", "D1")):
+            client, p_body = _pd_bodies()
+            client["prompt"] = p_body["prompt"] = f"{i} {LONG_PROMPT}"
+            _, p_resp = await post(http, f"{g.worker('P0').url}/v1/completions", p_body)
+            status, _ = await post(
+                http,
+                f"{g.worker(d).url}/v1/completions",
+                client | {"kv_transfer_params": p_resp["kv_transfer_params"]},
+            )
+            assert status == 200
+        assert g.fabric.link_pairs() == [("prefill-node", "decode-node")]
+    finally:
+        await g.stop()
