@@ -751,6 +751,7 @@ class _Run:
         req = self.req
         continuous = req.include_usage and req.continuous_usage_stats
         fast = not continuous and not req.return_token_ids
+        echo = self.w.tokenizer.decode(req.prompt_ids) if req.echo else None  # sent with the first tokens
         try:
             if req.kind == "chat":
                 await response.write(
@@ -763,7 +764,7 @@ class _Run:
                     await response.write(sse_event(ApiError(500, _INTERNAL_ERROR).body()))
                     break
                 ids = self._take(emission)
-                if fast and not emission.finished:
+                if fast and not emission.finished and echo is None:
                     text = "".join(map(self.w.tokenizer.token_text, ids))
                     await response.write(self.renderer.delta_event(text))
                     continue
@@ -772,8 +773,11 @@ class _Run:
                 if emission.finished:
                     self.w.finish_metrics(req, self.handle, self.produced, reason or "length")
                     kv_params = self.w.kv_params_for(self.internal_id, self.handle, len(req.prompt_ids))
+                text = self.w.tokenizer.decode(ids)
+                if echo is not None:
+                    text, echo = echo + text, None
                 chunk = self.renderer.delta_chunk(
-                    text=self.w.tokenizer.decode(ids),
+                    text=text,
                     token_ids=ids,
                     finish_reason=reason,
                     usage=self._usage() if continuous else None,

@@ -498,3 +498,40 @@ async def test_workers_on_one_node_pair_share_a_link(http: aiohttp.ClientSession
         assert g.fabric.link_pairs() == [("prefill-node", "decode-node")]
     finally:
         await g.stop()
+
+
+async def test_echo_with_and_without_streaming(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
+    url = f"{group.worker('D0').url}/v1/completions"
+    _, full = await post(http, url, {"prompt": "Once upon a time", "max_tokens": 3, "echo": True, "seed": 1})
+    assert "<|begin_of_text|>" not in full["choices"][0]["text"]
+    assert full["choices"][0]["text"].startswith("Once upon a time")
+    events = await sse(
+        http, url, {"prompt": "Once upon a time", "max_tokens": 3, "echo": True, "seed": 1, "stream": True}
+    )
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert streamed == full["choices"][0]["text"]
+
+
+async def test_many_concurrent_pd_pairs_leave_nothing_behind(
+    group: WorkerGroup, http: aiohttp.ClientSession
+) -> None:
+    async def pair(i: int) -> int:
+        client, p_body = _pd_bodies(stream=i % 2 == 0)
+        client["prompt"] = p_body["prompt"] = f"conversation {i}: {LONG_PROMPT}"
+        rid = {"X-Request-Id": f"many-{i}"}
+        _, p_resp = await post(http, f"{group.worker('P0').url}/v1/completions", p_body, **rid)
+        d_url = f"{group.worker(f'D{i % 2}').url}/v1/completions"
+        d_body = client | {"kv_transfer_params": p_resp["kv_transfer_params"]}
+        if client.get("stream"):
+            events = await sse(http, d_url, d_body, **rid)
+            return int(events[-2]["usage"]["completion_tokens"])
+        status, d_resp = await post(http, d_url, d_body, **rid)
+        assert status == 200
+        return int(d_resp["usage"]["completion_tokens"])
+
+    counts = await asyncio.gather(*(pair(i) for i in range(24)))
+    assert counts == [6] * 24
+    for w in group.workers:
+        assert w.engine.load() == 0
+        assert w.engine.stats().num_pinned == 0
+        assert w.driver.num_active == 0
