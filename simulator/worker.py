@@ -1,7 +1,8 @@
 """One simulated vLLM 0.33 worker: aiohttp routes over a real-time driven engine (the thin transport).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /version,
-/metrics, /load, and /admin/faults (GET, POST). See simulator/README.md.
+/metrics, /load, /admin/faults (GET, POST), and /_nixl/claim, /_nixl/release (the side channel a decode
+worker in another process uses to read this worker's leases). See simulator/README.md.
 
 Invariants:
 - Rule 1: no exception escapes a handler as a traceback: `ApiError` becomes vLLM's error body, anything
@@ -12,6 +13,9 @@ Invariants:
   event once the stream has started, as vLLM does).
 - Rule 3: "down" behaves like a crashed process: the port closes, open connections are cut, requests in
   flight fail and the engine (prefix cache, pinned blocks) is lost; `down_for_s` brings up a fresh one.
+- Rule 4: concurrency is one event loop: handlers, the driver task and the fabric's timer task share
+  state without locks; anything that outlives a request (side-channel calls, going down) is a task held
+  in `_tasks` and cancelled by `stop()`.
 """
 
 from __future__ import annotations
