@@ -104,7 +104,8 @@ class Worker:
         self._spin = spin_s
         self._timing = timing
         self._generation_requests = 0
-        self._down = False
+        self._down = False  # requests are cut from the moment a crash is decided
+        self._going_down = False  # the crash (closing the port, dropping the engine) has started
         self._restore_task: asyncio.Task[None] | None = None
         self._remote: dict[str, _Remote] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -181,8 +182,9 @@ class Worker:
 
     async def _go_down(self) -> None:
         """Crash: close the port, cut connections, lose the engine."""
-        if self._down:
+        if self._going_down:
             return
+        self._going_down = True
         self._down = True
         logger.warning("worker %s going down (fault injection)", self.settings.worker_id)
         if self._site is not None:
@@ -204,6 +206,7 @@ class Worker:
         self._generation_requests = 0
         await self._listen(self.port)
         self._down = False
+        self._going_down = False
         logger.warning("worker %s is back up on port %d", self.settings.worker_id, self.port)
 
     # ------------------------------------------------------------------ app
@@ -356,6 +359,7 @@ class Worker:
         logger.info("worker %s faults now %s", self.settings.worker_id, faults.as_json())
         response = web.json_response(faults.as_json())
         if faults.down:
+            self._down = True  # from now on every other request is cut, even before the port closes
             await response.prepare(request)
             await response.write_eof()
             task = asyncio.create_task(self._go_down())
