@@ -791,7 +791,8 @@ class _Run:
                 await response.write(
                     sse_event(self.renderer.role_chunk(self._usage() if continuous else None))
                 )
-            if fast and echo is None and hasattr(request.transport, "write"):
+            direct = response.chunked and not response.compression  # our framing must match aiohttp's
+            if fast and echo is None and direct and hasattr(request.transport, "write"):
                 self._transport = cast(_Writable, request.transport)  # uvloop's is no WriteTransport
                 self.handle.sink = self._sink
             while True:
