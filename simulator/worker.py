@@ -1,7 +1,8 @@
 """One simulated vLLM 0.33 worker: aiohttp routes over a real-time driven engine (the thin transport).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /version,
-/metrics, /load, and /admin/faults (GET, POST). See simulator/README.md.
+/metrics, /load, /admin/faults (GET, POST), and /_nixl/claim, /_nixl/release (the side channel a decode
+worker in another process uses to read this worker's leases). See simulator/README.md.
 
 Invariants:
 - Rule 1: no exception escapes a handler as a traceback: `ApiError` becomes vLLM's error body, anything
@@ -12,6 +13,9 @@ Invariants:
   event once the stream has started, as vLLM does).
 - Rule 3: "down" behaves like a crashed process: the port closes, open connections are cut, requests in
   flight fail and the engine (prefix cache, pinned blocks) is lost; `down_for_s` brings up a fresh one.
+- Rule 4: concurrency is one event loop: handlers, the driver task and the fabric's timer task share
+  state without locks; anything that outlives a request (side-channel calls, going down) is a task held
+  in `_tasks` and cancelled by `stop()`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import aiohttp
 from aiohttp import web
@@ -100,7 +104,8 @@ class Worker:
         self._spin = spin_s
         self._timing = timing
         self._generation_requests = 0
-        self._down = False
+        self._down = False  # requests are cut from the moment a crash is decided
+        self._going_down = False  # the crash (closing the port, dropping the engine) has started
         self._restore_task: asyncio.Task[None] | None = None
         self._remote: dict[str, _Remote] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -177,8 +182,9 @@ class Worker:
 
     async def _go_down(self) -> None:
         """Crash: close the port, cut connections, lose the engine."""
-        if self._down:
+        if self._going_down:
             return
+        self._going_down = True
         self._down = True
         logger.warning("worker %s going down (fault injection)", self.settings.worker_id)
         if self._site is not None:
@@ -200,6 +206,7 @@ class Worker:
         self._generation_requests = 0
         await self._listen(self.port)
         self._down = False
+        self._going_down = False
         logger.warning("worker %s is back up on port %d", self.settings.worker_id, self.port)
 
     # ------------------------------------------------------------------ app
@@ -249,15 +256,13 @@ class Worker:
             return await handler(request)
         faults = self.faults
         if self._down or faults.refuse_connections:
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("connection refused by fault injection")
+            return self._cut(request)
         if request.path in _GENERATION_ROUTES:
             self._generation_requests += 1
             after = faults.down_after_requests
             if after is not None and self._generation_requests > after:
                 await self._go_down()
-                raise ConnectionResetError("worker went down by fault injection")
+                return self._cut(request)
         if faults.added_latency_ms > 0 and request.path.startswith(_MODEL_ROUTES):
             await asyncio.sleep(faults.added_latency_ms / 1000.0)
         if (
@@ -268,6 +273,13 @@ class Worker:
             raise ApiError(500, _INTERNAL_ERROR)
         return await handler(request)
 
+    @staticmethod
+    def _cut(request: web.Request) -> web.Response:
+        """Reset the connection without a reply (aiohttp quietly drops the response returned here)."""
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=503)
+
     # ------------------------------------------------------------------ small routes
     async def _read_json(self, request: web.Request) -> Any:
         raw = await request.read()
@@ -277,8 +289,9 @@ class Worker:
             raise ApiError(400, f"Invalid JSON body: {exc}") from exc
 
     async def _health(self, request: web.Request) -> web.Response:
+        """200 with an empty body; 503 once the engine died (vLLM's `/health` contract)."""
         del request
-        return web.Response(status=200)
+        return web.Response(status=503 if self.driver.dead else 200)
 
     async def _version(self, request: web.Request) -> web.Response:
         del request
@@ -346,6 +359,7 @@ class Worker:
         logger.info("worker %s faults now %s", self.settings.worker_id, faults.as_json())
         response = web.json_response(faults.as_json())
         if faults.down:
+            self._down = True  # from now on every other request is cut, even before the port closes
             await response.prepare(request)
             await response.write_eof()
             task = asyncio.create_task(self._go_down())
@@ -516,12 +530,41 @@ class Worker:
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        try:
+            req = parse_completion(body, self.tokenizer, self.limits)
+        except ApiError:
+            self._release_rejected(body)
+            raise
         return await self._generate(request, req)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        try:
+            req = parse_chat(body, self.tokenizer, self.limits)
+        except ApiError:
+            self._release_rejected(body)
+            raise
         return await self._generate(request, req)
+
+    def _release_rejected(self, body: object) -> None:
+        """A D leg rejected before the engine still frees P's pinned blocks (vLLM's rejection cleanup)."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        engine_id, rrid = params.get("remote_engine_id"), params.get("remote_request_id")
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(engine_id, str) or not isinstance(rrid, str):
+            return
+        remote = _Remote(
+            engine_id=engine_id,
+            remote_request_id=rrid,
+            host=host if isinstance(host, str) else None,
+            port=port if isinstance(port, int) and not isinstance(port, bool) else None,
+        )
+        key = f"rejected-{rrid}"
+        self._remote[key] = remote
+        self.release_unpulled(key, self.driver.now())
 
     def _ids(self, request: web.Request, req: GenerationRequest) -> tuple[str, str]:
         base = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
@@ -588,7 +631,11 @@ class Worker:
         """P's `kv_transfer_params` (vllm-protocol.md 1.3) once its blocks are pinned."""
         if not handle.kv_pinned:
             return None
-        self._pinned[internal_id] = _Pinned(pinned_at=self.driver.now())
+        now = self.driver.now()
+        if len(self._pinned) >= 256:  # forget leases the engine already expired (never read)
+            for rid in [r for r in self._pinned if not self.engine.lease_alive(r, now)]:
+                del self._pinned[rid]
+        self._pinned[internal_id] = _Pinned(pinned_at=now)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -628,6 +675,14 @@ class Worker:
         )
 
 
+class _Writable(Protocol):
+    """What the direct-write path needs of a transport (asyncio's or uvloop's)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+
 class _Run:
     """One generation request from submission to the last byte (streaming or not)."""
 
@@ -650,6 +705,7 @@ class _Run:
         self.internal_id = internal_id
         self.produced = 0
         self.last_at: float | None = None
+        self._transport: _Writable | None = None
 
     def _usage(self) -> Usage:
         cached: int | None = None
@@ -673,6 +729,23 @@ class _Run:
         if ids:
             self.last_at = emission.at
         return ids
+
+    def _sink(self, emission: Emission) -> bool:
+        """Write one mid-stream chunk straight to the socket, in HTTP/1.1 chunked framing as aiohttp's
+        writer would (the response is prepared and chunked; aiohttp does not buffer, so order holds).
+        Saves a queue hop and a task switch per token on the hot path."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return False  # the handler finds out on its next write and aborts the request
+        try:
+            ids = self._take(emission)
+            data = self.renderer.delta_event("".join(map(self.w.tokenizer.token_text, ids)))
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        except Exception:  # never let a client problem reach the driver
+            logger.exception("stream %s: direct write failed", self.renderer.response_id)
+            self._transport = None
+            return False
+        return True
 
     def _final_reason(self) -> str:
         if self.handle.kv_pinned:
@@ -712,11 +785,16 @@ class _Run:
         req = self.req
         continuous = req.include_usage and req.continuous_usage_stats
         fast = not continuous and not req.return_token_ids
+        echo = self.w.tokenizer.decode(req.prompt_ids) if req.echo else None  # sent with the first tokens
         try:
             if req.kind == "chat":
                 await response.write(
                     sse_event(self.renderer.role_chunk(self._usage() if continuous else None))
                 )
+            direct = response.chunked and not response.compression  # our framing must match aiohttp's
+            if fast and echo is None and direct and hasattr(request.transport, "write"):
+                self._transport = cast(_Writable, request.transport)  # uvloop's is no WriteTransport
+                self.handle.sink = self._sink
             while True:
                 emission = await self.handle.queue.get()
                 if emission.error is not None:
@@ -724,7 +802,7 @@ class _Run:
                     await response.write(sse_event(ApiError(500, _INTERNAL_ERROR).body()))
                     break
                 ids = self._take(emission)
-                if fast and not emission.finished:
+                if fast and not emission.finished and echo is None:
                     text = "".join(map(self.w.tokenizer.token_text, ids))
                     await response.write(self.renderer.delta_event(text))
                     continue
@@ -733,8 +811,11 @@ class _Run:
                 if emission.finished:
                     self.w.finish_metrics(req, self.handle, self.produced, reason or "length")
                     kv_params = self.w.kv_params_for(self.internal_id, self.handle, len(req.prompt_ids))
+                text = self.w.tokenizer.decode(ids)
+                if echo is not None:
+                    text, echo = echo + text, None
                 chunk = self.renderer.delta_chunk(
-                    text=self.w.tokenizer.decode(ids),
+                    text=text,
                     token_ids=ids,
                     finish_reason=reason,
                     usage=self._usage() if continuous else None,

@@ -114,12 +114,22 @@ async def test_added_latency(group: WorkerGroup) -> None:
     assert time.monotonic() - started >= 0.15  # a lower bound only: the delay was really applied
 
 
-async def test_down_closes_the_port_and_comes_back(group: WorkerGroup) -> None:
+async def test_down_closes_the_port(group: WorkerGroup) -> None:
     url = group.worker("D0").url
-    await set_faults(url, {"down": True, "down_for_s": 0.3})
+    await set_faults(url, {"down": True})
     with pytest.raises(aiohttp.ClientConnectionError):
         await complete(url)
-    await wait_until_up(url)
+    with pytest.raises(aiohttp.ClientConnectorError):  # nothing listens any more
+        await complete(url)
+
+
+async def test_down_for_a_while_comes_back_fresh(group: WorkerGroup) -> None:
+    d = group.worker("D0")
+    url = d.url
+    old_engine = d.engine_id
+    await set_faults(url, {"down": True, "down_for_s": 0.3})
+    await wait_until_up(url)  # (whether or not we saw it down: that is the test above)
+    assert d.engine_id != old_engine  # a restarted worker has a new engine (empty prefix cache)
     assert (await complete(url))[0] == 200
     async with fresh() as http, http.get(f"{url}/admin/faults") as r:
         assert (await r.json())["down"] is False
@@ -248,3 +258,22 @@ async def test_an_unexpected_error_is_a_500_and_the_worker_lives_on(
     }
     monkeypatch.undo()
     assert (await complete(url))[0] == 200
+
+
+async def test_a_dead_engine_fails_requests_and_health(
+    group: WorkerGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = group.worker("D0")
+
+    def broken(now: float, horizon: float = 0.0) -> None:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(d.engine, "step", broken)
+    status, body = await complete(d.url)
+    assert status == 500
+    assert body["error"]["code"] == 500
+    async with fresh() as http, http.get(f"{d.url}/health") as r:
+        assert r.status == 503
+    status, _ = await complete(d.url)  # refused at once, no hang
+    assert status == 500
+    assert (await complete(group.worker("P0").url))[0] == 200  # the other workers live on
