@@ -49,7 +49,7 @@ from gateway.psi import TokenCount, estimate_tokens, expected_output, message_te
 from gateway.relay import StreamRelay, Usage, answer_from_body, error_event
 from gateway.request_log import RequestRecord
 from gateway.routing import Decision, Mode, parse_mode, static_decision
-from gateway.sessions import Session, content_key, explicit_key, split_history
+from gateway.sessions import KeyChain, Session, explicit_key, split_history
 from gateway.types import Endpoint, Role
 
 __all__ = ["PROVENANCE_HEADERS", "Forwarder"]
@@ -92,6 +92,8 @@ class _Turn:
     n_out: int
     n_ctx: int
     workload: str = ""
+    # The content-key chain over every message of this request (chat only): + the answer = next key.
+    chain: KeyChain | None = None
     decision: Decision | None = None
     path: str = ""
     reason: str = ""
@@ -162,10 +164,15 @@ class Forwarder:
         explicit = request.headers.get(SESSION_HEADER) or req.session_id
         history_end = split_history(req.messages)[0] if req.messages else 0
         session: Session | None = None
+        chain: KeyChain | None = None
+        if req.endpoint == "chat":
+            chain = KeyChain(req.model).extend(req.messages[:history_end])
         if explicit:
             session = d.sessions.get(explicit_key(explicit))
-        elif history_end:
-            session = d.sessions.get(content_key(req.model, req.messages[:history_end]))
+        elif chain is not None and history_end:
+            session = d.sessions.get(chain.key())
+        if chain is not None:
+            chain.extend(req.messages[history_end:])
         turn_no = session.turns + 1 if session is not None else 1
         session_id = session.id if session is not None else (explicit or d.new_id())
         new_messages = req.messages[history_end:] if session is not None else req.messages
@@ -188,6 +195,7 @@ class Forwarder:
             n_out=n_out,
             n_ctx=session.context_tokens if session is not None else 0,
             workload=request.headers.get(WORKLOAD_HEADER, self._s.log.workload),
+            chain=chain,
         )
 
     def _count_exact(self, req: CompletionRequest, messages: Sequence[Mapping[str, Any]]) -> TokenCount:
@@ -486,7 +494,6 @@ class Forwarder:
         self, turn: _Turn, answer: str, usage: Usage | None, *, completion_chunks: int | None
     ) -> None:
         d = self._d
-        req = turn.req
         if usage is not None:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
         else:
@@ -499,9 +506,9 @@ class Forwarder:
         after = base.after_turn(worker=turn.decode_worker, prompt_tokens=prompt, completion_tokens=completion)
         if turn.explicit_id:
             d.sessions.put(explicit_key(turn.explicit_id), after)
-        if req.endpoint == "chat":
-            history = [*req.messages, {"role": "assistant", "content": answer}]
-            d.sessions.put(content_key(req.model, history), after)
+        if turn.chain is not None:
+            key = turn.chain.fork().add({"role": "assistant", "content": answer}).key()
+            d.sessions.put(key, after)
         if turn.rebound:
             d.metrics.rebinds.inc()
 

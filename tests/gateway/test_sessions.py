@@ -9,6 +9,7 @@ import pytest
 from gateway.sessions import (
     MAX_OUTPUT_HISTORY,
     InMemorySessionStore,
+    KeyChain,
     Session,
     content_key,
     explicit_key,
@@ -146,3 +147,25 @@ def test_store_memory_stays_bounded_under_any_traffic() -> None:
 def test_store_rejects_non_positive_bounds() -> None:
     with pytest.raises(ValueError, match="positive"):
         InMemorySessionStore(ttl_s=0, max_entries=1, clock=FakeClock())
+
+
+def test_key_chain_extends_a_history_without_rehashing_it() -> None:
+    history = [u("hi"), a("yo"), u("more")]
+    chain = KeyChain(M).extend(history[:2])
+    assert chain.key() == content_key(M, history[:2])
+    chain.add(history[2])
+    forked = chain.fork().add(a("answer"))
+    assert forked.key() == content_key(M, [*history, a("answer")])
+    assert chain.key() == content_key(M, history)  # the fork left the original alone
+
+
+def test_lone_surrogates_and_non_text_parts_hash() -> None:
+    assert content_key(M, [u("\ud800 broken")]) != content_key(M, [u("broken")])
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}
+    text = {"role": "user", "content": '[{"image_url":{"url":"data:x"},"type":"image_url"}]'}
+    assert content_key(M, [image]) != content_key(M, [text])
+
+
+def test_field_boundaries_are_unambiguous() -> None:
+    assert content_key(M, [u("ab"), u("c")]) != content_key(M, [u("a"), u("bc")])
+    assert content_key("m1", [u("x")]) != content_key("m", [u("1x")])
