@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from gateway.sse import DONE, SSEEvent, SSEParser, encode_data, encode_event
 
 __all__ = ["StreamRelay", "Usage", "answer_from_body", "error_event"]
@@ -62,6 +64,16 @@ def answer_from_body(body: Any) -> tuple[str, Usage | None]:
     return _choice_text(_first_choice(body.get("choices"))), Usage.parse(body.get("usage"))
 
 
+def _loads(data: str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses but the stdlib (and so the client) reads, e.g. lone surrogates
+            return json.loads(data)
+        except ValueError:
+            return None
+
+
 def error_event(message: str, *, error_type: str = "BadGatewayError", code: int = 502) -> bytes:
     payload = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     return encode_data(json.dumps(payload, separators=(",", ":"))) + _DONE_BYTES
@@ -107,9 +119,8 @@ class StreamRelay:
                 self.done = True
                 kept.append(event)
                 continue
-            try:
-                obj = json.loads(event.data)
-            except ValueError:
+            obj = _loads(event.data)
+            if obj is None:
                 kept.append(event)
                 continue
             if isinstance(obj, dict):

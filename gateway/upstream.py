@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 
 from gateway.errors import UpstreamError, UpstreamStatusError, UpstreamTimeoutError, UpstreamUnreachableError
 from gateway.plan import UpstreamCall
@@ -22,7 +23,10 @@ __all__ = ["JsonReply", "Upstream", "dumps", "map_exception"]
 
 
 def dumps(body: Any) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    try:
+        return orjson.dumps(body)
+    except TypeError:  # integers beyond 64 bits, lone surrogates: the stdlib writes them exactly
+        return json.dumps(body, separators=(",", ":")).encode("ascii")
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,3 +83,17 @@ def test_upstream_status_keeps_client_errors_and_hides_server_errors() -> None:
     assert (status, body["error"]["code"]) == (400, 400)
     status, body = UpstreamStatusError(500, b"trace...", worker="D0").to_openai_error()
     assert (status, body["error"]["type"]) == (502, "BadGatewayError")
+
+
+def test_events_orjson_refuses_are_still_read() -> None:
+    relay = StreamRelay(strip_usage=False)
+    relay.feed(b'data: {"choices": [{"index": 0, "delta": {"content": "\\ud800x"}}]}\n\n')
+    assert relay.answer == "\ud800x"
+
+
+def test_upstream_bodies_keep_big_integers_and_surrogates_exact() -> None:
+    from gateway.upstream import dumps
+
+    body = {"seed": 2**70, "text": "\ud800", "n": 1}
+    assert json.loads(dumps(body)) == body
+    assert json.loads(dumps({"a": "é"})) == {"a": "é"}
