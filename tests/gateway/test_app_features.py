@@ -47,8 +47,11 @@ async def test_ppd_mode_asks_the_decision_service_from_turn_two(
     decision.decision = decision_pb2.DECISION_PD
     decision.reason = decision_pb2.REASON_WEIGHTS
     await _follow_up(stack, messages, second, "more")
-    third = await stack.chat(messages, max_tokens=6, stream=True)
+    third = await stack.chat(
+        messages, max_tokens=6, stream=True, headers={"X-PPD-Expected-Output-Tokens": "42"}
+    )
     assert (third.path, third.reason, third.headers["X-PPD-Turn"]) == ("pd", "weights", "3")
+    assert decision.seen[-1].expected_output_tokens == 42
     assert third.headers["X-PPD-Decode-Worker"] == first.headers["X-PPD-Decode-Worker"]
 
 
@@ -79,6 +82,23 @@ async def test_mode_header_overrides_the_config(make_stack: StackFactory) -> Non
     await _follow_up(stack, messages, first, "again")
     second = await stack.chat(messages, headers={"X-PPD-Mode": "pd"})
     assert (second.path, second.reason, second.headers["X-PPD-Mode"]) == ("pd", "mode_pd", "pd")
+
+
+async def test_fraction_mode_is_stable_per_conversation(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="fraction:0.5")
+    paths = set()
+    for c in range(8):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"conversation {c}"}]
+        seen = []
+        for t in range(3):
+            # Fixed ids: which conversations go local is then fixed too (no chance in the test).
+            reply = await stack.chat(messages, headers={"X-Session-ID": f"conversation-{c}"})
+            seen.append(reply.path)
+            await _follow_up(stack, messages, reply, f"turn {t}")
+        assert seen[0] == "pd"
+        assert seen[1] == seen[2]  # the same conversation never flips
+        paths.add(seen[1])
+    assert paths == {"pd", "local"}
 
 
 # ---------------------------------------------------------------- sessions over HTTP
