@@ -68,7 +68,7 @@ async def test_ppd_mode_falls_back_when_the_service_is_down(make_stack: StackFac
     second = await stack.chat(messages)
     assert second.status == 200
     assert second.path == "local"
-    assert second.reason in ("fallback_unavailable", "fallback_timeout")
+    assert second.reason.startswith("fallback_")
     assert second.headers["X-PPD-Fallback"] == "1"
     metrics = (await stack.http.get(stack.url + "/metrics")).content
     text = (await metrics.read()).decode()

@@ -97,8 +97,10 @@ async def test_down_service_falls_back() -> None:
     try:
         d = await client.route(QUERY, Decision("local", "fallback"))
         assert d.path == "local"
-        assert d.reason in ("fallback_unavailable", "fallback_timeout")
         assert d.fallback
+        # Refused at once in practice; a timeout (or an unrelated server that took the freed port) is
+        # still a fallback, which is the behaviour under test.
+        assert d.reason.startswith("fallback_")
     finally:
         await client.close()
 
