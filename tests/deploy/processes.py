@@ -35,27 +35,34 @@ class Announced:
 
     @classmethod
     def start(cls, argv: Sequence[str], *, log: Path, deadline_s: float = 30.0) -> Announced:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("wb") as err:
-            proc = subprocess.Popen(
-                list(argv),
-                stdout=subprocess.PIPE,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                cwd=REPO,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        assert proc.stdout is not None
-        line = _read_line(proc, deadline_s)
+        return cls.start_all([(argv, log)], deadline_s=deadline_s)[0]
+
+    @classmethod
+    def start_all(
+        cls, commands: Sequence[tuple[Sequence[str], Path]], *, deadline_s: float = 30.0
+    ) -> list[Announced]:
+        """Spawn every command first, then collect the announcements: start-ups overlap."""
+        procs = [(_spawn(argv, log), argv, log) for argv, log in commands]
+        started: list[Announced] = []
         try:
-            info = json.loads(line)
-        except json.JSONDecodeError as exc:
-            proc.kill()
-            proc.wait()
-            raise ChildFailedError(f"{argv[0]} printed {line!r}, not JSON; log: {log.read_text()}") from exc
-        if not isinstance(info, dict):
-            raise ChildFailedError(f"{argv[0]} printed {line!r}, not a JSON object")
-        return cls(proc=proc, info=info, log=log)
+            for proc, argv, log in procs:
+                line = _read_line(proc, deadline_s)
+                try:
+                    info = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ChildFailedError(
+                        f"{argv[0]} printed {line!r}, not JSON; log: {log.read_text()}"
+                    ) from exc
+                if not isinstance(info, dict):
+                    raise ChildFailedError(f"{argv[0]} printed {line!r}, not a JSON object")
+                started.append(cls(proc=proc, info=info, log=log))
+        except BaseException:
+            for proc, _, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            raise
+        return started
 
     def terminate(self, *, grace_s: float = 15.0) -> int:
         """SIGTERM, then wait for a clean exit; SIGKILL only if the grace period runs out."""
@@ -78,6 +85,19 @@ class Announced:
         self.terminate()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+def _spawn(argv: Sequence[str], log: Path) -> subprocess.Popen[bytes]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as err:
+        return subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def _read_line(proc: subprocess.Popen[bytes], deadline_s: float) -> str:

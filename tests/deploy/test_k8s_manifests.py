@@ -404,3 +404,14 @@ def test_publish_script_is_valid_sh_and_publishes_by_rename(tmp_path: Path) -> N
 def test_cron_job_never_overlaps_itself() -> None:
     cron = one(rendered("1p3d"), "CronJob", "ppd-table-publish")
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_decision_settings_from_the_shape_config_map_are_read_by_the_service(overlay: str) -> None:
+    """Every PPD_DECISION_* variable the pod gets is one the service's Settings.from_env reads."""
+    from decision_service.settings import Settings
+
+    data = one(rendered(overlay), "ConfigMap", "ppd-shape")["data"]
+    ours = {k: v for k, v in data.items() if k.startswith("PPD_DECISION_")}
+    assert ours == {"PPD_DECISION_DEFAULT_KEY": data["PPD_DECISION_DEFAULT_KEY"]}
+    assert Settings.from_env(ours).default_key == data["PPD_DECISION_DEFAULT_KEY"]
