@@ -1,0 +1,186 @@
+"""KV blocks: chained block hashes and the block pool with its prefix cache (vLLM V1 semantics).
+
+A request's token sequence (prompt, then output) is cut into ``block_size``-token blocks; block *i*
+is identified by a hash that covers blocks 0..i (a chain), so equal hashes mean equal prefixes.
+Two kinds of content provide these hashes:
+
+- :class:`TokenBlocks`: real token ids (the HTTP workers); hash(i) = hash((hash(i-1), tokens of i)).
+- :class:`StreamBlocks`: a synthetic conversation stream (the cluster simulation): position *p* of
+  stream *s* is the same token in every turn, so hash(i) is just a function of (s, i). Building it
+  costs nothing, which is what makes the virtual-time sweeps fast.
+
+:class:`BlockPool` holds ``num_blocks`` blocks. Rules:
+1. A block is *private* (held by one request, not hashed), *cached* (hashed, ref count ≥ 0) or *free*.
+2. Cached blocks with ref count 0 are free too, and sit in an LRU queue; allocation takes plain free
+   blocks first, then evicts from the LRU head (the least recently released).
+3. ``num_free`` counts plain free plus evictable blocks; usage = 1 − num_free / num_blocks (vLLM's
+   ``kv_cache_usage_perc``).
+4. A hash is cached at most once; a request that computed a duplicate block keeps it private.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["BlockContent", "BlockPool", "PrefixedBlocks", "StreamBlocks", "TokenBlocks"]
+
+
+class BlockContent(Protocol):
+    """Gives the chained hash of full block ``index`` of a request's sequence (prompt then output)."""
+
+    def block_hash(self, index: int) -> int: ...
+
+
+class TokenBlocks:
+    """Chained hashes over real token ids (prompt followed by the planned output), computed lazily."""
+
+    __slots__ = ("_block_size", "_hashes", "_tokens")
+
+    def __init__(self, token_ids: Sequence[int], block_size: int = 16) -> None:
+        self._tokens = tuple(token_ids)
+        self._block_size = block_size
+        self._hashes: list[int] = []
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self._tokens) // self._block_size
+
+    def block_hash(self, index: int) -> int:
+        hashes = self._hashes
+        bs = self._block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            if (i + 1) * bs > len(self._tokens):
+                # Beyond the known tokens: a hash no other sequence can produce.
+                return hash(("unknown", id(self), index))
+            parent = hashes[i - 1] if i else 0
+            hashes.append(hash((parent, self._tokens[i * bs : (i + 1) * bs])))
+        return hashes[index]
+
+
+class StreamBlocks:
+    """Block *i* of synthetic stream ``stream_id``; every turn of one conversation shares the stream."""
+
+    __slots__ = ("_base",)
+
+    def __init__(self, stream_id: int) -> None:
+        self._base = -((stream_id + 1) << 32)
+
+    def block_hash(self, index: int) -> int:
+        return self._base - index
+
+
+class PrefixedBlocks:
+    """A shared prefix of ``n_prefix_blocks`` blocks, then content of this request only."""
+
+    __slots__ = ("_n", "_own", "_prefix")
+
+    def __init__(self, prefix: BlockContent, n_prefix_blocks: int, own: BlockContent) -> None:
+        self._prefix = prefix
+        self._n = n_prefix_blocks
+        self._own = own
+
+    def block_hash(self, index: int) -> int:
+        if index < self._n:
+            return self._prefix.block_hash(index)
+        return self._own.block_hash(index)
+
+
+class BlockPool:
+    """Counts blocks and owns the prefix cache (hash -> ref count) with its LRU of evictable blocks."""
+
+    __slots__ = ("_free", "_lru", "_ref", "evictions", "num_blocks")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("a block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self._free = num_blocks
+        self._ref: dict[int, int] = {}
+        self._lru: dict[int, None] = {}
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return self._free + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._ref)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def ref_count(self, block_hash: int) -> int:
+        return self._ref.get(block_hash, 0)
+
+    def match(self, content: BlockContent, max_blocks: int) -> int:
+        """How many leading blocks of ``content`` are cached (at most ``max_blocks``); no side effect."""
+        ref = self._ref
+        n = 0
+        while n < max_blocks and content.block_hash(n) in ref:
+            n += 1
+        return n
+
+    def acquire(self, content: BlockContent, n_blocks: int) -> list[int]:
+        """Take a reference on the first ``n_blocks`` cached blocks (a prefix hit); returns their hashes."""
+        ref, lru = self._ref, self._lru
+        out = []
+        for i in range(n_blocks):
+            h = content.block_hash(i)
+            count = ref[h]
+            if count == 0:
+                del lru[h]
+            ref[h] = count + 1
+            out.append(h)
+        return out
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return n_blocks <= self._free + len(self._lru)
+
+    def allocate(self, n_blocks: int) -> bool:
+        """Take ``n_blocks`` private blocks, evicting LRU cached ones when needed; False if short."""
+        if n_blocks <= self._free:
+            self._free -= n_blocks
+            return True
+        lru = self._lru
+        if n_blocks > self._free + len(lru):
+            return False
+        need = n_blocks - self._free
+        self._free = 0
+        ref = self._ref
+        for _ in range(need):
+            h = next(iter(lru))
+            del lru[h]
+            del ref[h]
+        self.evictions += need
+        return True
+
+    def release_private(self, n_blocks: int) -> None:
+        self._free += n_blocks
+
+    def register(self, block_hash: int) -> bool:
+        """Turn one of the caller's private blocks into cached block ``block_hash`` (ref 1), if not cached."""
+        if block_hash in self._ref:
+            return False
+        self._ref[block_hash] = 1
+        return True
+
+    def release(self, hashes: Sequence[int]) -> None:
+        """Drop one reference on each hash, in reverse so a sequence's tail is evicted before its head."""
+        ref, lru = self._ref, self._lru
+        for h in reversed(hashes):
+            count = ref[h] - 1
+            ref[h] = count
+            if count == 0:
+                lru[h] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every evictable cached block (vLLM's /reset_prefix_cache); False if some are still in use."""
+        if len(self._lru) != len(self._ref):
+            return False
+        self._free += len(self._lru)
+        self._lru.clear()
+        self._ref.clear()
+        return True
