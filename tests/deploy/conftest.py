@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .processes import REPO
+from tests.deploy.processes import REPO
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from .processes import REPO, wait_until
+from tests.deploy.processes import REPO, wait_until
 
 SCENARIOS = REPO / "deploy" / "envoy"
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from google.protobuf import descriptor_pb2
 
-from .envoy_harness import SCENARIOS, render, validate
+from tests.deploy.envoy_harness import SCENARIOS, render, validate
 
 SCENARIO_NAMES = sorted(p.name for p in SCENARIOS.iterdir() if p.is_dir())
 PLACEHOLDER = re.compile(r"\$\{([A-Z_]+)\}")

@@ -20,9 +20,8 @@ import grpc
 import pytest
 
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
-
-from .envoy_harness import SCENARIOS, Envoy
-from .processes import REPO, Announced, wait_until
+from tests.deploy.envoy_harness import SCENARIOS, Envoy
+from tests.deploy.processes import REPO, Announced, wait_until
 
 pytestmark = pytest.mark.integration
 

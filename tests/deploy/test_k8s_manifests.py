@@ -19,9 +19,8 @@ import kubernetes_validate.utils as kv
 import pytest
 
 from ppd.decision.v1 import decision_pb2
-
-from .kustomize import Manifest, UnsupportedKustomizationError, load_documents, render
-from .processes import REPO
+from tests.deploy.kustomize import Manifest, UnsupportedKustomizationError, load_documents, render
+from tests.deploy.processes import REPO
 
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
@@ -292,25 +291,44 @@ def test_decision_flags_ports_probes_and_tables_agree(overlay: str) -> None:
 # --- gateway ---------------------------------------------------------------------------------------
 
 
-def gateway_config(docs: tuple[Manifest, ...]) -> dict[str, Any]:
+def gateway_config_text(docs: tuple[Manifest, ...]) -> str:
+    """The TOML file the gateway container reads: --config's path inside its ConfigMap mount."""
     deployment = one(docs, "Deployment", "ppd-gateway")
     c = container(deployment)
     path = Path(flags(c["args"])["--config"])
     (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent)]
     (volume,) = [v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"]]
-    config_map = one(docs, "ConfigMap", volume["configMap"]["name"])
-    return tomllib.loads(config_map["data"][path.name])
+    return str(one(docs, "ConfigMap", volume["configMap"]["name"])["data"][path.name])
+
+
+def gateway_config(docs: tuple[Manifest, ...]) -> dict[str, Any]:
+    return tomllib.loads(gateway_config_text(docs))
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_gateway_port_probes_and_config_mount_agree(overlay: str) -> None:
+def test_gateway_flags_port_probes_and_config_mount_agree(overlay: str) -> None:
     docs = rendered(overlay)
     c = container(one(docs, "Deployment", "ppd-gateway"))
     assert c["command"] == ["ppd-gateway"]
+    assert c["args"][0] == "serve"
     given = flags(c["args"])
+    assert set(given) <= cli_flags("gateway", "serve")
     assert int(given["--port"]) == ports_of(c)["http"]
+    assert given["--host"] == "0.0.0.0"
     assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert gateway_config(docs)  # the mounted file exists and is TOML
+    assert gateway_config(docs)["host"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_config_passes_the_gateways_own_check(overlay: str, tmp_path: Path) -> None:
+    """`ppd-gateway check-config` loads the file with the settings code `serve` uses."""
+    text = gateway_config_text(rendered(overlay))
+    (tmp_path / "gateway.toml").write_text(text)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config", str(tmp_path / "gateway.toml")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -318,24 +336,22 @@ def test_gateway_lists_every_worker_pod_with_its_role_and_port(overlay: str) -> 
     docs = rendered(overlay)
     config = gateway_config(docs)
     expected = set()
-    for role in ("prefill", "decode"):
+    for role, prefix in (("prefill", "P"), ("decode", "D")):
         sts = one(docs, "StatefulSet", f"vllm-{role}")
         port = ports_of(container(sts))["http"]
         service = sts["spec"]["serviceName"]
         one(docs, "Service", service)
-        expected |= {
-            (role, f"http://{sts['metadata']['name']}-{i}.{service}:{port}")
-            for i in range(sts["spec"]["replicas"])
-        }
-    assert {(w["role"], w["url"]) for w in config["workers"]} == expected
+        name, replicas = sts["metadata"]["name"], sts["spec"]["replicas"]
+        expected |= {(f"{prefix}{i}", role, f"http://{name}-{i}.{service}:{port}") for i in range(replicas)}
+    assert {(w["id"], w["role"], w["url"]) for w in config["workers"]} == expected
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_gateway_reaches_the_decision_service_through_its_headless_service(overlay: str) -> None:
     docs = rendered(overlay)
-    target = gateway_config(docs)["decision"]["target"]
-    match = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", target)
-    assert match, target
+    address = gateway_config(docs)["decision"]["address"]
+    match = re.fullmatch(r"dns:///([a-z0-9-]+):(\d+)", address)
+    assert match, address
     service = one(docs, "Service", match[1])
     assert service["spec"]["clusterIP"] == "None"
     assert int(match[2]) in {p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"}

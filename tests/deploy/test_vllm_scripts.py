@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from .processes import REPO
+from tests.deploy.processes import REPO
 
 VLLM = REPO / "deploy" / "vllm"
 SHAPES = ("1P3D", "2P2D", "3P1D")
