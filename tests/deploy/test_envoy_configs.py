@@ -99,7 +99,7 @@ def test_decision_cluster_is_grpc_with_health_checks_outliers_and_retries(
     assert cluster["outlier_detection"]["consecutive_gateway_failure"] > 0
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    unary = next(r for r in routes if r["match"]["prefix"] == "/ppd.decision.v1.DecisionService/")
+    unary = next(r for r in routes if r["match"].get("prefix") == "/ppd.decision.v1.DecisionService/")
     assert "unavailable" in unary["route"]["retry_policy"]["retry_on"].split(",")
     assert unary["route"]["timeout"] != "0s"
 

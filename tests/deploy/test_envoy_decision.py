@@ -18,6 +18,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from tests.deploy.envoy_harness import SCENARIOS, Envoy
@@ -105,6 +107,34 @@ def test_grpc_route_through_envoy(stack: DecisionStack) -> None:
         answer = stub.Route(decision_pb2.RouteRequest(**QUERY), timeout=10)  # type: ignore[arg-type]
     assert answer.decision in (decision_pb2.DECISION_PD, decision_pb2.DECISION_LOCAL)
     assert answer.request_id == "deploy-test"
+
+
+def test_route_stream_through_envoy_answers_in_order(stack: DecisionStack) -> None:
+    requests = [decision_pb2.RouteRequest(**{**QUERY, "request_id": f"s{i}"}) for i in range(5)]  # type: ignore[arg-type]
+    with grpc.insecure_channel(stack.target) as channel:
+        stub = decision_pb2_grpc.DecisionServiceStub(channel)
+        answers = list(stub.RouteStream(iter(requests), timeout=30))
+    assert [a.request_id for a in answers] == [f"s{i}" for i in range(5)]
+
+
+def test_health_watch_through_envoy_reports_serving(stack: DecisionStack) -> None:
+    with grpc.insecure_channel(stack.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=30)
+        first = next(iter(watch))
+        watch.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_long_lived_streams_have_no_route_or_idle_timeout(stack: DecisionStack) -> None:
+    """A gateway holds RouteStream and a health Watch open for hours, often quiet."""
+    config = yaml.safe_load((stack.envoy.folder / "envoy.yaml").read_text())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert "request_timeout" not in hcm  # it would end every client stream after that time
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    for path in (f"/{SERVICE}/RouteStream", "/grpc.health.v1.Health/Watch"):
+        (route,) = [r["route"] for r in routes if path in (r["match"].get("path"), r["match"].get("prefix"))]
+        assert (route["timeout"], route["idle_timeout"]) == ("0s", "0s")
 
 
 def test_plain_http_json_reaches_route(stack: DecisionStack) -> None:
