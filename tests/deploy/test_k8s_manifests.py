@@ -431,3 +431,35 @@ def test_decision_settings_from_the_shape_config_map_are_read_by_the_service(ove
     ours = {k: v for k, v in data.items() if k.startswith("PPD_DECISION_")}
     assert ours == {"PPD_DECISION_DEFAULT_KEY": data["PPD_DECISION_DEFAULT_KEY"]}
     assert Settings.from_env(ours).default_key == data["PPD_DECISION_DEFAULT_KEY"]
+
+
+# --- the image -------------------------------------------------------------------------------------
+
+DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
+
+
+def test_dockerfile_copies_only_what_exists_and_installs_the_deploy_extra() -> None:
+    text = DOCKERFILE.read_text()
+    sources = [s for line in re.findall(r"^COPY (.+) \S+$", text, flags=re.MULTILINE) for s in line.split()]
+    assert sources
+    assert all((REPO / s).exists() for s in sources), sources
+    assert "pip install --no-cache-dir '.[deploy]'" in text
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_our_containers_run_the_documented_image_as_its_user(overlay: str) -> None:
+    text = DOCKERFILE.read_text()
+    (tag,) = re.findall(r"docker build .* -t (\S+) \.", text)
+    (uid,) = re.findall(r"^USER (\d+)$", text, flags=re.MULTILINE)
+    ours = [
+        c
+        for d in rendered(overlay)
+        if d["kind"] in (*WORKLOADS, "CronJob")
+        for c in pod_spec(d)["containers"]
+        if not c["image"].startswith("vllm/")
+    ]
+    assert ours
+    for c in ours:
+        assert c["image"] == tag
+        assert c["securityContext"]["runAsUser"] == int(uid)
+        assert c["securityContext"]["runAsNonRoot"] is True
