@@ -20,6 +20,8 @@ Two kinds of content provide these hashes:
 
 from __future__ import annotations
 
+import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -30,6 +32,10 @@ class BlockContent(Protocol):
     """Gives the chained hash of full block ``index`` of a request's sequence (prompt then output)."""
 
     def block_hash(self, index: int) -> int: ...
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        """Hashes of blocks ``start`` to ``stop − 1`` (bulk form of ``block_hash``)."""
+        ...
 
 
 class TokenBlocks:
@@ -58,6 +64,9 @@ class TokenBlocks:
             hashes.append(hash((parent, self._tokens[i * bs : (i + 1) * bs])))
         return hashes[index]
 
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        return [self.block_hash(i) for i in range(start, stop)]
+
 
 class StreamBlocks:
     """Block *i* of synthetic stream ``stream_id``; every turn of one conversation shares the stream."""
@@ -69,6 +78,9 @@ class StreamBlocks:
 
     def block_hash(self, index: int) -> int:
         return self._base - index
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        return range(self._base - start, self._base - stop, -1)
 
 
 class PrefixedBlocks:
@@ -86,6 +98,14 @@ class PrefixedBlocks:
             return self._prefix.block_hash(index)
         return self._own.block_hash(index)
 
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        n = self._n
+        if stop <= n:
+            return self._prefix.block_hashes(start, stop)
+        if start >= n:
+            return self._own.block_hashes(start, stop)
+        return [*self._prefix.block_hashes(start, n), *self._own.block_hashes(n, stop)]
+
 
 class BlockPool:
     """Counts blocks and owns the prefix cache (hash -> ref count) with its LRU of evictable blocks."""
@@ -98,7 +118,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free = num_blocks
         self._ref: dict[int, int] = {}
-        self._lru: dict[int, None] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
 
     @property
@@ -117,23 +137,26 @@ class BlockPool:
 
     def match(self, content: BlockContent, max_blocks: int) -> int:
         """How many leading blocks of ``content`` are cached (at most ``max_blocks``); no side effect."""
-        ref = self._ref
-        n = 0
-        while n < max_blocks and content.block_hash(n) in ref:
-            n += 1
-        return n
+        if max_blocks <= 0:
+            return 0
+        hashes = content.block_hashes(0, max_blocks)
+        return len(list(itertools.takewhile(self._ref.__contains__, hashes)))
 
     def acquire(self, content: BlockContent, n_blocks: int) -> list[int]:
         """Take a reference on the first ``n_blocks`` cached blocks (a prefix hit); returns their hashes."""
         ref, lru = self._ref, self._lru
-        out = []
-        for i in range(n_blocks):
-            h = content.block_hash(i)
-            count = ref[h]
+        out = list(content.block_hashes(0, n_blocks))
+        if not out:
+            return out
+        counts = list(map(ref.__getitem__, out))
+        if max(counts) == 0:  # the usual case: an idle cached prefix
+            list(map(lru.pop, out))
+            ref.update(dict.fromkeys(out, 1))
+            return out
+        for h, count in zip(out, counts, strict=True):
             if count == 0:
                 del lru[h]
             ref[h] = count + 1
-            out.append(h)
         return out
 
     def can_allocate(self, n_blocks: int) -> bool:
@@ -151,9 +174,7 @@ class BlockPool:
         self._free = 0
         ref = self._ref
         for _ in range(need):
-            h = next(iter(lru))
-            del lru[h]
-            del ref[h]
+            del ref[lru.popitem(last=False)[0]]
         self.evictions += need
         return True
 
@@ -167,9 +188,25 @@ class BlockPool:
         self._ref[block_hash] = 1
         return True
 
+    def register_many(self, hashes: Sequence[int], limit: int) -> list[int]:
+        """``register`` for each hash not cached yet, at most ``limit`` of them; returns those registered."""
+        ref = self._ref
+        new = list(hashes) if ref.keys().isdisjoint(hashes) else [h for h in hashes if h not in ref]
+        if len(new) > limit:
+            new = new[:limit]
+        ref.update(dict.fromkeys(new, 1))
+        return new
+
     def release(self, hashes: Sequence[int]) -> None:
         """Drop one reference on each hash, in reverse so a sequence's tail is evicted before its head."""
+        if not hashes:
+            return
         ref, lru = self._ref, self._lru
+        if max(map(ref.__getitem__, hashes)) == 1:  # the usual case: sole holder
+            rev = hashes[::-1]
+            ref.update(dict.fromkeys(rev, 0))
+            lru.update(dict.fromkeys(rev))
+            return
         for h in reversed(hashes):
             count = ref[h] - 1
             ref[h] = count
