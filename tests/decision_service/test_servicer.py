@@ -182,3 +182,103 @@ async def test_describe_without_tables_is_unavailable(empty_server: Running) -> 
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await empty_server.stub.DescribeTable(pb.DescribeTableRequest())
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_describe_table_lists_axes_every_cell_and_profiles(running: Running) -> None:
+    response = await running.stub.DescribeTable(pb.DescribeTableRequest(table_key=DEFAULT_KEY))
+    assert list(response.context_edges) == [512, 4096]
+    assert list(response.context_classes) == ["small", "large", "huge"]
+    assert [w.name for w in response.workload_classes][:2] == ["tiny", "short_gen"]
+    assert response.workload_classes[0].bench_input_tokens == 16
+    assert len(response.qps_levels) == 10
+    assert len(response.cells) == 3 * 9 * 10
+    assert set(response.weights_profiles) == {"ttft", "tpot", "balanced"}
+    assert response.default_weights.w_ttft > 0
+    assert 0 < response.success_slo <= 1
+    assert response.format_version == 1
+    measured = [cell for cell in response.cells if cell.measured]
+    unmeasured = [cell for cell in response.cells if not cell.measured]
+    assert measured
+    assert unmeasured  # the synthetic table has holes (huge contexts were never measured)
+    assert all(cell.pd_samples > 0 and cell.pd_ttft_ms > 0 for cell in measured)
+    assert all(cell.pd_samples == 0 or cell.local_samples == 0 for cell in unmeasured)
+    assert {cell.default_reason for cell in unmeasured} <= {pb.REASON_NEAREST_CELL, pb.REASON_DEFAULT}
+    header = json.loads(response.header_json)
+    assert header["key"] == DEFAULT_KEY
+
+
+async def test_describe_agrees_with_route_on_a_cell(running: Running) -> None:
+    described = await running.stub.DescribeTable(pb.DescribeTableRequest())
+    answer = await running.stub.Route(turn2())
+    [cell] = [
+        c
+        for c in described.cells
+        if (c.cell.context_class, c.cell.workload_class, c.cell.qps_level)
+        == (answer.cell.context_class, answer.cell.workload_class, answer.cell.qps_level)
+    ]
+    assert cell.default_decision == answer.default_decision
+
+
+async def test_weights_profile_and_explicit_weights_are_applied(running: Running) -> None:
+    profile = await running.stub.Route(turn2(weights_profile="tpot"))
+    explicit = await running.stub.Route(turn2(weights=pb.Weights(w_ttft=0.2, w_tpot=1.0)))
+    assert profile.decision == explicit.decision
+    assert profile.score == pytest.approx(explicit.score)
+    assert profile.reason in (pb.REASON_WEIGHTS, pb.REASON_TABLE)
+
+
+async def test_live_kv_usage_above_the_limit_turns_local_into_pd(running: Running) -> None:
+    local = await running.stub.Route(turn2(weights=pb.Weights(w_ttft=1.0, w_tpot=0.0)))
+    assert local.decision == pb.DECISION_LOCAL
+    full = await running.stub.Route(
+        turn2(weights=pb.Weights(w_ttft=1.0, w_tpot=0.0), live=pb.LiveSignals(decode_kv_usage=0.99))
+    )
+    assert full.decision == pb.DECISION_PD
+    assert full.reason == pb.REASON_LIVE_SIGNAL
+
+
+@pytest.mark.parametrize(
+    "live",
+    [
+        pb.LiveSignals(decode_kv_usage=1.5),
+        pb.LiveSignals(prefill_queue_depth=-1),
+        pb.LiveSignals(decode_running_requests=-2),
+    ],
+    ids=["kv_usage_over_1", "negative_queue", "negative_running"],
+)
+async def test_bad_live_signals_are_invalid_argument(running: Running, live: pb.LiveSignals) -> None:
+    error = await route_error(running, turn2(live=live))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_an_unexpected_failure_is_internal_and_logged_never_raised(
+    running: Running, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    router = running.holder.current.default
+    assert router is not None
+
+    def broken(query: object) -> object:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(type(router), "route", lambda self, query: broken(query))
+    error = await route_error(running, turn2(request_id="x1"))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    batch = await running.stub.RouteBatch(pb.RouteBatchRequest(requests=[turn2(request_id="x2")]))
+    assert batch.responses[0].error.code == grpc.StatusCode.INTERNAL.value[0]
+    call = running.stub.RouteStream()
+    await call.write(turn2(request_id="x3"))
+    streamed = await call.read()
+    await call.done_writing()
+    assert isinstance(streamed, pb.RouteResponse)
+    assert streamed.error.code == grpc.StatusCode.INTERNAL.value[0]
+    assert "boom" in caplog.text
+    assert "x1" in caplog.text
+
+
+async def test_decisions_and_errors_are_counted(running: Running) -> None:
+    await running.stub.Route(turn2(turn=1))
+    await route_error(running, turn2(turn=0))
+    sample = running.metrics.registry.get_sample_value
+    assert sample("ppd_decisions_total", {"decision": "pd", "reason": "turn_one"}) == 1
+    assert sample("ppd_route_errors_total", {"code": "INVALID_ARGUMENT"}) == 1
+    assert sample("ppd_route_latency_seconds_count") == 1
