@@ -53,9 +53,9 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _registry() -> list[Registrar]:
-    from simulator.serve_cli import add_cluster, add_worker
+    from simulator.serve_cli import add_bench_realtime, add_cluster, add_worker
 
-    return [_add_calibrate, _add_bench, add_worker, add_cluster]
+    return [_add_calibrate, _add_bench, add_worker, add_cluster, add_bench_realtime]
 
 
 def build_parser() -> argparse.ArgumentParser:

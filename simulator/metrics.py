@@ -141,6 +141,11 @@ class WorkerMetrics:
             "vllm:request_num_preemptions", "Preemptions per request.", (0, 1, 2, 4, 8, 16)
         )
         self._add_nixl_and_info(engine)
+        # Labelled children of the per-token series, resolved once (labels() costs a dict lookup and
+        # a lock per call, and these run for every streamed token).
+        self._itl_child = self.itl.labels(**labels)
+        self._iteration_tokens_child = self.iteration_tokens.labels(**labels)
+        self._generation_tokens_child = self.generation_tokens.labels(**labels)
 
     def _add_nixl_and_info(self, engine: str) -> None:
         r = self.registry
@@ -211,14 +216,13 @@ class WorkerMetrics:
         self.prompt_by_source.labels(**labels, source="external_kv_transfer").inc(external)
 
     def on_step(self, *, tokens: int, generated: int) -> None:
-        labels = self._labels
         if tokens:
-            self.iteration_tokens.labels(**labels).observe(tokens)
+            self._iteration_tokens_child.observe(tokens)
         if generated:
-            self.generation_tokens.labels(**labels).inc(generated)
+            self._generation_tokens_child.inc(generated)
 
     def on_token_gap(self, seconds: float) -> None:
-        self.itl.labels(**self._labels).observe(seconds)
+        self._itl_child.observe(seconds)
 
     def on_finished(self, done: FinishedRequest) -> None:
         labels = self._labels

@@ -22,6 +22,7 @@ __all__ = [
     "GenerationRequest",
     "KvTransferRequest",
     "ServingLimits",
+    "chat_messages",
     "parse_chat",
     "parse_completion",
     "parse_detokenize",

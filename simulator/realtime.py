@@ -43,6 +43,7 @@ class StepTiming:
     log: list[dict[str, Any]] = field(default_factory=list)
     record_log: bool = False
     max_samples: int = 1_000_000
+    tokens: int = 0  # tokens delivered while lateness is being recorded
 
 
 class RealtimeDriver:
@@ -156,6 +157,7 @@ class RealtimeDriver:
                 timing = self.timing
                 if len(timing.lateness) < timing.max_samples:
                     timing.lateness.append(woke - result.end)
+                    timing.tokens += len(result.sampled)
                 continuing = True
             else:
                 continuing = False
@@ -170,6 +172,7 @@ class RealtimeDriver:
         if self._on_step is not None:
             self._on_step(result)
         handles = self._handles
+        self._mark_scheduled(result)
         done = {f.request_id: f for f in result.finished}
         if result.n_steps > 1:
             raise RuntimeError("the real-time driver runs without fast-forward")
@@ -195,6 +198,12 @@ class RealtimeDriver:
         if result.kv_pulls and self._on_pull is not None:
             for pull in result.kv_pulls:
                 self._on_pull(pull, end)
+
+    def _mark_scheduled(self, result: StepResult) -> None:
+        for chunk in result.prefills:
+            handle = self._handles.get(chunk.request_id)
+            if handle is not None and handle.scheduled_at is None:
+                handle.scheduled_at = result.start
 
     def _deliver_tokenless(self, done: dict[str, Finished], end: float) -> None:
         """Requests that finished without a token in this step (an aborted or failed one)."""

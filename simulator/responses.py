@@ -53,6 +53,7 @@ class ResponseRenderer:
         self.response_id = response_id
         self._created = created
         self._chat = request.kind == "chat"
+        self._template: tuple[bytes, bytes] | None = None
 
     def full(
         self,
@@ -173,6 +174,19 @@ class ResponseRenderer:
         if finish_reason is not None:
             chunk["kv_transfer_params"] = kv_transfer_params
         return chunk
+
+    def delta_event(self, text: str) -> bytes:
+        """`sse_event(delta_chunk(text=text, ...))` for a plain mid-stream chunk, from a cached template.
+
+        Only for chunks without finish reason, usage or token ids; byte-identical to the slow path.
+        """
+        if self._template is None:
+            marker = "\x00text\x00"
+            rendered = sse_event(self.delta_chunk(text=marker, token_ids=(), finish_reason=None, usage=None))
+            head, _, tail = rendered.partition(json.dumps(marker).encode())
+            self._template = (head, tail)
+        head, tail = self._template
+        return head + json.dumps(text).encode() + tail
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         """The final `choices: []` chunk sent before `[DONE]` when `include_usage` is set."""

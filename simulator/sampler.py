@@ -7,24 +7,32 @@ Invariants:
   (`mean_natural_tokens`; 0 means it never stops by itself). `min_tokens` suppresses the end-of-turn token
   until that many tokens exist, `ignore_eos` suppresses it entirely, `max_tokens` caps everything.
   A stop ends with `<|eot_id|>`, which counts as a completion token and decodes to no text (vLLM).
+- Rule 3: token *i* is computed on demand (a hash of the request key and *i*), so a request asking for
+  100,000 tokens costs nothing until they are streamed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from simulator.tokenizer import Llama3Tokenizer
 
-__all__ = ["UNLIMITED_MEAN_TOKENS", "FinishReason", "SampledOutput", "SamplerSettings", "sample_output"]
-
-UNLIMITED_MEAN_TOKENS = 256
+__all__ = [
+    "UNLIMITED_MEAN_TOKENS",
+    "FinishReason",
+    "GeneratedBlocks",
+    "SampledOutput",
+    "SamplerSettings",
+    "sample_output",
+]
 
 FinishReason = Literal["length", "stop"]
+UNLIMITED_MEAN_TOKENS = 256
+_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,13 +46,41 @@ class SamplerSettings:
             raise ValueError("mean_natural_tokens must be >= 0")
 
 
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a fast, well-spread 64-bit hash."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
 @dataclass(frozen=True, slots=True)
 class SampledOutput:
-    token_ids: tuple[int, ...]
+    """`length` generated tokens (the last is `<|eot_id|>` when `finish_reason == "stop"`)."""
+
+    length: int
     finish_reason: FinishReason
+    key: int
+    words: tuple[int, ...]
+    first_words: tuple[int, ...]
+    eot_id: int
+
+    def token_at(self, index: int) -> int:
+        if self.finish_reason == "stop" and index == self.length - 1:
+            return self.eot_id
+        pool = self.first_words if index == 0 else self.words
+        return pool[_mix(self.key + index) % len(pool)]
+
+    def ids(self, start: int = 0, stop: int | None = None) -> list[int]:
+        end = self.length if stop is None else min(stop, self.length)
+        return [self.token_at(i) for i in range(start, end)]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self.ids())
 
 
-def _rng(prompt_ids: Sequence[int], seed: int | None) -> random.Random:
+def _key(prompt_ids: Sequence[int], seed: int | None) -> int:
     digest = hashlib.blake2b(digest_size=8)
     digest.update(b"seed" if seed is not None else b"prompt")
     if seed is not None:
@@ -53,7 +89,7 @@ def _rng(prompt_ids: Sequence[int], seed: int | None) -> random.Random:
         digest.update(len(prompt_ids).to_bytes(8, "little"))
         for token in prompt_ids[-256:]:
             digest.update(token.to_bytes(4, "little"))
-    return random.Random(int.from_bytes(digest.digest(), "little"))  # noqa: S311 - simulation, not crypto
+    return int.from_bytes(digest.digest(), "little")
 
 
 def sample_output(
@@ -67,29 +103,68 @@ def sample_output(
     tokenizer: Llama3Tokenizer,
     explicit_limit: bool = True,
 ) -> SampledOutput:
-    """The generated token ids (at most `max_tokens`) and the finish reason.
+    """The generated tokens (at most `max_tokens`) and the finish reason.
 
     `explicit_limit=False` (a chat request without max_tokens) makes a model that never stops by
     itself stop after `UNLIMITED_MEAN_TOKENS` on average instead of filling the context window.
     """
-    rng = _rng(prompt_ids, seed)
+    key = _key(prompt_ids, seed)
     natural: int | None = None
     mean = settings.mean_natural_tokens or (0 if explicit_limit else UNLIMITED_MEAN_TOKENS)
     if not ignore_eos and mean > 0:
         if mean == 1:
             natural = 0
         else:
-            u = 1.0 - rng.random()  # (0, 1]
+            u = (_mix(key ^ 0x5EED) + 1) / 2.0**64  # (0, 1]
             natural = int(math.log(u) / math.log(1.0 - 1.0 / mean))
         natural = max(natural, min_tokens)
     if natural is None or natural + 1 > max_tokens:
-        return SampledOutput(tuple(_words(rng, tokenizer, max_tokens)), "length")
-    words = _words(rng, tokenizer, natural)
-    words.append(tokenizer.eot_id)
-    return SampledOutput(tuple(words), "stop")
+        length, reason = max_tokens, "length"
+    else:
+        length, reason = natural + 1, "stop"
+    return SampledOutput(
+        length=length,
+        finish_reason=reason,  # type: ignore[arg-type]
+        key=key,
+        words=tokenizer.word_ids,
+        first_words=tokenizer.first_word_ids,
+        eot_id=tokenizer.eot_id,
+    )
 
 
-def _words(rng: random.Random, tokenizer: Llama3Tokenizer, n: int) -> list[int]:
-    if n <= 0:
-        return []
-    return [rng.choice(tokenizer.first_word_ids), *rng.choices(tokenizer.word_ids, k=n - 1)]
+class GeneratedBlocks:
+    """Chained block hashes over prompt + generated output, computed lazily.
+
+    Uses exactly the chaining of :class:`simulator.kv_cache.TokenBlocks` (hash((parent, tokens of the
+    block))), so a later prompt that contains this output as real tokens hits the same cached blocks.
+    """
+
+    __slots__ = ("_block_size", "_hashes", "_output", "_prompt")
+
+    def __init__(self, prompt_ids: tuple[int, ...], output: SampledOutput, block_size: int = 16) -> None:
+        self._prompt = prompt_ids
+        self._output = output
+        self._block_size = block_size
+        self._hashes: list[int] = []
+
+    def _tokens(self, start: int, stop: int) -> tuple[int, ...]:
+        n_prompt = len(self._prompt)
+        head = self._prompt[start:stop]
+        if stop <= n_prompt:
+            return head
+        return head + tuple(self._output.ids(max(0, start - n_prompt), stop - n_prompt))
+
+    def block_hash(self, index: int) -> int:
+        hashes = self._hashes
+        bs = self._block_size
+        total = len(self._prompt) + self._output.length
+        while len(hashes) <= index:
+            i = len(hashes)
+            if (i + 1) * bs > total:
+                return hash(("unknown", id(self), index))
+            parent = hashes[i - 1] if i else 0
+            hashes.append(hash((parent, self._tokens(i * bs, (i + 1) * bs))))
+        return hashes[index]
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        return [self.block_hash(i) for i in range(start, stop)]

@@ -64,6 +64,7 @@ class Llama3Tokenizer:
         self.eot_id: int = self._enc.encode_single_token(EOT_ID)
         self.vocab_size: int = int(self._enc.n_vocab)
         self._word_ids, self._first_word_ids = self._find_word_tokens()
+        self._text_of: dict[int, str] = {}  # token id -> its text alone (generated tokens are whole words)
 
     def _find_word_tokens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Readable, self-delimiting output: " word" tokens, and capitalised "Word" tokens to open a text.
@@ -73,12 +74,15 @@ class Llama3Tokenizer:
         """
         words: list[int] = []
         firsts: list[int] = []
-        for raw in self._enc.token_byte_values():  # sorted by bytes, not by rank
-            piece = bytes(raw)
-            if 4 <= len(piece) <= 9 and piece[:1] == b" " and piece[1:].isalpha() and piece[1:].islower():
-                words.append(self._enc.encode_single_token(piece))
-            elif 3 <= len(piece) <= 8 and piece.isalpha() and piece[:1].isupper() and piece[1:].islower():
-                firsts.append(self._enc.encode_single_token(piece))
+        token_bytes = self._enc.decode_single_token_bytes
+        for rank in range(self.bos_id):  # the ordinary (non-special) tokens
+            piece: bytes = token_bytes(rank)
+            if not 3 <= len(piece) <= 9:
+                continue
+            if piece[:1] == b" " and len(piece) >= 4 and piece[1:].isalpha() and piece[1:].islower():
+                words.append(rank)
+            elif len(piece) <= 8 and piece.isalpha() and piece[:1].isupper() and piece[1:].islower():
+                firsts.append(rank)
         return tuple(sorted(words)), tuple(sorted(firsts))
 
     @property
@@ -116,6 +120,14 @@ class Llama3Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         kept = [i for i in ids if not (skip_special_tokens and self.is_special(i))]
         text: str = self._enc.decode(kept)
+        return text
+
+    def token_text(self, token_id: int) -> str:
+        """`decode([token_id])` with special tokens skipped, memoised (the per-token streaming path)."""
+        text = self._text_of.get(token_id)
+        if text is None:
+            text = self.decode([token_id])
+            self._text_of[token_id] = text
         return text
 
     def token_str(self, token_id: int) -> str:

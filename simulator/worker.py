@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from simulator.api_error import ApiError
@@ -46,7 +47,7 @@ from simulator.protocol import (
 )
 from simulator.realtime import RealtimeDriver, StepTiming
 from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
-from simulator.sampler import sample_output
+from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
 from simulator.tokenizer import Llama3Tokenizer
 from simulator.worker_settings import WorkerSettings
 
@@ -63,10 +64,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @dataclass(slots=True)
 class _Remote:
-    """A decode-side request's source of KV (in this process) until the pull starts."""
+    """A decode-side request's source of KV until the pull starts (in this process or behind host:port)."""
 
     engine_id: str
     remote_request_id: str
+    host: str | None
+    port: int | None
 
 
 @dataclass(slots=True)
@@ -100,6 +103,8 @@ class Worker:
         self._down = False
         self._restore_task: asyncio.Task[None] | None = None
         self._remote: dict[str, _Remote] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._session: aiohttp.ClientSession | None = None
         self._pinned: dict[str, _Pinned] = {}
         self._synced: dict[str, int] = {}
         self.engine_id = ""
@@ -156,8 +161,14 @@ class Worker:
             self.port = int(addresses[0][1])
 
     async def stop(self) -> None:
-        if self._restore_task is not None:
-            self._restore_task.cancel()
+        pending = [*self._tasks, *([self._restore_task] if self._restore_task is not None else [])]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self._restore_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         await self.driver.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -208,6 +219,8 @@ class Worker:
         app.router.add_get("/load", self._load)
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_post("/admin/faults", self._post_faults)
+        app.router.add_post("/_nixl/claim", self._nixl_claim)
+        app.router.add_post("/_nixl/release", self._nixl_release)
         return app
 
     @web.middleware
@@ -335,7 +348,9 @@ class Worker:
         if faults.down:
             await response.prepare(request)
             await response.write_eof()
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._go_down()))
+            task = asyncio.create_task(self._go_down())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return response
 
     def _sync_metrics(self) -> None:
@@ -401,36 +416,103 @@ class Worker:
         self.metrics.on_step(tokens=result.num_decodes + result.prefill_tokens, generated=len(result.sampled))
 
     def _on_pull(self, pull: KvPull, at: float) -> None:
+        """Start reading the KV of a D request: claim P's lease, then move the bytes over the link.
+
+        P in this process: the claim is a call. P elsewhere: the claim goes over HTTP to the
+        `remote_host:remote_port` P advertised (the simulator's stand-in for NIXL's side channel).
+        """
         remote = self._remote.pop(pull.request_id, None)
         source = self.fabric.source(remote.engine_id) if remote is not None else None
-        driver = self.driver
-        if remote is None or source is None or not source.claim_lease(remote.remote_request_id, at):
-            logger.warning(
-                "worker %s: KV load failed for %s (lease expired or prefill worker gone)",
-                self.settings.worker_id,
-                pull.request_id,
-            )
-            self.metrics.on_transfer_failed()
-            driver.kv_failed(pull.request_id, at, "KV load failed")
+        if remote is not None and source is not None:
+            rrid = remote.remote_request_id
+            if source.claim_lease(rrid, at):
+                self._transfer(pull, at, source.node, lambda t: source.release_lease(rrid, t))
+                return
+        elif remote is not None and remote.host and remote.port:
+            task = asyncio.create_task(self._pull_over_side_channel(pull, remote))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
             return
+        self._pull_failed(pull.request_id, at)
+
+    def _pull_failed(self, request_id: str, at: float) -> None:
+        logger.warning(
+            "worker %s: KV load failed for %s (lease expired or prefill worker gone)",
+            self.settings.worker_id,
+            request_id,
+        )
+        self.metrics.on_transfer_failed()
+        self.driver.kv_failed(request_id, at, "KV load failed")
+
+    def _transfer(self, pull: KvPull, at: float, source_node: str, release: Callable[[float], None]) -> None:
+        driver = self.driver
         n_bytes = pull.n_tokens * self.fabric.kv_bytes_per_token
-        rrid = remote.remote_request_id
 
         def done(transfer: TransferDone) -> None:
-            source.release_lease(rrid, transfer.at)
+            release(transfer.at)
             self.metrics.on_transfer(seconds=transfer.at - at, num_bytes=transfer.n_bytes)
             if driver is self.driver:
                 driver.kv_loaded(pull.request_id, transfer.at, transfer.stall_s)
 
-        self.fabric.transfer(source.node, self.node, n_bytes, at, done)
+        self.fabric.transfer(source_node, self.node, n_bytes, at, done)
+
+    async def _side_channel(self, remote: _Remote, action: str) -> bool:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        url = f"http://{remote.host}:{remote.port}/_nixl/{action}"
+        try:
+            async with self._session.post(url, json={"remote_request_id": remote.remote_request_id}) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("worker %s: side channel %s failed: %s", self.settings.worker_id, url, exc)
+            return False
+
+    async def _pull_over_side_channel(self, pull: KvPull, remote: _Remote) -> None:
+        driver = self.driver
+        claimed = await self._side_channel(remote, "claim")
+        if driver is not self.driver:
+            return
+        now = driver.now()
+        if not claimed:
+            self._pull_failed(pull.request_id, now)
+            return
+
+        def release(at: float) -> None:
+            del at
+            task = asyncio.create_task(self._side_channel(remote, "release"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._transfer(pull, now, f"{remote.host}:{remote.port}", release)
+
+    async def _nixl_claim(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        rrid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rrid, str):
+            raise ApiError(400, "remote_request_id: Field required", param="remote_request_id")
+        claimed = self.claim_lease(rrid, self.driver.now())
+        return web.json_response({"claimed": claimed}, status=200 if claimed else 410)
+
+    async def _nixl_release(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        rrid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rrid, str):
+            raise ApiError(400, "remote_request_id: Field required", param="remote_request_id")
+        self.release_lease(rrid, self.driver.now())
+        return web.json_response({"released": True})
 
     def release_unpulled(self, request_id: str, now: float) -> None:
         """A D request that needed no pull (full local hit) still frees P's blocks (vLLM notifies P)."""
         remote = self._remote.pop(request_id, None)
-        if remote is not None:
-            source = self.fabric.source(remote.engine_id)
-            if source is not None:
-                source.release_lease(remote.remote_request_id, now)
+        if remote is None:
+            return
+        source = self.fabric.source(remote.engine_id)
+        if source is not None:
+            source.release_lease(remote.remote_request_id, now)
+        elif remote.host and remote.port:
+            task = asyncio.create_task(self._side_channel(remote, "release"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -464,20 +546,22 @@ class Worker:
             tokenizer=self.tokenizer,
             explicit_limit=req.max_tokens_given,
         )
-        tokens = sampled.token_ids
-        engine_request = EngineRequest.from_token_ids(
-            internal_id,
-            req.prompt_ids,
-            tokens,
-            max_tokens=len(tokens),
+        engine_request = EngineRequest(
+            request_id=internal_id,
+            n_prompt=len(req.prompt_ids),
+            content=GeneratedBlocks(req.prompt_ids, sampled),
+            max_tokens=sampled.length,
             ignore_eos=sampled.finish_reason == "length",
-            eos_at=len(tokens) if sampled.finish_reason == "stop" else None,
+            eos_at=sampled.length if sampled.finish_reason == "stop" else None,
             remote_decode=remote_decode,
             remote_prefill=remote_prefill,
         )
         if remote_prefill and kv is not None:
             self._remote[internal_id] = _Remote(
-                engine_id=kv.remote_engine_id or "", remote_request_id=kv.remote_request_id or ""
+                engine_id=kv.remote_engine_id or "",
+                remote_request_id=kv.remote_request_id or "",
+                host=kv.remote_host,
+                port=kv.remote_port,
             )
         driver = self.driver
         handle = JobHandle(request_id=internal_id, submitted_at=driver.now())
@@ -488,8 +572,7 @@ class Worker:
             req=req,
             renderer=renderer,
             handle=handle,
-            tokens=tokens,
-            finish_reason=sampled.finish_reason,
+            output=sampled,
             internal_id=internal_id,
         )
         try:
@@ -527,6 +610,7 @@ class Worker:
     def finish_metrics(self, req: GenerationRequest, handle: JobHandle, produced: int, reason: str) -> None:
         now = self.driver.now()
         first = handle.first_token_at if handle.first_token_at is not None else now
+        scheduled = handle.scheduled_at if handle.scheduled_at is not None else first
         ttft = max(0.0, first - handle.submitted_at)
         self.metrics.on_finished(
             FinishedRequest(
@@ -534,9 +618,9 @@ class Worker:
                 prompt_tokens=len(req.prompt_ids),
                 generation_tokens=produced,
                 max_tokens=req.max_tokens,
-                queue_s=0.0,
+                queue_s=max(0.0, scheduled - handle.submitted_at),
                 ttft_s=ttft,
-                prefill_s=ttft,
+                prefill_s=max(0.0, first - scheduled),
                 decode_s=max(0.0, now - first),
                 e2e_s=max(0.0, now - handle.submitted_at),
                 preemptions=handle.preemptions,
@@ -554,16 +638,15 @@ class _Run:
         req: GenerationRequest,
         renderer: ResponseRenderer,
         handle: JobHandle,
-        tokens: tuple[int, ...],
-        finish_reason: str,
+        output: SampledOutput,
         internal_id: str,
     ) -> None:
         self.w = worker
         self.req = req
         self.renderer = renderer
         self.handle = handle
-        self.tokens = tokens
-        self.finish_reason = finish_reason
+        self.output = output
+        self.finish_reason: str = output.finish_reason
         self.internal_id = internal_id
         self.produced = 0
         self.last_at: float | None = None
@@ -581,7 +664,7 @@ class _Run:
         )
 
     def _take(self, emission: Emission) -> list[int]:
-        ids = list(self.tokens[self.produced : self.produced + emission.tokens])
+        ids = self.output.ids(self.produced, self.produced + emission.tokens)
         self.produced += len(ids)
         if self.produced == len(ids) and ids:
             self.w.release_unpulled(self.internal_id, emission.at)
@@ -628,6 +711,7 @@ class _Run:
         await response.prepare(request)
         req = self.req
         continuous = req.include_usage and req.continuous_usage_stats
+        fast = not continuous and not req.return_token_ids
         try:
             if req.kind == "chat":
                 await response.write(
@@ -640,6 +724,10 @@ class _Run:
                     await response.write(sse_event(ApiError(500, _INTERNAL_ERROR).body()))
                     break
                 ids = self._take(emission)
+                if fast and not emission.finished:
+                    text = "".join(map(self.w.tokenizer.token_text, ids))
+                    await response.write(self.renderer.delta_event(text))
+                    continue
                 reason = self._final_reason() if emission.finished else None
                 kv_params = None
                 if emission.finished:
@@ -660,5 +748,5 @@ class _Run:
             await response.write(SSE_DONE)
             await response.write_eof()
         except ConnectionResetError:
-            logger.info("client went away during stream %s", self.renderer.response_id)
+            logger.debug("client went away during stream %s", self.renderer.response_id)
         return response

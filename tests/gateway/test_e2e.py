@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,6 +189,41 @@ def test_decision_service_stopped_falls_back(cluster: Process, tmp: Path) -> Non
     finally:
         svc.stop()
         gw.stop()
+
+
+def test_client_disconnect_aborts_the_workers_request(gateway: Process, cluster: Process) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "long"}],
+        "stream": True,
+        "max_tokens": 4000,
+    }
+    req = urllib.request.Request(
+        _url(gateway) + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-PPD-Mode": "local"},
+    )
+    resp = urllib.request.urlopen(req, timeout=30)
+    d_url = _worker(cluster, resp.headers["X-PPD-Decode-Worker"])
+    assert resp.readline().startswith(b"data: ")
+    running = _running(d_url)
+    assert running >= 1
+    resp.close()  # the client goes away mid-stream
+    for _ in range(300):
+        running = _running(d_url)
+        if running == 0:
+            break
+        time.sleep(0.05)
+    assert running == 0
+
+
+def _running(worker_url: str) -> float:
+    text = _http(worker_url + "/metrics")[1].decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
 
 
 def test_dead_decode_worker_rebinds_the_session(gateway: Process, cluster: Process) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +86,7 @@ def test_ready_line_lists_every_worker(cluster: dict[str, Any]) -> None:
 
 def test_pd_pair_then_local_follow_up(cluster: dict[str, Any]) -> None:
     p_url, d_url = cluster["workers"][0]["url"], cluster["workers"][2]["url"]
-    messages: list[dict[str, str]] = [{"role": "user", "content": QUESTION}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": QUESTION}]
     client_body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
@@ -120,7 +121,7 @@ def test_pd_pair_then_local_follow_up(cluster: dict[str, Any]) -> None:
     client = openai.OpenAI(base_url=f"{d_url}/v1", api_key="sk-test", max_retries=0)
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         max_completion_tokens=24,
         stream=True,
         stream_options={"include_usage": True},
@@ -146,7 +147,7 @@ def test_pd_pair_then_local_follow_up(cluster: dict[str, Any]) -> None:
     # Turn 2 goes straight to the same D (append-prefill): D's prefix cache holds turn 1.
     hits_before = metric(d_url, "vllm:prefix_cache_hits_total")
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Shorter, please."}]
-    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage is not None
     hits = metric(d_url, "vllm:prefix_cache_hits_total") - hits_before
@@ -179,3 +180,22 @@ def test_bad_topology_is_a_usage_error() -> None:
     )
     assert result.returncode == 2
     assert "bad topology" in result.stderr
+
+
+def test_a_taken_port_is_a_clean_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "simulator", "worker", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert "cannot serve" in result.stderr
+    assert "Traceback" not in result.stderr

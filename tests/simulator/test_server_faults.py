@@ -214,3 +214,37 @@ async def test_client_leaving_mid_stream_aborts_the_request(group: WorkerGroup) 
         await asyncio.sleep(0.01)
     assert d.engine.load() == 0
     assert (await complete(d.url))[0] == 200
+
+
+async def test_a_downed_prefill_worker_fails_the_decode_leg(group: WorkerGroup) -> None:
+    p, d = group.worker("P0"), group.worker("D0")
+    p_body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    _, p_resp = await complete(p.url, **p_body)
+    await set_faults(p.url, {"down": True})
+    status, body = await complete(
+        d.url, prompt=PROMPT, max_tokens=4, kv_transfer_params=p_resp["kv_transfer_params"]
+    )
+    assert status == 500
+    assert body["error"]["message"] == "Internal server error"
+
+
+async def test_an_unexpected_error_is_a_500_and_the_worker_lives_on(
+    group: WorkerGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import simulator.worker
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(simulator.worker, "parse_completion", broken)
+    url = group.worker("D0").url
+    status, body = await complete(url)
+    assert status == 500
+    assert body["error"] == {
+        "message": "Internal server error",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+    monkeypatch.undo()
+    assert (await complete(url))[0] == 200

@@ -14,7 +14,7 @@ import pytest
 
 from simulator.profile import load_profile
 from simulator.sampler import SamplerSettings
-from simulator.topology import Topology
+from simulator.topology import Role, Topology, WorkerSpec
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
 
@@ -320,6 +320,8 @@ async def test_pd_pair_like_a_proxy(group: WorkerGroup, http: aiohttp.ClientSess
     assert external == params["remote_num_tokens"] - 1
     transferred = await metric(http, d.url, "vllm:nixl_xfer_time_seconds_count")
     assert transferred == 1
+    assert await metric(http, d.url, "vllm:request_queue_time_seconds_count") == 1
+    assert await metric(http, d.url, "vllm:request_queue_time_seconds_sum") > 0  # it waited for the KV
 
 
 async def test_pd_streaming_decode_leg(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
@@ -397,3 +399,64 @@ async def test_plain_follow_up_turn_hits_the_prefix_cache(
     # Everything of turn 1 (prompt + answer) is reused, in whole 16-token blocks.
     assert hits >= (turn1["usage"]["total_tokens"] // 16 - 1) * 16
     assert hits % 16 == 0
+
+
+async def start_alone(worker_id: str, role: Role, **worker: Any) -> WorkerGroup:
+    """A worker with a fabric of its own, as if it ran in its own process."""
+    base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
+    topology = Topology(name=worker_id, workers=(WorkerSpec(id=worker_id, role=role),))
+    group = WorkerGroup(
+        GroupSettings(topology=topology, base_port=0, worker=base, spin_s=0.0), load_profile()
+    )
+    await group.start()
+    return group
+
+
+async def test_pd_across_processes_uses_the_side_channel(http: aiohttp.ClientSession) -> None:
+    prefill = await start_alone("P0", "prefill")
+    decode = await start_alone("D0", "decode")
+    try:
+        p, d = prefill.workers[0], decode.workers[0]
+        assert d.fabric.source(p.engine_id) is None
+        client, p_body = _pd_bodies()
+        _, p_resp = await post(http, f"{p.url}/v1/completions", p_body)
+        params = p_resp["kv_transfer_params"]
+        status, d_resp = await post(http, f"{d.url}/v1/completions", client | {"kv_transfer_params": params})
+        assert status == 200, d_resp
+        assert d_resp["usage"]["completion_tokens"] == 6
+        assert await metric(http, d.url, "vllm:nixl_xfer_time_seconds_count") == 1
+        for _ in range(2000):  # the release travels back asynchronously
+            if p.engine.stats().num_pinned == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert p.engine.stats().num_pinned == 0
+        # The lease is gone once read: a second claim is refused (410). D itself would not even ask
+        # again: its prefix cache now holds the whole prompt (a full local hit needs no pull).
+        claim = {"remote_request_id": params["remote_request_id"]}
+        status, body = await post(http, f"{p.url}/_nixl/claim", claim)
+        assert (status, body) == (410, {"claimed": False})
+        status, _ = await post(http, f"{d.url}/v1/completions", client | {"kv_transfer_params": params})
+        assert status == 200
+        assert await metric(http, d.url, "vllm:nixl_xfer_time_seconds_count") == 1
+    finally:
+        await decode.stop()
+        await prefill.stop()
+
+
+async def test_side_channel_to_a_dead_prefill_worker_fails_cleanly(http: aiohttp.ClientSession) -> None:
+    decode = await start_alone("D0", "decode")
+    try:
+        client, _ = _pd_bodies()
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "gone",
+            "remote_request_id": "x",
+            "remote_host": "127.0.0.1",
+            "remote_port": 9,  # discard port: nothing listens
+        }
+        url = f"{decode.workers[0].url}/v1/completions"
+        status, body = await post(http, url, client | {"kv_transfer_params": params})
+        assert status == 500
+        assert body["error"]["code"] == 500
+    finally:
+        await decode.stop()

@@ -250,3 +250,88 @@ def test_faults_update_and_validation() -> None:
     for bad in ({"error_rate": 2}, {"down": "yes"}, {"nope": 1}, {"down_after_requests": -1}, [1]):
         with pytest.raises(ApiError):
             faults.updated(bad)
+
+
+def test_generated_blocks_hash_like_token_blocks(tok: Llama3Tokenizer) -> None:
+    from simulator.kv_cache import TokenBlocks
+    from simulator.sampler import GeneratedBlocks
+
+    prompt = tuple(tok.encode("a prompt of a few tokens " * 5, add_special_tokens=True))
+    out = sample_output(
+        prompt,
+        seed=1,
+        max_tokens=70,
+        min_tokens=0,
+        ignore_eos=True,
+        settings=SamplerSettings(),
+        tokenizer=tok,
+    )
+    lazy = GeneratedBlocks(prompt, out)
+    eager = TokenBlocks([*prompt, *out.token_ids])
+    n_blocks = (len(prompt) + 70) // 16
+    assert [lazy.block_hash(i) for i in range(n_blocks)] == [eager.block_hash(i) for i in range(n_blocks)]
+
+
+def test_huge_outputs_cost_nothing_up_front(tok: Llama3Tokenizer) -> None:
+    out = sample_output(
+        (1, 2),
+        seed=None,
+        max_tokens=10**6,
+        min_tokens=0,
+        ignore_eos=True,
+        settings=SamplerSettings(),
+        tokenizer=tok,
+    )
+    assert out.length == 10**6
+    assert len(out.ids(999_990)) == 10
+
+
+@pytest.mark.parametrize(
+    "module_name",
+    [
+        "simulator.api_error",
+        "simulator.bench_realtime",
+        "simulator.fabric",
+        "simulator.faults",
+        "simulator.jobs",
+        "simulator.metrics",
+        "simulator.protocol",
+        "simulator.realtime",
+        "simulator.responses",
+        "simulator.sampler",
+        "simulator.serve_cli",
+        "simulator.tokenizer",
+        "simulator.topology",
+        "simulator.worker",
+        "simulator.worker_group",
+        "simulator.worker_settings",
+    ],
+)
+def test_all_lists_exactly_the_public_names(module_name: str) -> None:
+    import importlib
+    import inspect
+
+    module = importlib.import_module(module_name)
+    exported = set(module.__all__)
+    defined = {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isclass(value) or inspect.isfunction(value))
+        and getattr(value, "__module__", None) == module_name
+    }
+    assert defined <= exported, f"public but not in __all__: {defined - exported}"
+    assert all(hasattr(module, name) for name in exported)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_fast_delta_event_matches_the_slow_path(tok: Llama3Tokenizer, kind: str) -> None:
+    if kind == "chat":
+        req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "stream": True}, tok, LIMITS)
+    else:
+        req = parse_completion({"prompt": "hi", "stream": True}, tok, LIMITS)
+    r = ResponseRenderer(req, response_id="x-1", created=5)
+    for text in (" word", 'quote " and \\ back', "caf\u00e9 \u2603", ""):
+        slow = sse_event(r.delta_chunk(text=text, token_ids=[1], finish_reason=None, usage=None))
+        assert r.delta_event(text) == slow
+    assert tok.token_text(tok.word_ids[0]) == tok.decode([tok.word_ids[0]])
