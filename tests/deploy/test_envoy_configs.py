@@ -1,0 +1,124 @@
+"""Every Envoy scenario under deploy/envoy is complete, passes `envoy --mode validate` and keeps its
+admin interface on loopback; the descriptor set for transcoding comes from one command."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import descriptor_pb2
+
+from tests.deploy.envoy_harness import SCENARIOS, render, validate
+
+SCENARIO_NAMES = sorted(p.name for p in SCENARIOS.iterdir() if p.is_dir())
+PLACEHOLDER = re.compile(r"\$\{([A-Z_]+)\}")
+
+
+def rendered(scenario: str, folder: Path, descriptor_set: Path) -> str:
+    """The scenario's config with its example endpoints, as an operator would render it."""
+    (folder / "endpoints").mkdir()
+    endpoints = folder / "endpoints" / "endpoints.yaml"
+    shutil.copy(SCENARIOS / scenario / "endpoints.yaml", endpoints)
+    values = {
+        "LISTEN_PORT": "10000",
+        "ADMIN_PORT": "9901",
+        "ENDPOINTS_PATH": str(endpoints),
+        "DESCRIPTOR_PATH": str(descriptor_set),
+    }
+    return render((SCENARIOS / scenario / "envoy.yaml").read_text(), values)
+
+
+def test_both_scenarios_exist() -> None:
+    assert {"decision", "gateway"} <= set(SCENARIO_NAMES)
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_scenario_folder_has_config_endpoints_and_verify_script(scenario: str) -> None:
+    folder = SCENARIOS / scenario
+    assert {"envoy.yaml", "endpoints.yaml", "verify.sh"} <= {p.name for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_config_passes_envoy_validate(scenario: str, tmp_path: Path, descriptor_set: Path) -> None:
+    result = validate(rendered(scenario, tmp_path, descriptor_set), tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "OK" in output
+    # Validation still says OK when it rejects the endpoint file; we want that caught too.
+    assert "rejected" not in output, output
+
+
+def test_validate_rejects_a_broken_config(tmp_path: Path, descriptor_set: Path) -> None:
+    """The validator really reads the config: a misspelled field fails it."""
+    broken = rendered("decision", tmp_path, descriptor_set).replace("lb_policy:", "lb_polcy:")
+    result = validate(broken, tmp_path)
+    assert result.returncode != 0
+
+
+def test_transcoder_rejects_a_missing_descriptor_set(tmp_path: Path, descriptor_set: Path) -> None:
+    text = rendered("decision", tmp_path, descriptor_set)
+    text = text.replace(str(descriptor_set), str(tmp_path / "no.pb"))
+    assert validate(text, tmp_path).returncode != 0
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_admin_binds_loopback_only(scenario: str, tmp_path: Path, descriptor_set: Path) -> None:
+    config = yaml.safe_load(rendered(scenario, tmp_path, descriptor_set))
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_every_placeholder_is_documented(scenario: str) -> None:
+    text = (SCENARIOS / scenario / "envoy.yaml").read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    used = set(PLACEHOLDER.findall(text)) - set(PLACEHOLDER.findall(header))
+    documented = set(re.findall(r"^#\s+([A-Z_]{4,})\s", header, flags=re.MULTILINE))
+    assert used <= documented, f"undocumented placeholders: {used - documented}"
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_render_refuses_a_missing_value(scenario: str) -> None:
+    with pytest.raises(KeyError):
+        render((SCENARIOS / scenario / "envoy.yaml").read_text(), {})
+
+
+def test_decision_cluster_is_grpc_with_health_checks_outliers_and_retries(
+    tmp_path: Path, descriptor_set: Path
+) -> None:
+    config = yaml.safe_load(rendered("decision", tmp_path, descriptor_set))
+    (cluster,) = config["static_resources"]["clusters"]
+    protocol = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    options = cluster["typed_extension_protocol_options"][protocol]
+    assert "http2_protocol_options" in options["explicit_http_config"]
+    (check,) = cluster["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == "ppd.decision.v1.DecisionService"
+    assert cluster["outlier_detection"]["consecutive_gateway_failure"] > 0
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    unary = next(r for r in routes if r["match"].get("prefix") == "/ppd.decision.v1.DecisionService/")
+    assert "unavailable" in unary["route"]["retry_policy"]["retry_on"].split(",")
+    assert unary["route"]["timeout"] != "0s"
+
+
+def test_gateway_cluster_hashes_on_the_session_header(tmp_path: Path, descriptor_set: Path) -> None:
+    config = yaml.safe_load(rendered("gateway", tmp_path, descriptor_set))
+    (cluster,) = config["static_resources"]["clusters"]
+    assert cluster["lb_policy"] in {"RING_HASH", "MAGLEV"}
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"]["hash_policy"][0]["header"]["header_name"].lower() == "x-session-id"
+
+
+def test_descriptor_set_from_one_command_holds_the_service(descriptor_set: Path) -> None:
+    files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes())
+    services = {f"{f.package}.{s.name}" for f in files.file for s in f.service}
+    assert "ppd.decision.v1.DecisionService" in services
+
+
+@pytest.mark.parametrize("scenario", SCENARIO_NAMES)
+def test_verify_script_is_valid_bash(scenario: str) -> None:
+    subprocess.run(["bash", "-n", str(SCENARIOS / scenario / "verify.sh")], check=True)
