@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: The two static modes a table compares.
-COMPARED_MODES: Final = ("pd", "local")
+COMPARED_MODES: Final[tuple[str, ...]] = ("pd", "local")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -187,7 +187,7 @@ def aggregate_points(
 
 
 def _finish(samples: dict[CellKey, dict[str, _Samples]], tally: Tally) -> Measurements:
-    cells = {
+    cells: dict[CellKey, Mapping[str, ModeFigures]] = {
         key: {mode: samples[key][mode].figures() for mode in COMPARED_MODES if mode in samples[key]}
         for key in sorted(samples)
     }
