@@ -175,11 +175,10 @@ def _group_missing(notes: Sequence[CellNote], cells_per_context: int) -> str:
         if len(group) == cells_per_context:
             parts.append(f"{ctx}/* x{len(group)} ({'; '.join(sorted({n.detail for n in group}))})")
             continue
-        per_workload: dict[str, list[CellNote]] = {}
+        per_workload: dict[tuple[str, str], int] = {}
         for n in group:
-            per_workload.setdefault(n.workload, []).append(n)
-        for wl, cells in per_workload.items():
-            parts.append(f"{ctx}/{wl} x{len(cells)} ({'; '.join(sorted({n.detail for n in cells}))})")
+            per_workload[n.workload, n.detail] = per_workload.get((n.workload, n.detail), 0) + 1
+        parts.extend(f"{ctx}/{wl} x{count} ({detail})" for (wl, detail), count in per_workload.items())
     return ", ".join(parts)
 
 
