@@ -38,8 +38,7 @@ def write_heatmap(grid: Grid, path: str | os.PathLike[str]) -> Path:
     nc = len(axes.context_classes)
     nw, nq = len(axes.workloads), len(axes.qps_levels)
     fig, panels = plt.subplots(1, nc, figsize=(1.0 + 0.62 * nq * nc, 0.5 * nw + 2.2), squeeze=False)
-    cmap = mpl.colormaps["RdBu"].copy()
-    cmap.set_bad("#d9d9d9")
+    cmap = mpl.colormaps["RdBu"].with_extremes(bad="#d9d9d9")
     image = None
     for c, ax in enumerate(panels[0]):
         values = np.full((nw, nq), np.nan)
