@@ -22,13 +22,14 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-from table_builder.catalog import Workload
 from table_builder.records import Record
+from table_builder.sweep import GridPoint
 
-__all__ = ["AnalyticEngine", "Point", "parse_shape"]
+__all__ = ["AnalyticEngine", "parse_shape"]
 
 _SHAPE: Final = re.compile(r"^(\d+)P(\d+)D$")
 _TIMEOUT_MS: Final = 30_000.0
@@ -45,21 +46,6 @@ def parse_shape(shape: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-@dataclass(frozen=True, slots=True)
-class Point:
-    """One grid point of a sweep: a static-mode run of one workload at one QPS."""
-
-    shape: str
-    model: str
-    mode: str
-    workload: Workload
-    qps: float
-
-    @property
-    def run_id(self) -> str:
-        return f"{self.shape}_{self.mode}_{self.workload.name}_{self.qps:g}"
-
-
 def _prefill_ms(tokens: int) -> float:
     return 8.0 + tokens / 12.0
 
@@ -70,12 +56,20 @@ def _transfer_ms(tokens: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class AnalyticEngine:
-    """Records of ``conversations`` two-turn conversations per grid point."""
+    """Two-turn conversations per grid point: ``conversations`` of them, or QPS x ``duration_s``."""
 
     conversations: int = 20
+    duration_s: float | None = None
     seed: int = 0
 
-    def run(self, point: Point) -> list[Record]:
+    @property
+    def name(self) -> str:
+        return "analytic"
+
+    def settings(self) -> Mapping[str, Any]:
+        return {"conversations": self.conversations, "duration_s": self.duration_s, "seed": self.seed}
+
+    def run(self, point: GridPoint) -> list[Record]:
         n_p, n_d = parse_shape(point.shape)
         wl, q = point.workload, point.qps
         t1, t2 = wl.first, wl.second
@@ -102,9 +96,10 @@ class AnalyticEngine:
         else:
             ttft2 = 0.5 * base_tpot + _prefill_ms(t2.n_in) * (1.0 + append_share) + 3.0
 
+        count = self.conversations if self.duration_s is None else max(1, round(q * self.duration_s))
         records: list[Record] = []
         start = _EPOCH
-        for i in range(self.conversations):
+        for i in range(count):
             start += rng.expovariate(q)
             cid = f"{point.run_id}-c{i:03d}"
             # Turn 1 always goes through P; a conversation whose Turn 1 failed has no Turn 2.
@@ -143,7 +138,7 @@ class AnalyticEngine:
 
     def _record(
         self,
-        point: Point,
+        point: GridPoint,
         rng: random.Random,
         *,
         cid: str,

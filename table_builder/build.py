@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -331,10 +330,8 @@ def _iso_from_start_time(newest: float | None) -> str | None:
     return datetime.fromtimestamp(newest, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def build_from_records(
-    records: Sequence[Record], options: BuildOptions, *, sources: Iterable[str] = ()
-) -> BuildResult:
-    """Records (any order) -> table spec; ``sources`` are file names for the provenance."""
+def build_from_records(records: Sequence[Record], options: BuildOptions) -> BuildResult:
+    """Records (any order, split over files in any way) -> table spec."""
     axes = options.axes
     measurements = aggregate_records(
         records,
@@ -353,7 +350,6 @@ def build_from_records(
     provenance: dict[str, Any] = {
         "source": "records",
         "inputs_sha256": digest.hexdigest(),
-        "files": sorted({Path(s).name for s in sources}),
         "runs": sorted({r.run_id for r in used if r.mode in ("pd", "local")}),
         "newest_start_time": newest,
     }

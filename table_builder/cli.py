@@ -71,8 +71,6 @@ def _positive_int(text: str) -> int:
 
 def add_build_options(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``build`` and ``sweep``: everything that lands in the table header."""
-    p.add_argument("--shape", required=True, help="deployment shape, e.g. 1P3D")
-    p.add_argument("--model", required=True, help="model label, e.g. llama-3.1-8b")
     p.add_argument(
         "--min-samples", type=_positive_int, default=20, help="flag cells with fewer requests per mode"
     )
@@ -105,10 +103,12 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--built-at", help="ISO 8601 build time for the provenance (default: from the inputs)")
 
 
-def options_from_args(args: argparse.Namespace) -> BuildOptions:
+def options_from_args(
+    args: argparse.Namespace, *, shape: str, labels: dict[str, str] | None = None
+) -> BuildOptions:
     profiles = dict(args.profile) if args.profile else dict(DEFAULT_PROFILES)
     return BuildOptions(
-        shape=args.shape,
+        shape=shape,
         model=args.model,
         default_weights=args.weights,
         profiles=profiles,
@@ -117,7 +117,7 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
         max_decode_kv_usage=args.max_kv_usage,
         min_samples=args.min_samples,
         timeout_ms=args.timeout_ms,
-        labels=dict(args.label),
+        labels={**dict(args.label), **(labels or {})},
         built_at=args.built_at,
     )
 
@@ -157,12 +157,12 @@ def publish(result: BuildResult, out: Path, *, as_json: bool) -> int:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    options = options_from_args(args)
+    options = options_from_args(args, shape=args.shape)
     out = resolve_out(args.out, options.shape, options.model)
     try:
         if args.records:
             records = read_records(args.records)
-            result = build_from_records(records, options, sources=[str(p) for p in args.records])
+            result = build_from_records(records, options)
         else:
             scan = read_artifact(args.artifact)
             for path, why in scan.ignored:
@@ -247,6 +247,71 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from decision_service.axes import paper_axes
+    from table_builder.analytic import parse_shape
+    from table_builder.catalog import WORKLOADS, parse_workload
+    from table_builder.engines import EngineOptions, make_engine
+    from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
+
+    try:
+        shapes = tuple(_csv(args.shape))
+        for shape in shapes:
+            parse_shape(shape)
+        modes = tuple(_csv(args.modes))
+        if not modes or any(m not in ("pd", "local") for m in modes):
+            raise ValueError(
+                f"--modes takes pd and/or local (the table compares static runs), got {args.modes!r}"
+            )
+        workloads = (
+            WORKLOADS if args.workloads == "all" else tuple(parse_workload(w) for w in _csv(args.workloads))
+        )
+        levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
+        if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
+            raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
+    plan = SweepPlan(shapes, args.model, modes, workloads, levels)
+    bar = tqdm(unit="point", desc=f"sweep ({engine.name})", disable=args.quiet, dynamic_ncols=True)
+
+    def progress(done: int, total: int) -> None:
+        bar.reset(total=total)
+        bar.update(done)
+
+    def advance(point: GridPoint) -> None:
+        bar.set_postfix_str(point.run_id, refresh=False)
+        bar.update(1)
+
+    try:
+        with bar:
+            files = run_sweep(plan, engine, args.out, jobs=args.jobs, progress=progress, advance=advance)
+    except SweepError as exc:
+        logger.error("%s", exc)
+        return 1
+    if args.no_build:
+        return 0
+    labels = {"engine": engine.name, **{k: str(v) for k, v in sorted(engine.settings().items())}}
+    publish_to = args.publish if args.publish is not None else args.out
+    code = 0
+    for shape, paths in files.items():
+        options = options_from_args(args, shape=shape, labels=labels)
+        try:
+            result = build_from_records(read_records(paths), options)
+        except RecordsError as exc:
+            logger.error("%s", exc)
+            return 1
+        code = max(code, publish(result, resolve_out(publish_to, shape, args.model), as_json=args.json))
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ppd-table",
@@ -278,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, required=True, help="table file, or a folder for <shape>__<model>.ppdt"
     )
     build.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    build.add_argument("--shape", required=True, help="deployment shape, e.g. 1P3D")
+    build.add_argument("--model", required=True, help="model label, e.g. llama-3.1-8b")
     add_build_options(build)
     build.set_defaults(run=_cmd_build)
 
@@ -305,6 +372,36 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--provenance", action="store_true", help="print the table's provenance as JSON")
     show.add_argument("--png", type=Path, metavar="OUT", help="also write a heatmap PNG (needs matplotlib)")
     show.set_defaults(run=_cmd_show)
+
+    from table_builder.engines import ENGINES
+
+    sweep = sub.add_parser(
+        "sweep",
+        parents=[common],
+        help="run a grid of static pd/local runs on an engine, keep the records, build and publish tables",
+        description="Run shape x mode x workload x QPS points (resumable: finished points are skipped), "
+        "then build one table per shape and publish it atomically.",
+    )
+    sweep.add_argument("--engine", choices=ENGINES, default=ENGINES[-1], help="what produces the records")
+    sweep.add_argument("--shape", required=True, help="deployment shape(s), comma-separated: 1P3D,2P2D,3P1D")
+    sweep.add_argument("--model", default="llama-3.1-8b", help="model label (default llama-3.1-8b)")
+    sweep.add_argument("--modes", default="pd,local", help="static modes to run (default pd,local)")
+    sweep.add_argument(
+        "--workloads", default="all", help="'all' (the 18 synthetic workloads) or a comma list"
+    )
+    sweep.add_argument("--qps", default="all", help="'all' (the paper's 10 levels) or a comma list")
+    sweep.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
+    )
+    sweep.add_argument("--seed", type=int, default=0, help="seed of every point's arrivals and noise")
+    sweep.add_argument("--jobs", type=_positive_int, default=1, help="points run in parallel processes")
+    sweep.add_argument("--out", type=Path, required=True, help="sweep folder: records/, sweep.json, tables")
+    sweep.add_argument("--publish", type=Path, help="table file or folder to publish into (default: --out)")
+    sweep.add_argument("--no-build", action="store_true", help="only run the points")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.add_argument("--json", action="store_true", help="print each table's summary as one JSON line")
+    add_build_options(sweep)
+    sweep.set_defaults(run=_cmd_sweep)
     return parser
 
 
