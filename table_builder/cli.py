@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -417,6 +418,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         logger.error("interrupted")
         return 130
+    except BrokenPipeError:
+        # The reader went away (`ppd-table show ... | head`): stop quietly, as other Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except Exception as exc:  # the edge: one line, the traceback only with --verbose
         logger.error("%s failed: %s: %s", args.command, type(exc).__name__, exc, exc_info=args.verbose)
         return 1
