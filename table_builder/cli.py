@@ -157,12 +157,26 @@ def publish(result: BuildResult, out: Path, *, as_json: bool) -> int:
     return 0
 
 
+def _record_paths(targets: Sequence[Path]) -> list[Path]:
+    """Files as given; a folder stands for every ``*.jsonl`` under it (sorted), e.g. a sweep's records/."""
+    paths: list[Path] = []
+    for target in targets:
+        if target.is_dir():
+            found = sorted(target.rglob("*.jsonl"))
+            if not found:
+                raise FileNotFoundError(f"{target}: no *.jsonl record files in this folder")
+            paths.extend(found)
+        else:
+            paths.append(target)
+    return paths
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     options = options_from_args(args, shape=args.shape)
     out = resolve_out(args.out, options.shape, options.model)
     try:
         if args.records:
-            records = read_records(args.records)
+            records = read_records(_record_paths(args.records))
             result = build_from_records(records, options)
         else:
             scan = read_artifact(args.artifact)

@@ -165,6 +165,24 @@ def test_missing_inputs_fail_the_build(tmp_path: Path, caplog: pytest.LogCapture
     assert "cannot read inputs" in caplog.text
 
 
+def test_a_folder_without_records_fails_the_build(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    code = main(
+        [
+            "build",
+            "--records",
+            str(tmp_path),
+            "--shape",
+            "1P3D",
+            "--model",
+            "m",
+            "--out",
+            str(tmp_path / "t.ppdt"),
+        ]
+    )
+    assert code == 1
+    assert "no *.jsonl record files" in caplog.text
+
+
 def test_inputs_without_a_measured_cell_write_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
