@@ -29,7 +29,8 @@ def test_default_table_is_shipped_valid_and_documented(shape: str) -> None:
         p = table.header["provenance"]
         assert p["builder"] == BUILDER_VERSION
         assert p["source"] == "records"
-        assert p["labels"]["engine"] in ("sim", "analytic")
+        assert p["labels"]["engine"] == "sim"
+        assert p["labels"]["profile"] == "llama-3.1-8b-h100"
         assert p["labels"]["hardware"] == "H100"
         assert len(p["inputs_sha256"]) == 64
         # The full paper grid: 18 workloads x 10 QPS levels x 2 modes.
