@@ -62,7 +62,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from simulator.cost import CostModel
 from simulator.kv_cache import BlockContent, BlockPool, StreamBlocks, TokenBlocks
@@ -198,15 +198,13 @@ class EngineConfig:
     cascade: bool | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillChunk:
+class PrefillChunk(NamedTuple):
     request_id: str
     n_new: int
     n_cached: int
 
 
-@dataclass(frozen=True, slots=True)
-class KvPull:
+class KvPull(NamedTuple):
     """D must receive the KV of ``n_tokens`` prompt tokens, then ``kv_loaded``; ``n_cached`` are local."""
 
     request_id: str
@@ -214,8 +212,7 @@ class KvPull:
     n_cached: int
 
 
-@dataclass(frozen=True, slots=True)
-class Finished:
+class Finished(NamedTuple):
     request_id: str
     reason: FinishReason
     num_output_tokens: int
@@ -224,8 +221,10 @@ class Finished:
     kv_pinned: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepResult:
+    """What one step (or fast-forward run) did; tokens belong to ``end``. Treat it as read-only."""
+
     start: float
     duration: float
     n_steps: int = 1
@@ -485,8 +484,13 @@ class Engine:
         has_work = bool(self._running or self._ready or self._waiting)
         if has_work and not self._idle:
             return self._free_at
-        if self._lease_heap:
-            return max(self._free_at, self._lease_heap[0][0])
+        heap, pinned = self._lease_heap, self._pinned
+        while heap:  # drop entries of released or extended leases
+            expires, rid = heap[0]
+            entry = pinned.get(rid)
+            if entry is not None and entry[1] == expires:
+                return max(self._free_at, expires)
+            heapq.heappop(heap)
         return None
 
     @property

@@ -159,7 +159,7 @@ def test_lease_expiry_frees_and_counts(profile: Profile) -> None:
     e.add_request(req("p", 1, 500, 1, remote_decode=True), 0.0)
     s = e.step(0.0)
     assert e.extend_lease("p", s.end + 4.0)  # a heartbeat: now runs to s.end + 9
-    assert e.next_step_at() == pytest.approx(s.end + 5.0)
+    assert e.next_step_at() == pytest.approx(s.end + 9.0)
     assert e.expire_leases(s.end + 6.0) == []
     assert e.expire_leases(s.end + 9.0) == ["p"]
     assert e.stats().num_kv_expired == 1
