@@ -278,7 +278,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from decision_service.axes import paper_axes
     from table_builder.analytic import parse_shape
-    from table_builder.catalog import WORKLOADS, parse_workload
+    from table_builder.catalog import select_workloads
     from table_builder.engines import EngineOptions, make_engine
     from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
 
@@ -291,9 +291,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--modes takes pd and/or local (the table compares static runs), got {args.modes!r}"
             )
-        workloads = (
-            WORKLOADS if args.workloads == "all" else tuple(parse_workload(w) for w in _csv(args.workloads))
-        )
+        workloads = select_workloads(args.workloads)
         levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
         if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
             raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")

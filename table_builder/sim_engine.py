@@ -50,10 +50,15 @@ class SimEngine:
     def run(self, point: GridPoint) -> list[Record]:
         from simulator.cluster import ClusterConfig, Topology, simulate
         from simulator.profile import load_profile
-        from simulator.workload import synthetic_conversations
+        from simulator.workload import turn_list_conversations
 
-        conversations = synthetic_conversations(
-            point.workload.name, point.qps, self.duration_s, seed=self.arrivals_seed(point)
+        first, second = point.workload.first, point.workload.second
+        conversations = turn_list_conversations(
+            [[(first.n_in, first.n_out), (second.n_in, second.n_out)]],
+            point.qps,
+            self.duration_s,
+            workload=point.workload.name,
+            seed=self.arrivals_seed(point),
         )
         config = ClusterConfig(
             topology=Topology.parse(point.shape),

@@ -51,3 +51,16 @@ def test_cli_sweep_on_the_simulator(tmp_path: Path) -> None:
         assert table.measured(1, 8, 8)  # large context, huge_paste, 16 QPS
     finally:
         table.close()
+
+
+def test_huge_context_workloads_fill_the_huge_context_class(tmp_path: Path) -> None:
+    records = ENGINE.run(_point("pd", "huge_mid_paste", 1.0))
+    assert {r.n_ctx for r in records if r.turn == 2} == {5120}
+    args = ["sweep", "--engine", "sim", "--shape", "1P3D", "--workloads", "huge_big_paste", "--qps", "2"]
+    args += ["--duration", "2", "--min-samples", "2", "--quiet", "--out", str(tmp_path)]
+    assert main(args) == 0
+    table = Table.open(tmp_path / "1P3D__llama-3.1-8b.ppdt")
+    try:
+        assert table.measured(2, 7, 2)  # huge context, big_paste, 2 QPS
+    finally:
+        table.close()
