@@ -85,6 +85,9 @@ def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str
             cell = locate(n_ctx=w.turn2_context, n_in=w.second.n_in, n_out=w.second.n_out, qps=qps)
             index = (cell.context, cell.workload, cell.qps)
             assert table.measured(*index)
-            assert list(table.figures[index]) == list(rebuilt[index]), f"{shape} {name}@{qps:g} differs"
+            assert list(table.figures[index]) == list(rebuilt[index]), (
+                f"{shape} {name}@{qps:g} differs from a rebuild: the table came from simulator "
+                f"{labels.get('simulator')}, this is {engine.simulator}; rerun the README's sweep command"
+            )
     finally:
         table.close()
