@@ -2,4 +2,5 @@
 
 from simulator.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when multiprocessing's spawn re-imports this module in a child
+    raise SystemExit(main())

@@ -53,7 +53,9 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _registry() -> list[Registrar]:
-    return [_add_calibrate, _add_bench]
+    from simulator.serve_cli import add_bench_realtime, add_cluster, add_worker
+
+    return [_add_calibrate, _add_bench, add_worker, add_cluster, add_bench_realtime]
 
 
 def build_parser() -> argparse.ArgumentParser:
