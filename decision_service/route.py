@@ -1,1 +1,221 @@
-"""Placeholder: filled in by the foundation issue."""
+"""The decision rule: psi -> PD (x=0) or LOCAL (x=1), with provenance.
+
+Rule 1 (architecture.md, "The decision"): turn 1 is always PD. Otherwise psi maps to a cell (context
+class, workload class, nearest QPS level) and the cell's measured deltas are scored as
+S = w_ttft * delta_ttft - w_tpot * delta_tpot; LOCAL when S > 0, where
+delta_ttft = (ttft_pd - ttft_local) / ttft_pd (relative TTFT gain of LOCAL) and
+delta_tpot = (tpot_local - tpot_pd) / tpot_pd (relative TPOT loss of LOCAL).
+Rule 2: a mode that missed the success SLO in a cell loses to one that met it, whatever the weights.
+Rule 3: a cell without data is never silently LOCAL: the nearest measured QPS level of the same
+(context, workload) answers (NEAREST_CELL), else the table's default decision (DEFAULT).
+Rule 4: a live decode KV usage above the table's limit turns LOCAL into PD (LIVE_SIGNAL).
+
+``Router`` precomputes, once per table, every cell's default-weight verdict, so the common call
+(no explicit weights) is a classification plus one tuple index and allocates nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+from typing import NamedTuple
+
+from decision_service.classify import CompiledClassifier
+from decision_service.table import Table, Weights
+
+__all__ = ["MAX_TOKENS", "Query", "QueryError", "Reason", "Router", "Verdict", "check_query", "route"]
+
+# Larger token counts are a caller bug, not a workload (no model has a 100M-token context).
+MAX_TOKENS = 100_000_000
+
+
+class Reason(IntEnum):
+    """Why a decision was taken; numbered exactly like ``ppd.decision.v1.Reason``."""
+
+    TURN_ONE = 1
+    TABLE = 2
+    WEIGHTS = 3
+    PD_FAILED_IN_CELL = 4
+    LOCAL_FAILED_IN_CELL = 5
+    NEAREST_CELL = 6
+    DEFAULT = 7
+    LIVE_SIGNAL = 8
+
+
+class QueryError(ValueError):
+    """The query cannot be answered as asked (maps to INVALID_ARGUMENT)."""
+
+
+class Query(NamedTuple):
+    """psi plus the caller's options. ``None`` means "not given"."""
+
+    turn: int
+    n_in: int
+    n_out: int
+    n_ctx: int
+    qps: float
+    weights: Weights | None = None
+    profile: str | None = None
+    decode_kv_usage: float | None = None
+    prefill_queue_depth: int | None = None
+    decode_running: int | None = None
+
+
+class Verdict(NamedTuple):
+    """A decision with its provenance. ``context``/``workload``/``qps_level`` are None for turn 1."""
+
+    local: bool
+    reason: Reason
+    context: str | None
+    workload: str | None
+    qps_level: float | None
+    score: float
+    default_local: bool
+    detail: str
+
+
+class _Cell(NamedTuple):
+    context: str
+    workload: str
+    qps_level: float
+    delta_ttft: float
+    delta_tpot: float
+    # Set when one mode missed the SLO: (local?, reason); the weights do not matter then.
+    forced: tuple[bool, Reason] | None
+    verdict: Verdict
+
+
+def check_query(q: Query, table: Table) -> None:
+    """Raise QueryError with a message naming the bad field; return silently when ``q`` is answerable."""
+    if q.turn < 1:
+        raise QueryError(f"turn must be >= 1, got {q.turn}")
+    for name, value in (
+        ("new_input_tokens", q.n_in),
+        ("expected_output_tokens", q.n_out),
+        ("context_tokens", q.n_ctx),
+    ):
+        if value < 0 or value > MAX_TOKENS:
+            raise QueryError(f"{name} must be within 0..{MAX_TOKENS}, got {value}")
+    if not math.isfinite(q.qps) or q.qps < 0:
+        raise QueryError(f"qps must be a finite number >= 0, got {q.qps}")
+    if q.weights is not None:
+        w = q.weights
+        if not (math.isfinite(w.w_ttft) and math.isfinite(w.w_tpot)) or w.w_ttft < 0 or w.w_tpot < 0:
+            raise QueryError(f"weights must be finite and >= 0, got w_ttft={w.w_ttft} w_tpot={w.w_tpot}")
+        if w.w_ttft == 0 and w.w_tpot == 0:
+            raise QueryError("weights w_ttft and w_tpot are both zero")
+    if q.profile is not None and q.profile not in table.profiles:
+        known = ", ".join(sorted(table.profiles)) or "none"
+        raise QueryError(f"unknown weights profile {q.profile!r} (table {table.key} has: {known})")
+    if q.decode_kv_usage is not None and not (0.0 <= q.decode_kv_usage <= 1.0):
+        raise QueryError(f"decode_kv_usage must be within 0..1, got {q.decode_kv_usage}")
+    for name, count in (
+        ("prefill_queue_depth", q.prefill_queue_depth),
+        ("decode_running_requests", q.decode_running),
+    ):
+        if count is not None and count < 0:
+            raise QueryError(f"{name} must be >= 0, got {count}")
+
+
+class Router:
+    """One table compiled for lookups. Immutable; build one per loaded table."""
+
+    __slots__ = ("_cells", "_classifier", "_turn_one", "table")
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+        self._classifier = CompiledClassifier(table.axes)
+        nc, nw, nq = table.axes.shape
+        default_local = table.default_decision == "local"
+        self._turn_one = Verdict(
+            False, Reason.TURN_ONE, None, None, None, 0.0, False, "turn 1 always takes PD"
+        )
+        cells: list[_Cell] = []
+        for c in range(nc):
+            for w in range(nw):
+                measured_q = [q for q in range(nq) if table.measured(c, w, q)]
+                for q in range(nq):
+                    cells.append(self._compile_cell(c, w, q, measured_q, default_local))
+        self._cells = tuple(cells)
+
+    def _compile_cell(self, c: int, w: int, q: int, measured_q: list[int], default_local: bool) -> _Cell:
+        t = self.table
+        axes = t.axes
+        ctx, wl = axes.context_classes[c], axes.workloads[w].name
+        level = axes.qps_levels[q]
+        if not measured_q:
+            v = Verdict(
+                default_local,
+                Reason.DEFAULT,
+                ctx,
+                wl,
+                level,
+                0.0,
+                default_local,
+                f"no measurements for ({ctx}, {wl}) at any QPS; table default {t.default_decision}",
+            )
+            return _Cell(ctx, wl, level, 0.0, 0.0, (default_local, Reason.DEFAULT), v)
+        # Nearest measured level; on a tie the lower one (its figures are the less optimistic for PD).
+        src = min(measured_q, key=lambda m: (abs(axes.qps_levels[m] - level), m))
+        pd_ttft, pd_tpot, lo_ttft, lo_tpot, pd_ok, lo_ok, _, _ = (float(x) for x in t.figures[c, w, src])
+        d_ttft = (pd_ttft - lo_ttft) / pd_ttft
+        d_tpot = (lo_tpot - pd_tpot) / pd_tpot
+        forced: tuple[bool, Reason] | None = None
+        pd_failed, lo_failed = pd_ok < t.min_success, lo_ok < t.min_success
+        if pd_failed and (not lo_failed or lo_ok > pd_ok):
+            forced = (True, Reason.PD_FAILED_IN_CELL)
+        elif lo_failed and (not pd_failed or pd_ok > lo_ok):
+            forced = (False, Reason.LOCAL_FAILED_IN_CELL)
+        dw = t.default_weights
+        score = dw.w_ttft * d_ttft - dw.w_tpot * d_tpot
+        used = axes.qps_levels[src]
+        if forced is not None:
+            local, reason = forced
+            detail = f"success pd={pd_ok:.3f} local={lo_ok:.3f} vs SLO {t.min_success}"
+        else:
+            local, reason = score > 0, Reason.TABLE
+            detail = ""
+        if src != q:
+            detail = f"no measurements at {level:g} QPS; nearest measured level {used:g}" + (
+                f"; {detail}" if detail else ""
+            )
+            if forced is None:
+                reason = Reason.NEAREST_CELL
+            forced = (local, reason) if forced is not None else None
+        v = Verdict(local, reason, ctx, wl, used, score, local, detail)
+        return _Cell(ctx, wl, used, d_ttft, d_tpot, forced, v)
+
+    def route(self, q: Query) -> Verdict:
+        """Decide ``q``. Assumes ``check_query`` passed; total over every such query."""
+        if q.turn == 1:
+            return self._turn_one
+        cell = self._cells[self._classifier.cell_index(q.n_in, q.n_out, q.n_ctx, q.qps)]
+        weights = q.weights
+        if weights is None and q.profile is not None:
+            weights = self.table.profiles[q.profile]
+        v = cell.verdict
+        if weights is not None and cell.forced is None and weights != self.table.default_weights:
+            score = weights.w_ttft * cell.delta_ttft - weights.w_tpot * cell.delta_tpot
+            reason = Reason.WEIGHTS if v.reason is Reason.TABLE else v.reason
+            v = Verdict(
+                score > 0, reason, v.context, v.workload, v.qps_level, score, v.default_local, v.detail
+            )
+        if v.local and q.decode_kv_usage is not None and q.decode_kv_usage > self.table.max_decode_kv_usage:
+            v = Verdict(
+                False,
+                Reason.LIVE_SIGNAL,
+                v.context,
+                v.workload,
+                v.qps_level,
+                v.score,
+                v.default_local,
+                f"decode KV usage {q.decode_kv_usage:.2f} above the table's limit "
+                f"{self.table.max_decode_kv_usage}",
+            )
+        return v
+
+
+def route(table: Table, query: Query) -> Verdict:
+    """Check and decide one query against ``table`` (convenience; servers keep a ``Router``)."""
+    check_query(query, table)
+    return Router(table).route(query)

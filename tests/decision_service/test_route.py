@@ -1,0 +1,190 @@
+"""The decision rule, table-driven, plus totality as a property."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decision_service.axes import paper_axes
+from decision_service.classify import context_class, qps_index, workload_class
+from decision_service.route import MAX_TOKENS, Query, QueryError, Reason, Router, check_query, route
+from decision_service.table import Table, TableSpec, Weights, encode_table
+from tests.support.tables import synthetic_spec
+
+
+@pytest.fixture(scope="module")
+def table() -> Table:
+    return Table.from_bytes(encode_table(synthetic_spec()))
+
+
+@pytest.fixture(scope="module")
+def router(table: Table) -> Router:
+    return Router(table)
+
+
+@pytest.mark.parametrize(
+    ("n_in", "n_out", "expected"),
+    [
+        (8, 64, "tiny"),
+        # The benchmark's "tiny" turn (16 in, 32 out) has r = 0.5: the live rule calls it balanced.
+        (16, 32, "small_bal"),
+        (32, 256, "short_gen"),
+        (32, 512, "long_gen"),
+        (64, 1024, "very_long_gen"),
+        (64, 64, "small_bal"),
+        (128, 128, "mid_bal"),
+        (256, 64, "mid_paste"),
+        (512, 64, "big_paste"),
+        (1024, 32, "huge_paste"),
+        (5, 0, "mid_paste"),  # n_out 0 counts as 1: r = 5
+        (0, 0, "tiny"),
+        (10, 65, "short_gen"),
+    ],
+)
+def test_workload_classes_of_the_paper(n_in: int, n_out: int, expected: str) -> None:
+    axes = paper_axes()
+    assert axes.workloads[workload_class(axes, n_in, n_out)].name == expected
+
+
+@pytest.mark.parametrize(
+    ("n_ctx", "expected"), [(0, "small"), (512, "small"), (513, "large"), (4096, "large"), (4097, "huge")]
+)
+def test_context_classes(n_ctx: int, expected: str) -> None:
+    axes = paper_axes()
+    assert axes.context_classes[context_class(axes, n_ctx)] == expected
+
+
+@pytest.mark.parametrize(
+    ("qps", "level"), [(0.0, 0.5), (0.75, 0.5), (0.8, 1.0), (3.0, 2.0), (3.1, 4.0), (99.0, 20.0)]
+)
+def test_qps_snaps_to_nearest_level_ties_down(qps: float, level: float) -> None:
+    axes = paper_axes()
+    assert axes.qps_levels[qps_index(axes, qps)] == level
+
+
+def test_turn_one_is_always_pd(router: Router) -> None:
+    v = router.route(Query(turn=1, n_in=5000, n_out=10, n_ctx=0, qps=20.0))
+    assert (v.local, v.reason, v.context) == (False, Reason.TURN_ONE, None)
+
+
+def test_table_decision_under_default_weights(router: Router) -> None:
+    v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0))
+    assert (v.local, v.reason) == (True, Reason.TABLE)
+    assert (v.context, v.workload, v.qps_level) == ("large", "mid_bal", 4.0)
+    assert v.score > 0
+    assert v.default_local
+
+
+def test_heavy_tpot_weight_flips_to_pd_and_says_weights(router: Router) -> None:
+    v = router.route(Query(turn=2, n_in=1024, n_out=32, n_ctx=1000, qps=0.5, weights=Weights(0.01, 100.0)))
+    assert (v.local, v.reason, v.default_local) == (False, Reason.WEIGHTS, True)
+    assert v.score < 0
+
+
+def test_named_profile_is_applied(router: Router, table: Table) -> None:
+    q = Query(turn=3, n_in=128, n_out=128, n_ctx=1000, qps=4.0, profile="tpot")
+    v = router.route(q)
+    w = table.profiles["tpot"]
+    direct = router.route(q._replace(profile=None, weights=w))
+    assert v == direct
+
+
+def test_default_weights_given_explicitly_say_table(router: Router, table: Table) -> None:
+    v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, weights=table.default_weights))
+    assert v.reason is Reason.TABLE
+
+
+def test_pd_failing_its_slo_forces_local_whatever_the_weights(router: Router) -> None:
+    v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=25.0, weights=Weights(0.0, 1000.0)))
+    assert (v.local, v.reason) == (True, Reason.PD_FAILED_IN_CELL)
+
+
+def test_local_failing_its_slo_forces_pd() -> None:
+    spec = synthetic_spec(holes=False)
+    fig = spec.figures.copy()
+    fig[1, 5, :, 5] = 0.5  # local success 50 % in (large, mid_bal)
+    table = Table.from_bytes(encode_table(_with(spec, fig)))
+    v = Router(table).route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, weights=Weights(100, 0)))
+    assert (v.local, v.reason) == (False, Reason.LOCAL_FAILED_IN_CELL)
+
+
+def test_missing_qps_level_uses_nearest_measured_and_says_so(router: Router) -> None:
+    v = router.route(Query(turn=2, n_in=8, n_out=64, n_ctx=100, qps=10.0))
+    assert v.reason is Reason.NEAREST_CELL
+    assert v.qps_level in (8.0, 12.0)
+    assert "nearest measured level" in v.detail
+
+
+def test_cell_without_any_data_gets_the_table_default_never_silently_local(router: Router) -> None:
+    v = router.route(Query(turn=2, n_in=32, n_out=256, n_ctx=100, qps=4.0))
+    assert (v.local, v.reason) == (False, Reason.DEFAULT)
+    huge = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=100_000, qps=4.0, weights=Weights(1, 0)))
+    assert (huge.local, huge.reason) == (False, Reason.DEFAULT)
+
+
+def test_high_decode_kv_usage_turns_local_into_pd(router: Router) -> None:
+    v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, decode_kv_usage=0.99))
+    assert (v.local, v.reason, v.default_local) == (False, Reason.LIVE_SIGNAL, True)
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        (Query(turn=0, n_in=1, n_out=1, n_ctx=1, qps=1.0), "turn"),
+        (Query(turn=2, n_in=-1, n_out=1, n_ctx=1, qps=1.0), "new_input_tokens"),
+        (Query(turn=2, n_in=1, n_out=MAX_TOKENS + 1, n_ctx=1, qps=1.0), "expected_output_tokens"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=-5, qps=1.0), "context_tokens"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=1, qps=float("nan")), "qps"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=1, qps=float("inf")), "qps"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=1, qps=1.0, weights=Weights(-1, 1)), "weights"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=1, qps=1.0, weights=Weights(0, 0)), "both zero"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=1, qps=1.0, profile="nope"), "unknown weights profile"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=1, qps=1.0, decode_kv_usage=1.5), "decode_kv_usage"),
+        (Query(turn=2, n_in=1, n_out=1, n_ctx=1, qps=1.0, prefill_queue_depth=-1), "prefill_queue_depth"),
+    ],
+)
+def test_invalid_queries_say_what_was_wrong(table: Table, query: Query, message: str) -> None:
+    with pytest.raises(QueryError, match=message):
+        route(table, query)
+
+
+_tokens = st.integers(min_value=0, max_value=MAX_TOKENS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    turn=st.integers(min_value=1, max_value=1000),
+    n_in=_tokens,
+    n_out=_tokens,
+    n_ctx=_tokens,
+    qps=st.floats(min_value=0, max_value=1e9),
+    weights=st.none() | st.tuples(st.floats(0, 1e6), st.floats(0, 1e6)).filter(lambda w: w != (0, 0)),
+    kv=st.none() | st.floats(0, 1),
+)
+def test_rule_is_total(
+    router: Router,
+    table: Table,
+    turn: int,
+    n_in: int,
+    n_out: int,
+    n_ctx: int,
+    qps: float,
+    weights: tuple[float, float] | None,
+    kv: float | None,
+) -> None:
+    q = Query(turn, n_in, n_out, n_ctx, qps, Weights(*weights) if weights else None, None, kv)
+    check_query(q, table)
+    v = router.route(q)
+    assert isinstance(v.local, bool)
+    assert v.reason in Reason
+    assert (turn == 1) == (v.reason is Reason.TURN_ONE)
+    if v.local and v.reason in (Reason.TABLE, Reason.WEIGHTS):
+        assert v.score > 0
+
+
+def _with(spec: TableSpec, figures: np.ndarray) -> TableSpec:
+    return TableSpec(
+        shape=spec.shape, model=spec.model, axes=spec.axes, figures=figures, profiles=spec.profiles
+    )

@@ -1,0 +1,149 @@
+"""The table file: round trips, determinism, and one named test per corrupt fixture."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decision_service.axes import paper_axes
+from decision_service.table import FIGURES, Table, TableError, TableSpec, Weights, encode_table, write_table
+from tests.support.tables import bad_fixtures, synthetic_spec
+
+FIXTURES = Path(__file__).resolve().parent.parent / "testdata" / "tables"
+
+
+def test_checked_in_fixtures_match_their_generator() -> None:
+    for reason, blob in bad_fixtures().items():
+        assert (FIXTURES / f"bad_{reason}.ppdt").read_bytes() == blob, reason
+    assert (FIXTURES / "good.ppdt").read_bytes() == encode_table(synthetic_spec())
+
+
+def test_good_fixture_opens_with_its_header() -> None:
+    table = Table.open(FIXTURES / "good.ppdt")
+    try:
+        assert table.key == "1P3D/llama-3.1-8b"
+        assert table.axes == paper_axes()
+        assert table.figures.shape == (3, 9, 10, len(FIGURES))
+        assert table.profiles["ttft"] == Weights(1.0, 0.2)
+        assert table.measured(1, 0, 0)
+        assert not table.measured(2, 0, 0)
+    finally:
+        table.close()
+
+
+def _reason_of(name: str) -> str:
+    with pytest.raises(TableError) as info:
+        Table.open(FIXTURES / f"bad_{name}.ppdt")
+    return info.value.reason
+
+
+def test_bad_magic_is_rejected() -> None:
+    assert _reason_of("bad_magic") == "bad_magic"
+
+
+def test_future_version_is_rejected() -> None:
+    assert _reason_of("future_version") == "future_version"
+
+
+def test_truncated_file_is_rejected() -> None:
+    assert _reason_of("truncated") == "truncated"
+
+
+def test_checksum_mismatch_is_rejected() -> None:
+    assert _reason_of("checksum") == "checksum"
+
+
+def test_axes_inconsistent_with_arrays_is_rejected() -> None:
+    assert _reason_of("axes") == "axes"
+
+
+def test_nan_in_figures_is_rejected() -> None:
+    assert _reason_of("nan") == "nan"
+
+
+def test_table_without_measurements_is_rejected() -> None:
+    assert _reason_of("empty") == "empty"
+
+
+def test_header_missing_a_field_is_rejected() -> None:
+    assert _reason_of("header") == "header"
+
+
+def test_zero_byte_file_is_empty(tmp_path: Path) -> None:
+    (tmp_path / "zero.ppdt").write_bytes(b"")
+    with pytest.raises(TableError) as info:
+        Table.open(tmp_path / "zero.ppdt")
+    assert info.value.reason == "empty"
+
+
+def test_same_spec_gives_same_bytes_and_version_tracks_content() -> None:
+    a, b = encode_table(synthetic_spec()), encode_table(synthetic_spec())
+    assert a == b
+    other = Table.from_bytes(encode_table(synthetic_spec(seed=8)))
+    assert other.version != Table.from_bytes(a).version
+
+
+def test_arrays_are_aligned_to_64_bytes() -> None:
+    table = Table.from_bytes(encode_table(synthetic_spec()))
+    assert table.header["arrays"][0]["offset"] % 64 == 0
+
+
+def test_write_publishes_atomically_and_leaves_no_temp(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "t.ppdt", synthetic_spec())
+    assert [p.name for p in tmp_path.iterdir()] == ["t.ppdt"]
+    assert Table.open(path).key == "1P3D/llama-3.1-8b"
+
+
+def test_encoder_refuses_a_spec_it_could_not_read() -> None:
+    spec = synthetic_spec()
+    bad = TableSpec(shape=spec.shape, model=spec.model, axes=spec.axes, figures=spec.figures[:, :, :-1])
+    with pytest.raises(TableError, match="axes"):
+        encode_table(bad)
+
+
+_figure = st.floats(min_value=0.5, max_value=1e5, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ttft=_figure,
+    tpot=_figure,
+    success=st.floats(min_value=0.0, max_value=1.0),
+    samples=st.integers(min_value=1, max_value=10_000),
+    w=st.tuples(st.floats(0.01, 10), st.floats(0.0, 10)),
+    profile=st.text(alphabet="abcdefgh_", min_size=1, max_size=12),
+)
+def test_write_read_round_trip(
+    ttft: float, tpot: float, success: float, samples: int, w: tuple[float, float], profile: str
+) -> None:
+    axes = paper_axes()
+    fig = np.zeros((*axes.shape, len(FIGURES)))
+    fig[...] = (ttft, tpot, ttft / 2, tpot * 1.1, success, 1.0, samples, samples)
+    spec = TableSpec(
+        shape="2P2D",
+        model="m",
+        axes=axes,
+        figures=fig,
+        default_weights=Weights(*w),
+        profiles={profile: Weights(*w)},
+    )
+    table = Table.from_bytes(encode_table(spec))
+    assert np.array_equal(table.figures, fig)
+    assert table.default_weights == Weights(*w)
+    assert table.profiles == {profile: Weights(*w)}
+    assert math.isclose(table.min_success, spec.min_success)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0), st.integers(min_value=0, max_value=255))
+def test_any_single_byte_corruption_is_rejected_cleanly(position: int, xor: int) -> None:
+    good = bytearray(encode_table(synthetic_spec()))
+    i = position % len(good)
+    good[i] ^= xor or 1
+    with pytest.raises(TableError):
+        Table.from_bytes(bytes(good))

@@ -1,0 +1,121 @@
+"""Synthetic but plausible tables for tests, and the bad fixtures (one per failure mode)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from decision_service.axes import paper_axes
+from decision_service.table import FIGURES, TableSpec, Weights, encode_table
+
+PROFILES = {"ttft": Weights(1.0, 0.2), "tpot": Weights(0.2, 1.0), "balanced": Weights(1.0, 1.0)}
+
+
+def synthetic_spec(
+    *, seed: int = 7, holes: bool = True, shape: str = "1P3D", model: str = "llama-3.1-8b"
+) -> TableSpec:
+    """Figures that follow the paper's shape: LOCAL cuts TTFT more as QPS grows, costs some TPOT,
+    PD fails at the highest QPS of the large context. With ``holes`` some cells are unmeasured."""
+    axes = paper_axes()
+    rng = np.random.default_rng(seed)
+    nc, nw, nq = axes.shape
+    fig = np.zeros((nc, nw, nq, len(FIGURES)))
+    for c in range(nc):
+        for w, wl in enumerate(axes.workloads):
+            for q, level in enumerate(axes.qps_levels):
+                pd_ttft = 60.0 + 8.0 * level * (1 + c) + wl.n_in * 0.05
+                local_ttft = pd_ttft * (0.35 + 0.02 * rng.random())
+                pd_tpot = 9.0 + 0.1 * level
+                local_tpot = pd_tpot * (1.0 + 0.004 * wl.n_in / 16 + 0.01 * rng.random())
+                pd_ok = 0.80 if (c == 1 and level >= 20) else 1.0
+                fig[c, w, q] = (pd_ttft, pd_tpot, local_ttft, local_tpot, pd_ok, 1.0, 40, 40)
+    if holes:
+        fig[0, 0, 6, 6:] = 0  # (small, tiny) has no data at 10 QPS: nearest level answers
+        fig[0, 1, :, 6:] = 0  # (small, short_gen) has no data at all: the default answers
+        fig[2, :, :, 6:] = 0  # huge contexts were never measured
+    return TableSpec(
+        shape=shape,
+        model=model,
+        axes=axes,
+        figures=fig,
+        profiles=PROFILES,
+        provenance={"source": "tests/support/tables.py", "seed": seed},
+    )
+
+
+def _resign(body: bytes) -> bytes:
+    return body + hashlib.sha256(body).digest()
+
+
+def _patch_header(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+    """Rewrite the JSON header in place (same length, space padded) and re-sign the file."""
+    _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
+    header = json.loads(blob[16 : 16 + hlen])
+    edit(header)
+    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert len(raw) <= hlen, "patched header grew past its padding"
+    body = blob[:16] + raw.ljust(hlen, b" ") + blob[16 + hlen : -32]
+    return _resign(body)
+
+
+def _nan_figures(blob: bytes) -> bytes:
+    _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
+    header = json.loads(blob[16 : 16 + hlen])
+    offset = header["arrays"][0]["offset"]
+    body = bytearray(blob[:-32])
+    body[offset + 8 : offset + 16] = struct.pack("<d", float("nan"))
+    return _resign(bytes(body))
+
+
+def _wrong_axes(header: dict[str, Any]) -> None:
+    header["axes"]["qps_levels"] = header["axes"]["qps_levels"][:-1]
+
+
+def _future_version(blob: bytes) -> bytes:
+    return _resign(blob[:8] + struct.pack("<H", 99) + blob[10:-32])
+
+
+def _empty_cells() -> bytes:
+    spec = synthetic_spec(holes=False)
+    blob = encode_table(spec)
+    fig = spec.figures.copy()
+    fig[..., 6:] = 0
+    _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
+    offset = json.loads(blob[16 : 16 + hlen])["arrays"][0]["offset"]
+    return _resign(blob[:offset] + fig.astype("<f8").tobytes())
+
+
+def bad_fixtures() -> dict[str, bytes]:
+    """One corrupt file per TableError reason; the key is the reason the reader must give."""
+    good = encode_table(synthetic_spec())
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0xFF
+    return {
+        "bad_magic": b"NOTATABL" + good[8:],
+        "future_version": _future_version(good),
+        "truncated": good[: len(good) - 100],
+        "checksum": bytes(flipped),
+        "axes": _patch_header(good, _wrong_axes),
+        "nan": _nan_figures(good),
+        "empty": _empty_cells(),
+        "header": _patch_header(good, lambda h: h.pop("model")),
+    }
+
+
+def write_fixtures(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for reason, blob in bad_fixtures().items():
+        path = folder / f"bad_{reason}.ppdt"
+        path.write_bytes(blob)
+        paths[reason] = path
+    good = folder / "good.ppdt"
+    good.write_bytes(encode_table(synthetic_spec()))
+    paths["good"] = good
+    return paths
