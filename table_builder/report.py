@@ -1,0 +1,339 @@
+"""``ppd-bench report``: the reproduction report (Markdown + PNG plots) from benchmark records.
+
+Reads every ``*.jsonl`` under ``--records`` and the optional ``manifest.json`` there (which engine and
+seed produced the records, and which run ids belong to the w_tpot and link sweeps; see
+``comparison.Manifest``). Writes ``report.md`` and one PNG per figure into ``--out``. Every plot
+carries a caption saying what was run and with which seed. matplotlib is imported only here, lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from table_builder.comparison import (
+    BANDS,
+    HIGH_QPS,
+    MODE_ORDER,
+    Acceptance,
+    Manifest,
+    Point,
+    SweepPoint,
+    acceptance,
+    band_changes,
+    bandwidth_points,
+    failure_rates,
+    pareto,
+    points,
+    winners,
+    wtpot_points,
+)
+from table_builder.records import Record, read_records
+
+__all__ = ["MANIFEST_NAME", "REPORT_NAME", "ReportInputs", "add_parser", "load_inputs", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME: Final = "manifest.json"
+REPORT_NAME: Final = "report.md"
+_COLOURS: Final = {"pd": "tab:blue", "local": "tab:orange", "ppd": "tab:green", "replica": "tab:gray"}
+
+
+@dataclass(frozen=True, slots=True)
+class ReportInputs:
+    records: Sequence[Record]
+    manifest: Manifest
+    files: Sequence[Path]
+
+
+def load_inputs(folder: Path) -> ReportInputs:
+    """All records under ``folder`` (sorted file order) and its manifest (defaults when absent)."""
+    files = sorted(folder.rglob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no *.jsonl records under {folder}")
+    manifest_path = folder / MANIFEST_NAME
+    manifest = Manifest.from_json(manifest_path.read_text("utf-8")) if manifest_path.exists() else Manifest()
+    return ReportInputs(records=read_records(files), manifest=manifest, files=files)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _provenance(inputs: ReportInputs) -> str:
+    m = inputs.manifest
+    workloads = sorted({r.workload for r in inputs.records})
+    seed = "unrecorded" if m.seed is None else str(m.seed)
+    return f"{m.engine}, seed {seed}; workloads: {', '.join(workloads)}; {len(inputs.records)} requests"
+
+
+class _Plots:
+    """Writes PNGs with matplotlib's object API (no pyplot global state)."""
+
+    def __init__(self, out: Path, caption: str) -> None:
+        from matplotlib.figure import Figure
+
+        self._figure = Figure
+        self._out = out
+        self._caption = caption
+
+    def save(self, name: str, title: str, draw: Callable[[Any], None], *, panels: int = 1) -> str:
+        fig = self._figure(figsize=(5.0 * panels, 4.2), layout="constrained")
+        axes = fig.subplots(1, panels, squeeze=False)[0]
+        draw(axes)
+        fig.suptitle(f"{title}\n{self._caption}", fontsize=9)
+        fig.savefig(self._out / name, dpi=110)
+        return name
+
+
+def _by_shape(pts: Sequence[Point]) -> dict[str, list[Point]]:
+    out: dict[str, list[Point]] = {}
+    for p in pts:
+        out.setdefault(p.shape, []).append(p)
+    return out
+
+
+def _modes(pts: Sequence[Point]) -> list[str]:
+    seen = {p.mode for p in pts}
+    return [m for m in MODE_ORDER if m in seen] + sorted(seen - set(MODE_ORDER))
+
+
+def _section_table1(pts: Sequence[Point], plots: _Plots) -> list[str]:
+    lines = ["## Turn 2+ TTFT by mode across QPS (paper Table 1)", ""]
+    if not pts:
+        return [*lines, "No QPS-sweep records.", ""]
+    shapes = _by_shape(pts)
+    for shape, group in shapes.items():
+        modes = _modes(group)
+        qps_levels = sorted({p.qps for p in group})
+        by = {(p.mode, p.qps): p for p in group}
+        rows = [
+            [f"{q:g}", *[_ms(by[(m, q)].ttft2_mean_ms) if (m, q) in by else "-" for m in modes]]
+            for q in qps_levels
+        ]
+        lines += [f"### {shape}: mean Turn 2+ TTFT (ms)", "", *_table(["QPS", *modes], rows)]
+        bands = [
+            [m, *[_pct(band_changes(group, shape, m)[name]) for name, _, _ in BANDS]]
+            for m in modes
+            if m != "pd"
+        ]
+        if bands:
+            header = ["vs PD", *[f"{name} ({lo:g}-{hi:g})" for name, lo, hi in BANDS]]
+            lines += [f"{shape}: change in mean Turn 2+ TTFT versus PD (negative = better)", ""]
+            lines += _table(header, bands)
+
+    def draw(axes: Any) -> None:
+        for ax, (shape, group) in zip(axes, shapes.items(), strict=True):
+            for mode in _modes(group):
+                xs = [
+                    (p.qps, p.ttft2_mean_ms) for p in group if p.mode == mode and p.ttft2_mean_ms is not None
+                ]
+                if xs:
+                    ax.plot(*zip(*xs, strict=True), marker="o", label=mode, color=_COLOURS.get(mode))
+            ax.set_title(shape)
+            ax.set_xlabel("target QPS")
+            ax.set_ylabel("mean Turn 2+ TTFT (ms)")
+            ax.legend()
+
+    name = plots.save("table1_ttft_by_qps.png", "Turn 2+ TTFT by mode across QPS", draw, panels=len(shapes))
+    return [*lines, f"![Turn 2+ TTFT by mode across QPS]({name})", ""]
+
+
+def _section_pareto(pts: Sequence[Point], plots: _Plots) -> list[str]:
+    lines = ["## P99 TTFT vs tokens/s (paper Figure 1)", ""]
+    usable = [p for p in pts if p.tokens_per_s is not None and p.ttft_p99_ms is not None]
+    if not usable:
+        return [*lines, "No QPS-sweep records.", ""]
+    shapes = _by_shape(usable)
+    rows = []
+    for shape, group in shapes.items():
+        for q in sorted({p.qps for p in group}):
+            front = pareto([p for p in group if p.qps == q])
+            rows += [[shape, f"{q:g}", p.mode, f"{p.tokens_per_s:.0f}", _ms(p.ttft_p99_ms)] for p in front]
+    lines += ["Pareto-optimal modes per shape and QPS (higher tokens/s, lower P99 TTFT):", ""]
+    lines += _table(["shape", "QPS", "mode", "tokens/s", "P99 TTFT (ms)"], rows)
+
+    def draw(axes: Any) -> None:
+        for ax, (shape, group) in zip(axes, shapes.items(), strict=True):
+            for mode in _modes(group):
+                mine = [p for p in group if p.mode == mode]
+                ax.scatter(
+                    [p.tokens_per_s for p in mine],
+                    [p.ttft_p99_ms for p in mine],
+                    label=mode,
+                    color=_COLOURS.get(mode),
+                )
+                for p in mine:
+                    ax.annotate(f"{p.qps:g}", (p.tokens_per_s, p.ttft_p99_ms), fontsize=6)
+            ax.set_title(f"{shape} (labels: QPS)")
+            ax.set_xlabel("output tokens/s")
+            ax.set_ylabel("P99 TTFT (ms)")
+            ax.legend()
+
+    name = plots.save("figure1_pareto.png", "P99 TTFT vs tokens/s", draw, panels=len(shapes))
+    return [*lines, f"![P99 TTFT vs tokens/s]({name})", ""]
+
+
+def _section_failures(pts: Sequence[Point]) -> list[str]:
+    lines = ["## Failure rates at high QPS (paper Table 5)", ""]
+    rates = failure_rates(pts)
+    if not rates:
+        return [*lines, f"No records at QPS {', '.join(f'{q:g}' for q in HIGH_QPS)}.", ""]
+    levels = sorted({q for r in rates.values() for q in r})
+    rows = [
+        [f"{shape} ({mode})", *[f"{100 * r[q]:.0f}%" if q in r else "-" for q in levels]]
+        for (shape, mode), r in rates.items()
+    ]
+    return [*lines, *_table(["config", *[f"QPS={q:g}" for q in levels]], rows)]
+
+
+def _section_winners(pts: Sequence[Point]) -> list[str]:
+    lines = ["## Per-metric winners: PD vs x=1 vs PPD (paper Table 3)", ""]
+    w = winners(pts)
+    if not w.test_points:
+        return [*lines, "No (shape, QPS) point has all of pd, local and ppd.", ""]
+    names = {"pd": "PD (x=0)", "local": "x=1", "ppd": "PPD"}
+    n = w.test_points
+    rows = [
+        [names[m], f"{w.tpot_best[m]}/{n}", f"{w.ttft_best[m]}/{n}", f"{w.full_success[m]}/{n}"]
+        for m in ("pd", "local", "ppd")
+    ]
+    lines += [f"Counted over {n} (shape, QPS) test points; ties count for every tied mode.", ""]
+    return [*lines, *_table(["mode", "TPOT best", "TTFT best", "SR = 100%"], rows)]
+
+
+def _section_wtpot(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
+    lines = ["## The w_tpot sweep and the share routed locally (paper Figure 6)", ""]
+    if not sweep:
+        return [*lines, "No w_tpot sweep in these records.", ""]
+    rows = [
+        [
+            s.label,
+            _ms(s.point.ttft2_mean_ms),
+            _ms(s.point.tpot2_mean_ms),
+            "-" if s.point.local_share is None else f"{100 * s.point.local_share:.0f}%",
+        ]
+        for s in sweep
+    ]
+    lines += _table(["setting", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "routed local"], rows)
+
+    def draw(axes: Any) -> None:
+        ax = axes[0]
+        xs = [s.point.tpot2_mean_ms for s in sweep]
+        ys = [s.point.ttft2_mean_ms for s in sweep]
+        ax.plot(xs, ys, marker="o", color="tab:green")
+        for s, x, y in zip(sweep, xs, ys, strict=True):
+            share = "-" if s.point.local_share is None else f"{100 * s.point.local_share:.0f}%"
+            ax.annotate(f"{s.label} ({share} local)", (x, y), fontsize=7)
+        ax.set_xlabel("mean Turn 2+ TPOT (ms)")
+        ax.set_ylabel("mean Turn 2+ TTFT (ms)")
+
+    name = plots.save("figure6_wtpot.png", "w_tpot traces a TTFT/TPOT frontier", draw)
+    return [*lines, f"![w_tpot sweep]({name})", ""]
+
+
+def _section_links(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
+    lines = ["## Turn 2+ TTFT across link bandwidths (paper Figure 5)", ""]
+    if not sweep:
+        return [*lines, "No link-bandwidth sweep in these records.", ""]
+    rows = [
+        [s.mode, s.label, _ms(s.point.ttft2_mean_ms), _ms(s.point.tpot2_mean_ms), _ms(s.point.e2e_mean_ms)]
+        for s in sweep
+    ]
+    lines += _table(["mode", "link", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "E2E (ms)"], rows)
+
+    def draw(axes: Any) -> None:
+        ax = axes[0]
+        for mode in _modes([s.point for s in sweep]):
+            mine = [s for s in sweep if s.mode == mode and s.value is not None]
+            ax.plot(
+                [s.value for s in mine],
+                [s.point.ttft2_mean_ms for s in mine],
+                marker="o",
+                label=mode,
+                color=_COLOURS.get(mode),
+            )
+        ax.set_xscale("log")
+        ax.invert_xaxis()
+        ax.set_xlabel("link bandwidth (GB/s, slower to the right)")
+        ax.set_ylabel("mean Turn 2+ TTFT (ms)")
+        ax.legend()
+
+    name = plots.save("figure5_links.png", "Turn 2+ TTFT across link bandwidths", draw)
+    return [*lines, f"![link sweep]({name})", ""]
+
+
+def _section_acceptance(result: Acceptance, shape: str) -> list[str]:
+    marks = {True: "PASS", False: "FAIL", None: "n/a"}
+    rows = [[c.name, marks[c.passed], c.detail] for c in result.checks]
+    return [f"## Acceptance figures ({shape})", "", *_table(["check", "result", "measured"], rows)]
+
+
+def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Path:
+    """Write ``report.md`` and its PNGs into ``out``; returns the report's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    caption = _provenance(inputs)
+    plots = _Plots(out, caption)
+    pts = points(inputs.records, inputs.manifest)
+    wt = wtpot_points(inputs.records, inputs.manifest)
+    links = bandwidth_points(inputs.records, inputs.manifest)
+    lines = [
+        "# PPD reproduction report",
+        "",
+        f"What was run: {caption}.",
+        f"Records: {', '.join(p.name for p in inputs.files)}.",
+    ]
+    if inputs.manifest.notes:
+        lines.append(inputs.manifest.notes)
+    lines.append("")
+    lines += _section_acceptance(acceptance(pts, wt, links, shape), shape)
+    lines += _section_table1(pts, plots)
+    lines += _section_pareto(pts, plots)
+    lines += _section_failures(pts)
+    lines += _section_winners(pts)
+    lines += _section_wtpot(wt, plots)
+    lines += _section_links(links, plots)
+    path = out / REPORT_NAME
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _report(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    del environ
+    inputs = load_inputs(args.records)
+    path = write_report(inputs, args.out, shape=args.shape)
+    print(f"report: {path}")
+    for line in path.read_text("utf-8").splitlines():
+        if line.startswith("| ") and ("PASS" in line or "FAIL" in line or "n/a" in line):
+            print(line)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``report`` subcommand of ``ppd-bench``."""
+    parser = sub.add_parser(
+        "report",
+        help="write the Markdown reproduction report with PNG plots from benchmark records",
+        description="Reads *.jsonl records (and manifest.json) under --records; writes report.md and PNGs "
+        "to --out: Turn 2+ TTFT by mode across QPS (Table 1), P99 TTFT vs tokens/s (Figure 1), failure "
+        "rates (Table 5), per-metric winners (Table 3), the w_tpot sweep (Figure 6), the link sweep "
+        "(Figure 5), and the acceptance checks.",
+    )
+    parser.add_argument("--records", type=Path, required=True, help="folder of *.jsonl records")
+    parser.add_argument("--out", type=Path, required=True, help="folder for report.md and the PNGs")
+    parser.add_argument("--shape", default="1P3D", help="shape for the acceptance checks (default 1P3D)")
+    parser.set_defaults(handler=_report)
