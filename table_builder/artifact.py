@@ -65,6 +65,8 @@ class ArtifactPoint:
     samples: int
     sent: int
     success_rate: float
+    #: The run's own ``timestamp`` field (ISO 8601), when it has one.
+    timestamp: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +165,11 @@ def _read_point(path: Path, root: Path, config: str) -> ArtifactPoint:
     if success_pct > 100:
         raise _BadFileError(f"success_rate is a percentage, got {success_pct!r}")
     sent = _count(obj, "total_requests", "") if "total_requests" in obj else samples
+    if sent < samples:
+        raise _BadFileError(f"total_requests ({sent}) is smaller than turn2.count ({samples})")
+    timestamp = obj.get("timestamp")
+    if timestamp is not None and not isinstance(timestamp, str):
+        raise _BadFileError(f"timestamp must be a string, got {timestamp!r}")
     return ArtifactPoint(
         source=path.relative_to(root).as_posix(),
         config=config,
@@ -175,6 +182,7 @@ def _read_point(path: Path, root: Path, config: str) -> ArtifactPoint:
         samples=samples,
         sent=sent,
         success_rate=success_pct / 100.0,
+        timestamp=timestamp,
     )
 
 

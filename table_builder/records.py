@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -345,14 +345,15 @@ def write_records(path: str | os.PathLike[str], records: Iterable[Record]) -> No
     """Write a whole JSONL file atomically: temp file in the same folder, fsync, rename."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    # A unique sibling opened with "x" (not mkstemp, whose 0600 mode would stick to the result).
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+        with tmp.open("x", encoding="utf-8", newline="\n") as fh:
             for record in records:
                 fh.write(record.to_json() + "\n")
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

@@ -10,8 +10,7 @@ import pytest
 
 from table_builder.artifact import ArtifactError, read_artifact, scan_artifact
 from table_builder.catalog import Workload
-
-FIXTURE = Path(__file__).parent / "data" / "artifact"
+from tests.support.records import ARTIFACT as FIXTURE
 
 
 def test_reads_every_paired_point_and_names_what_it_ignores() -> None:

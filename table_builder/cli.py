@@ -1,0 +1,429 @@
+"""``ppd-table``: build, check and show decision tables (also ``python -m table_builder``).
+
+Exit codes: 0 success; 1 bad inputs or a table that fails validation (the reason is printed);
+2 bad command-line usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from decision_service.table import SUFFIX, Table, TableError, Weights, write_table
+from table_builder.artifact import ArtifactError, read_artifact
+from table_builder.build import (
+    DEFAULT_PROFILES,
+    BuildOptions,
+    BuildResult,
+    build_from_artifact,
+    build_from_records,
+    table_file_name,
+)
+from table_builder.records import RecordsError, read_records
+
+__all__ = ["main"]
+
+logger = logging.getLogger("table_builder")
+
+
+def _weights(text: str) -> Weights:
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected W_TTFT,W_TPOT (two numbers), got {text!r}") from None
+    if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
+        raise argparse.ArgumentTypeError(f"weights must be finite, >= 0 and not both zero, got {text!r}")
+    return Weights(a, b)
+
+
+def _profile(text: str) -> tuple[str, Weights]:
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=W_TTFT,W_TPOT, got {text!r}")
+    return name, _weights(rest)
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def add_build_options(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``build`` and ``sweep``: everything that lands in the table header."""
+    p.add_argument(
+        "--min-samples", type=_positive_int, default=20, help="flag cells with fewer requests per mode"
+    )
+    p.add_argument("--slo", type=_fraction, default=0.95, help="minimum success rate of a mode in a cell")
+    p.add_argument(
+        "--default-decision", choices=("pd", "local"), default="pd", help="answer for cells without data"
+    )
+    p.add_argument("--weights", type=_weights, default=Weights(1.0, 1.0), help="default W_TTFT,W_TPOT (1,1)")
+    p.add_argument(
+        "--profile",
+        type=_profile,
+        action="append",
+        metavar="NAME=W_TTFT,W_TPOT",
+        help="a named weights profile (repeatable; replaces the built-in balanced/ttft/tpot)",
+    )
+    p.add_argument(
+        "--max-kv-usage", type=_fraction, default=0.95, help="live decode KV usage above which local turns pd"
+    )
+    p.add_argument(
+        "--timeout-ms", type=float, default=30_000.0, help="censored TTFT of a mode that completed nothing"
+    )
+    p.add_argument(
+        "--label",
+        type=_label,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="provenance label (repeatable)",
+    )
+    p.add_argument("--built-at", help="ISO 8601 build time for the provenance (default: from the inputs)")
+
+
+def options_from_args(
+    args: argparse.Namespace, *, shape: str, labels: dict[str, str] | None = None
+) -> BuildOptions:
+    profiles = dict(args.profile) if args.profile else dict(DEFAULT_PROFILES)
+    return BuildOptions(
+        shape=shape,
+        model=args.model,
+        default_weights=args.weights,
+        profiles=profiles,
+        min_success=args.slo,
+        default_decision=args.default_decision,
+        max_decode_kv_usage=args.max_kv_usage,
+        min_samples=args.min_samples,
+        timeout_ms=args.timeout_ms,
+        labels={**dict(args.label), **(labels or {})},
+        built_at=args.built_at,
+    )
+
+
+def resolve_out(out: Path, shape: str, model: str) -> Path:
+    """``--out`` may name the file or an existing folder (then the file is ``<shape>__<model>.ppdt``)."""
+    return out / table_file_name(shape, model) if out.is_dir() else out
+
+
+def publish(result: BuildResult, out: Path, *, as_json: bool) -> int:
+    """Write the table atomically, print the summary; 1 when nothing could be built."""
+    try:
+        path = write_table(out, result.spec)
+    except TableError as exc:
+        logger.error("no table written: %s", exc)
+        print(result.summary.format(), file=sys.stderr)
+        return 1
+    table = Table.open(path)
+    try:
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "table": str(path),
+                        "key": table.key,
+                        "version": table.version,
+                        **result.summary.counts(),
+                    }
+                )
+            )
+        else:
+            print(result.summary.format())
+            print(f"wrote {path} (key {table.key}, version {table.version})")
+    finally:
+        table.close()
+    return 0
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    options = options_from_args(args, shape=args.shape)
+    out = resolve_out(args.out, options.shape, options.model)
+    try:
+        if args.records:
+            records = read_records(args.records)
+            result = build_from_records(records, options)
+        else:
+            scan = read_artifact(args.artifact)
+            for path, why in scan.ignored:
+                logger.info("ignored %s: %s", path, why)
+            result = build_from_artifact(scan.points, options)
+    except (RecordsError, ArtifactError) as exc:
+        logger.error("%s", exc)
+        return 1
+    except OSError as exc:
+        logger.error("cannot read inputs: %s", exc)
+        return 1
+    return publish(result, out, as_json=args.json)
+
+
+def _table_paths(targets: Sequence[Path]) -> list[Path]:
+    paths: list[Path] = []
+    for target in targets:
+        if target.is_dir():
+            paths.extend(sorted(target.glob(f"*{SUFFIX}")))
+        else:
+            paths.append(target)
+    return paths
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    paths = _table_paths(args.files)
+    if not paths:
+        print(f"FAIL {' '.join(map(str, args.files))}: no {SUFFIX} files found")
+        return 1
+    failed = 0
+    for path in paths:
+        try:
+            table = Table.open(path)
+        except TableError as exc:
+            failed += 1
+            print(f"FAIL {path}: {exc.reason}: {exc.message}")
+            continue
+        except OSError as exc:
+            failed += 1
+            print(f"FAIL {path}: unreadable: {exc.strerror or exc}")
+            continue
+        try:
+            nc, nw, nq = table.axes.shape
+            measured = sum(table.measured(c, w, q) for c in range(nc) for w in range(nw) for q in range(nq))
+            cells = f"{measured}/{nc * nw * nq} cells measured"
+            print(f"ok   {path}: key {table.key}, version {table.version}, {cells}")
+        finally:
+            table.close()
+    return 1 if failed else 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from table_builder.grid import decision_grid, format_grid
+
+    try:
+        table = Table.open(args.file)
+    except TableError as exc:
+        print(f"FAIL {args.file}: {exc.reason}: {exc.message}")
+        return 1
+    except OSError as exc:
+        print(f"FAIL {args.file}: unreadable: {exc.strerror or exc}")
+        return 1
+    try:
+        if args.profile is not None and args.profile not in table.profiles:
+            known = ", ".join(sorted(table.profiles)) or "none"
+            print(f"unknown profile {args.profile!r}; table {table.key} has: {known}")
+            return 1
+        grid = decision_grid(table, weights=args.weights, profile=args.profile)
+        print(format_grid(grid, scores=args.scores))
+        if args.provenance:
+            print(json.dumps(table.header.get("provenance", {}), indent=2, sort_keys=True))
+        if args.png is not None:
+            from table_builder.heatmap import PlotsMissingError, write_heatmap
+
+            try:
+                print(f"wrote {write_heatmap(grid, args.png)}")
+            except PlotsMissingError as exc:
+                logger.error("%s", exc)
+                return 1
+    finally:
+        table.close()
+    return 0
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from decision_service.axes import paper_axes
+    from table_builder.analytic import parse_shape
+    from table_builder.catalog import WORKLOADS, parse_workload
+    from table_builder.engines import EngineOptions, make_engine
+    from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
+
+    try:
+        shapes = tuple(_csv(args.shape))
+        for shape in shapes:
+            parse_shape(shape)
+        modes = tuple(_csv(args.modes))
+        if not modes or any(m not in ("pd", "local") for m in modes):
+            raise ValueError(
+                f"--modes takes pd and/or local (the table compares static runs), got {args.modes!r}"
+            )
+        workloads = (
+            WORKLOADS if args.workloads == "all" else tuple(parse_workload(w) for w in _csv(args.workloads))
+        )
+        levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
+        if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
+            raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
+    plan = SweepPlan(shapes, args.model, modes, workloads, levels)
+    bar = tqdm(unit="point", desc=f"sweep ({engine.name})", disable=args.quiet, dynamic_ncols=True)
+
+    def progress(done: int, total: int) -> None:
+        bar.reset(total=total)
+        bar.update(done)
+
+    def advance(point: GridPoint) -> None:
+        bar.set_postfix_str(point.run_id, refresh=False)
+        bar.update(1)
+
+    try:
+        with bar:
+            files = run_sweep(plan, engine, args.out, jobs=args.jobs, progress=progress, advance=advance)
+    except SweepError as exc:
+        logger.error("%s", exc)
+        return 1
+    if args.no_build:
+        return 0
+    labels = {"engine": engine.name, **{k: str(v) for k, v in sorted(engine.settings().items())}}
+    publish_to = args.publish if args.publish is not None else args.out
+    code = 0
+    for shape, paths in files.items():
+        options = options_from_args(args, shape=shape, labels=labels)
+        try:
+            result = build_from_records(read_records(paths), options)
+        except RecordsError as exc:
+            logger.error("%s", exc)
+            return 1
+        code = max(code, publish(result, resolve_out(publish_to, shape, args.model), as_json=args.json))
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ppd-table",
+        description="Build, check and show PPD decision tables (one file per deployment shape and model).",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="log what is read and ignored")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    build = sub.add_parser(
+        "build",
+        parents=[common],
+        help="benchmark records or paper-artifact folders -> a table file (atomic publish)",
+        description="Compare static pd runs with static local runs per cell and publish a table atomically. "
+        "Same inputs, same bytes.",
+    )
+    source = build.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--records", type=Path, nargs="+", metavar="FILE", help="benchmark record JSONL files"
+    )
+    source.add_argument(
+        "--artifact",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="paper artifact folders holding 1P_3D/, 1P_3pD/, ...",
+    )
+    build.add_argument(
+        "--out", type=Path, required=True, help="table file, or a folder for <shape>__<model>.ppdt"
+    )
+    build.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    build.add_argument("--shape", required=True, help="deployment shape, e.g. 1P3D")
+    build.add_argument("--model", required=True, help="model label, e.g. llama-3.1-8b")
+    add_build_options(build)
+    build.set_defaults(run=_cmd_build)
+
+    check = sub.add_parser(
+        "check",
+        parents=[common],
+        help="validate table files with the decision service's own reader",
+        description="Open each table (or every *.ppdt in a folder) exactly as the server does; "
+        "exit 1 if any fails, printing the reason.",
+    )
+    check.add_argument("files", type=Path, nargs="+", metavar="FILE", help="table files or folders")
+    check.set_defaults(run=_cmd_check)
+
+    show = sub.add_parser(
+        "show",
+        parents=[common],
+        help="print the decision grid per context class (and --png for a heatmap)",
+        description="Ask the decision service's router every cell of a table and print the answers.",
+    )
+    show.add_argument("file", type=Path, metavar="FILE", help="a table file")
+    who = show.add_mutually_exclusive_group()
+    who.add_argument("--weights", type=_weights, help="W_TTFT,W_TPOT instead of the table's default")
+    who.add_argument("--profile", help="one of the table's named weights profiles")
+    show.add_argument("--scores", action="store_true", help="print the score S next to each decision")
+    show.add_argument("--provenance", action="store_true", help="print the table's provenance as JSON")
+    show.add_argument("--png", type=Path, metavar="OUT", help="also write a heatmap PNG (needs matplotlib)")
+    show.set_defaults(run=_cmd_show)
+
+    from table_builder.engines import ENGINES
+
+    sweep = sub.add_parser(
+        "sweep",
+        parents=[common],
+        help="run a grid of static pd/local runs on an engine, keep the records, build and publish tables",
+        description="Run shape x mode x workload x QPS points (resumable: finished points are skipped), "
+        "then build one table per shape and publish it atomically.",
+    )
+    sweep.add_argument("--engine", choices=ENGINES, default=ENGINES[-1], help="what produces the records")
+    sweep.add_argument("--shape", required=True, help="deployment shape(s), comma-separated: 1P3D,2P2D,3P1D")
+    sweep.add_argument("--model", default="llama-3.1-8b", help="model label (default llama-3.1-8b)")
+    sweep.add_argument("--modes", default="pd,local", help="static modes to run (default pd,local)")
+    sweep.add_argument(
+        "--workloads", default="all", help="'all' (the 18 synthetic workloads) or a comma list"
+    )
+    sweep.add_argument("--qps", default="all", help="'all' (the paper's 10 levels) or a comma list")
+    sweep.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
+    )
+    sweep.add_argument("--seed", type=int, default=0, help="seed of every point's arrivals and noise")
+    sweep.add_argument("--jobs", type=_positive_int, default=1, help="points run in parallel processes")
+    sweep.add_argument("--out", type=Path, required=True, help="sweep folder: records/, sweep.json, tables")
+    sweep.add_argument("--publish", type=Path, help="table file or folder to publish into (default: --out)")
+    sweep.add_argument("--no-build", action="store_true", help="only run the points")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.add_argument("--json", action="store_true", help="print each table's summary as one JSON line")
+    add_build_options(sweep)
+    sweep.set_defaults(run=_cmd_sweep)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`ppd-table show ... | head`): stop quietly, as other Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except Exception as exc:  # the edge: one line, the traceback only with --verbose
+        logger.error("%s failed: %s: %s", args.command, type(exc).__name__, exc, exc_info=args.verbose)
+        return 1
+    return code

@@ -1,0 +1,123 @@
+"""Aggregation: which records count, where they land, and exact order-free means."""
+
+from __future__ import annotations
+
+import random
+
+from decision_service.axes import paper_axes
+from table_builder.aggregate import CellKey, Measurements, aggregate_points, aggregate_records
+from table_builder.artifact import read_artifact
+from table_builder.build import axes_locator
+from table_builder.records import Record
+from tests.support.records import ARTIFACT as FIXTURE
+from tests.support.records import make_record as record
+
+AXES = paper_axes()
+LOCATE = axes_locator(AXES)
+# (small context, mid_paste, 2 QPS) in the paper axes.
+CELL = CellKey(0, 6, 2)
+
+
+def _aggregate(records: list[Record]) -> Measurements:
+    return aggregate_records(
+        records, shape="1P3D", model="llama-3.1-8b", locate=LOCATE, qps_levels=AXES.qps_levels
+    )
+
+
+def test_static_turn2_records_land_in_their_cell() -> None:
+    records = [
+        record(ttft_ms=100.0, tpot_ms=10.0),
+        record(ttft_ms=200.0, tpot_ms=12.0, conversation_id="c2"),
+        record(mode="local", path="local", ttft_ms=40.0, tpot_ms=11.0),
+    ]
+    m = aggregate_records(
+        records, shape="1P3D", model="llama-3.1-8b", locate=LOCATE, qps_levels=AXES.qps_levels
+    )
+    assert list(m.cells) == [CELL]
+    pd = m.cells[CELL]["pd"]
+    assert pd.ttft_ms == 150.0
+    assert pd.tpot_ms == 11.0
+    assert pd.samples == 2
+    assert pd.sent == 2
+    assert pd.success_rate == 1.0
+    assert m.cells[CELL]["local"].ttft_ms == 40.0
+    assert m.tally.used == 3
+
+
+def test_failed_requests_count_only_in_the_success_rate() -> None:
+    records = [record(ttft_ms=100.0), record(ok=False), record(ok=False), record(ttft_ms=300.0)]
+    m = aggregate_records(
+        records, shape="1P3D", model="llama-3.1-8b", locate=LOCATE, qps_levels=AXES.qps_levels
+    )
+    pd = m.cells[CELL]["pd"]
+    assert pd.ttft_ms == 200.0
+    assert pd.success_rate == 0.5
+    assert pd.samples == 2
+    assert pd.sent == 4
+
+
+def test_what_is_left_out_is_counted_by_reason() -> None:
+    records = [
+        record(),
+        record(turn=1, n_ctx=0),
+        record(mode="ppd", path="local"),
+        record(mode="fraction:0.5"),
+        record(shape="2P2D"),
+        record(model="qwen"),
+    ]
+    m = aggregate_records(
+        records, shape="1P3D", model="llama-3.1-8b", locate=LOCATE, qps_levels=AXES.qps_levels
+    )
+    assert m.tally.used == 1
+    assert m.tally.left_out == {
+        "mode fraction:0.5 (only static pd and local runs are compared)": 1,
+        "mode ppd (only static pd and local runs are compared)": 1,
+        "other shape/model (1P3D/qwen)": 1,
+        "other shape/model (2P2D/llama-3.1-8b)": 1,
+        "turn 1 (always PD; not part of the decision)": 1,
+    }
+
+
+def test_cells_follow_the_classifier_not_the_workload_name() -> None:
+    records = [
+        record(n_ctx=5000, n_in=16, n_out=512, target_qps=19.0),  # huge context, long_gen, snaps to 20
+        record(n_ctx=2048, n_in=1024, n_out=32, target_qps=0.5),  # large, huge_paste
+    ]
+    m = aggregate_records(
+        records, shape="1P3D", model="llama-3.1-8b", locate=LOCATE, qps_levels=AXES.qps_levels
+    )
+    assert sorted(m.cells) == [CellKey(1, 8, 0), CellKey(2, 2, 9)]
+    assert m.tally.snapped_qps == (19.0,)
+
+
+def test_means_do_not_depend_on_record_order() -> None:
+    rng = random.Random(5)
+    records = [
+        record(
+            ttft_ms=round(rng.uniform(1, 1000), 3),
+            tpot_ms=round(rng.uniform(5, 20), 3),
+            conversation_id=f"c{i}",
+        )
+        for i in range(500)
+    ]
+    first = _aggregate(records)
+    rng.shuffle(records)
+    assert _aggregate(records) == first
+
+
+def test_artifact_points_are_weighted_by_their_counts() -> None:
+    points = read_artifact([FIXTURE]).points
+    m = aggregate_points(points, shape="1P3D", locate=LOCATE, qps_levels=AXES.qps_levels)
+    mid_paste_8 = m.cells[CellKey(0, 6, 5)]
+    assert mid_paste_8["pd"].ttft_ms == 90.0
+    assert mid_paste_8["local"].ttft_ms == 40.0
+    assert mid_paste_8["pd"].samples == 80
+    failed = m.cells[CellKey(1, 8, 9)]["pd"]
+    assert failed.ttft_ms is None
+    assert failed.success_rate == 0.0
+    assert failed.sent == 191
+    # large_tiny's benchmark shape (16, 32) is a balanced request for the classifier: small_bal.
+    assert set(m.cells[CellKey(1, 4, 1)]) == {"pd"}
+    other = aggregate_points(points, shape="2P2D", locate=LOCATE, qps_levels=AXES.qps_levels)
+    assert other.cells == {}
+    assert other.tally.left_out == {"other shape (1P3D)": 7}

@@ -1,0 +1,259 @@
+"""``ppd-table build|check|show``: exit codes, output, atomic publish, determinism, --png."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decision_service.table import Table
+from table_builder.cli import main
+from table_builder.records import write_records
+from tests.support.records import ARTIFACT
+from tests.support.records import make_record as record
+
+REPO = Path(__file__).resolve().parents[2]
+TABLES = REPO / "tests" / "testdata" / "tables"
+BAD = sorted(TABLES.glob("bad_*.ppdt"))
+
+
+def _records(path: Path) -> Path:
+    rows = []
+    for i in range(3):
+        rows.append(record(conversation_id=f"p{i}", ttft_ms=100.0 + i))
+        rows.append(
+            record(mode="local", path="local", run_id="run-local", conversation_id=f"l{i}", ttft_ms=40.0 + i)
+        )
+        rows.append(record(conversation_id=f"p{i}", turn=1, n_ctx=0, n_in=128, n_out=128))
+    write_records(path, rows)
+    return path
+
+
+def _build(tmp_path: Path, *extra: str) -> Path:
+    out = tmp_path / "t.ppdt"
+    code = main(
+        [
+            "build",
+            "--records",
+            str(_records(tmp_path / "r.jsonl")),
+            "--shape",
+            "1P3D",
+            "--model",
+            "llama-3.1-8b",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+    assert code == 0
+    return out
+
+
+def test_build_publishes_a_table_that_check_accepts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _build(tmp_path)
+    printed = capsys.readouterr().out
+    assert "1 low-sample" in printed
+    assert "left out 3 (turn 1" in printed
+    assert f"wrote {out}" in printed
+    assert not list(tmp_path.glob("*.tmp"))
+    assert main(["check", str(out)]) == 0
+    assert "ok   " in capsys.readouterr().out
+
+
+def test_build_twice_gives_identical_bytes(tmp_path: Path) -> None:
+    first = _build(tmp_path).read_bytes()
+    second = _build(tmp_path).read_bytes()
+    assert first == second
+
+
+def test_build_into_a_folder_names_the_file_by_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records = _records(tmp_path / "r.jsonl")
+    code = main(
+        [
+            "build",
+            "--records",
+            str(records),
+            "--shape",
+            "1P3D",
+            "--model",
+            "llama-3.1-8b",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ]
+    )
+    assert code == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["table"] == str(tmp_path / "1P3D__llama-3.1-8b.ppdt")
+    assert line["key"] == "1P3D/llama-3.1-8b"
+    assert line["low_sample"] == 1
+
+
+def test_build_options_land_in_the_header(tmp_path: Path) -> None:
+    out = _build(
+        tmp_path,
+        "--slo", "0.9", "--default-decision", "local", "--weights", "1,0.5",
+        "--profile", "fast=1,0.1", "--label", "hardware=H100", "--built-at", "2026-01-01T00:00:00Z",
+    )  # fmt: skip
+    table = Table.open(out)
+    try:
+        assert table.min_success == 0.9
+        assert table.default_decision == "local"
+        assert table.default_weights.w_tpot == 0.5
+        assert list(table.profiles) == ["fast"]
+        assert table.header["provenance"]["labels"] == {"hardware": "H100"}
+        assert table.header["provenance"]["built_at"] == "2026-01-01T00:00:00Z"
+    finally:
+        table.close()
+
+
+def test_build_from_the_artifact(tmp_path: Path) -> None:
+    out = tmp_path / "a.ppdt"
+    code = main(
+        [
+            "build",
+            "--artifact",
+            str(ARTIFACT),
+            "--shape",
+            "1P3D",
+            "--model",
+            "llama-3.1-8b",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    assert main(["check", str(out)]) == 0
+
+
+def test_bad_records_fail_the_build_with_file_and_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(record().to_json() + "\n{oops\n")
+    out = tmp_path / "t.ppdt"
+    code = main(
+        ["build", "--records", str(bad), "--shape", "1P3D", "--model", "llama-3.1-8b", "--out", str(out)]
+    )
+    assert code == 1
+    assert f"{bad}:2: invalid JSON" in caplog.text
+    assert not out.exists()
+
+
+def test_missing_inputs_fail_the_build(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    code = main(
+        [
+            "build",
+            "--records",
+            str(tmp_path / "absent.jsonl"),
+            "--shape",
+            "1P3D",
+            "--model",
+            "m",
+            "--out",
+            str(tmp_path / "t.ppdt"),
+        ]
+    )
+    assert code == 1
+    assert "cannot read inputs" in caplog.text
+
+
+def test_inputs_without_a_measured_cell_write_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    records = tmp_path / "r.jsonl"
+    write_records(records, [record()])
+    out = tmp_path / "t.ppdt"
+    code = main(
+        ["build", "--records", str(records), "--shape", "1P3D", "--model", "llama-3.1-8b", "--out", str(out)]
+    )
+    assert code == 1
+    assert "no table written: empty" in caplog.text
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_check_rejects_each_bad_fixture_with_its_reason(
+    path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["check", str(path)]) == 1
+    reason = path.stem.removeprefix("bad_")
+    assert capsys.readouterr().out.startswith(f"FAIL {path}: {reason}: ")
+
+
+def test_check_a_folder_fails_if_any_table_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(TABLES)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL ") == len(BAD)
+    assert out.count("ok   ") == 1
+
+
+def test_check_missing_and_empty(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(tmp_path / "absent.ppdt")]) == 1
+    assert "unreadable" in capsys.readouterr().out
+    assert main(["check", str(tmp_path)]) == 1
+    assert "no .ppdt files found" in capsys.readouterr().out
+
+
+def test_show_prints_the_grid_per_context(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(TABLES / "good.ppdt"), "--scores"]) == 0
+    out = capsys.readouterr().out
+    for ctx in ("small", "large", "huge"):
+        assert f"context {ctx} " in out
+    assert "huge_paste" in out
+    assert "P?" in out  # (small, short_gen) has no data: the table default answers
+    assert "L~" in out  # (small, tiny) at 10 QPS comes from the nearest measured level
+    assert "L!" in out  # PD fails at 20 QPS in the large context
+    assert "local in " in out
+
+
+def test_show_weights_change_the_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["show", str(TABLES / "good.ppdt")])
+    default = capsys.readouterr().out
+    main(["show", str(TABLES / "good.ppdt"), "--weights", "0.05,1"])
+    tpot_heavy = capsys.readouterr().out
+    assert "(given)" in tpot_heavy
+    assert default.count(" L") > tpot_heavy.count(" L")
+
+
+def test_show_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(TABLES / "good.ppdt"), "--profile", "tpot"]) == 0
+    assert "(profile tpot)" in capsys.readouterr().out
+    assert main(["show", str(TABLES / "good.ppdt"), "--profile", "nope"]) == 1
+    assert "unknown profile 'nope'" in capsys.readouterr().out
+
+
+def test_show_a_bad_table_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(TABLES / "bad_checksum.ppdt")]) == 1
+    assert "checksum" in capsys.readouterr().out
+
+
+def test_show_png(tmp_path: Path) -> None:
+    png = tmp_path / "grid.png"
+    assert main(["show", str(TABLES / "good.ppdt"), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args", [[], ["build"], ["check"], ["show"]])
+def test_help_everywhere(args: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "table_builder", *args, "--help"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0
+    assert "usage: ppd-table" in done.stdout
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["build", "--records", "x", "--artifact", "y", "--shape", "1P3D", "--model", "m", "--out", "o"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["show", "x", "--weights", "0,0"])
+    assert "not both zero" in capsys.readouterr().err

@@ -1,0 +1,206 @@
+"""The sweep: grid points to records, resume after interruption, same bytes whatever happened."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from decision_service.table import Table
+from table_builder.analytic import AnalyticEngine, parse_shape
+from table_builder.catalog import parse_workload
+from table_builder.cli import main
+from table_builder.records import Record, read_records
+from table_builder.sweep import GridPoint, SweepError, SweepPlan, point_path, run_sweep
+
+PLAN = SweepPlan(
+    shapes=("1P3D",),
+    model="llama-3.1-8b",
+    modes=("pd", "local"),
+    workloads=(parse_workload("small_mid_paste"), parse_workload("large_huge_paste")),
+    qps_levels=(1.0, 20.0),
+)
+ENGINE = AnalyticEngine(duration_s=2.0, seed=3)
+GRID = [
+    "--engine",
+    "analytic",
+    "--shape",
+    "1P3D",
+    "--workloads",
+    "small_mid_paste,large_huge_paste",
+    "--qps",
+    "1,20",
+]
+SWEEP = ["sweep", *GRID, "--duration", "2", "--seed", "3", "--min-samples", "2", "--quiet"]
+
+
+class StopSweepError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class FlakyEngine:
+    """The analytic engine under the same name and settings, interrupted at its ``stop_at``-th point."""
+
+    inner: AnalyticEngine
+    stop_at: int
+    ran: list[GridPoint]
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def settings(self) -> Mapping[str, Any]:
+        return self.inner.settings()
+
+    def run(self, point: GridPoint) -> list[Record]:
+        if len(self.ran) == self.stop_at:
+            raise StopSweepError
+        self.ran.append(point)
+        return self.inner.run(point)
+
+
+def _tree(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.glob("records/**/*.jsonl"))}
+
+
+def test_every_point_writes_its_records(tmp_path: Path) -> None:
+    files = run_sweep(PLAN, ENGINE, tmp_path)
+    assert len(files["1P3D"]) == 8
+    for point in PLAN.points():
+        records = read_records([point_path(tmp_path, point)])
+        assert {r.run_id for r in records} == {point.run_id}
+        assert {r.mode for r in records} == {point.mode}
+        assert len([r for r in records if r.turn == 1]) == max(1, round(point.qps * 2.0))
+
+
+def test_an_interrupted_sweep_resumes_where_it_stopped(tmp_path: Path) -> None:
+    clean = tmp_path / "clean"
+    run_sweep(PLAN, ENGINE, clean)
+    resumed = tmp_path / "resumed"
+    first: list[GridPoint] = []
+    with pytest.raises(StopSweepError):
+        run_sweep(PLAN, FlakyEngine(ENGINE, stop_at=3, ran=first), resumed)
+    assert len(_tree(resumed)) == 3
+    # A point cut short mid-write, as a crash of an older writer would leave it, runs again too.
+    damaged = point_path(resumed, first[0])
+    damaged.write_bytes(damaged.read_bytes()[:-40])
+    second: list[GridPoint] = []
+    run_sweep(PLAN, FlakyEngine(ENGINE, stop_at=99, ran=second), resumed)
+    assert first[0] in second
+    assert len(second) == 8 - 2
+    assert set(first[1:]).isdisjoint(second)
+    assert _tree(resumed) == _tree(clean)
+
+
+def test_parallel_points_give_the_same_records(tmp_path: Path) -> None:
+    run_sweep(PLAN, ENGINE, tmp_path / "one")
+    run_sweep(PLAN, ENGINE, tmp_path / "two", jobs=2)
+    assert _tree(tmp_path / "one") == _tree(tmp_path / "two")
+
+
+def test_other_settings_in_the_same_folder_are_refused(tmp_path: Path) -> None:
+    run_sweep(PLAN, ENGINE, tmp_path)
+    with pytest.raises(SweepError, match="other settings"):
+        run_sweep(PLAN, AnalyticEngine(duration_s=2.0, seed=4), tmp_path)
+
+
+def test_progress_counts_finished_points(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    run_sweep(PLAN, ENGINE, tmp_path, progress=lambda done, total: seen.append((done, total)))
+    run_sweep(PLAN, ENGINE, tmp_path, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(0, 8), (8, 8)]
+
+
+def test_cli_sweep_publishes_a_table_and_rebuilds_the_same_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    assert main([*SWEEP, "--out", str(out)]) == 0
+    table_path = out / "1P3D__llama-3.1-8b.ppdt"
+    first = table_path.read_bytes()
+    table = Table.open(table_path)
+    try:
+        assert table.header["provenance"]["labels"]["engine"] == "analytic"
+        assert table.header["provenance"]["labels"]["seed"] == "3"
+    finally:
+        table.close()
+    # Rerun: every point is finished, nothing runs, the same table is published again.
+    assert main([*SWEEP, "--out", str(out)]) == 0
+    assert table_path.read_bytes() == first
+    # The records of the sweep, built by hand, give the same bytes too.
+    rebuilt = tmp_path / "rebuilt.ppdt"
+    records = [str(p) for p in sorted(out.glob("records/1P3D/**/*.jsonl"))]
+    build = [
+        "build",
+        "--records",
+        *records,
+        "--shape",
+        "1P3D",
+        "--model",
+        "llama-3.1-8b",
+        "--min-samples",
+        "2",
+    ]
+    assert (
+        main(
+            [
+                *build,
+                "--label",
+                "engine=analytic",
+                "--label",
+                "conversations=20",
+                "--label",
+                "duration_s=2.0",
+                "--label",
+                "seed=3",
+                "--out",
+                str(rebuilt),
+            ]
+        )
+        == 0
+    )
+    assert rebuilt.read_bytes() == first
+
+
+def test_cli_sweep_publish_elsewhere_and_refusals(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    assert main([*SWEEP, "--out", str(tmp_path / "s"), "--publish", str(tables)]) == 0
+    assert (tables / "1P3D__llama-3.1-8b.ppdt").is_file()
+    assert main([*SWEEP, "--out", str(tmp_path / "s"), "--seed", "9"]) == 1
+    assert "other settings" in caplog.text
+    assert main([*SWEEP, "--out", str(tmp_path / "t"), "--modes", "ppd"]) == 2
+    assert main([*SWEEP, "--out", str(tmp_path / "t"), "--shape", "1P"]) == 2
+    assert main([*SWEEP, "--out", str(tmp_path / "t"), "--workloads", "medium_tiny"]) == 2
+
+
+def test_no_build_only_runs_points(tmp_path: Path) -> None:
+    assert main([*SWEEP, "--out", str(tmp_path), "--no-build"]) == 0
+    assert len(_tree(tmp_path)) == 8
+    assert not list(tmp_path.glob("*.ppdt"))
+
+
+@pytest.mark.parametrize(("shape", "sizes"), [("1P3D", (1, 3)), ("2P2D", (2, 2)), ("3P1D", (3, 1))])
+def test_parse_shape(shape: str, sizes: tuple[int, int]) -> None:
+    assert parse_shape(shape) == sizes
+
+
+@pytest.mark.parametrize("shape", ["1P", "0P3D", "P3D", "1p3d"])
+def test_parse_shape_rejects(shape: str) -> None:
+    with pytest.raises(ValueError, match="not <n>P<m>D"):
+        parse_shape(shape)
+
+
+def test_analytic_engine_is_seeded_and_pd_fails_under_overload() -> None:
+    point = GridPoint("1P3D", "llama-3.1-8b", "pd", parse_workload("large_huge_paste"), 20.0)
+    engine = AnalyticEngine(conversations=30, seed=1)
+    records = engine.run(point)
+    assert records == engine.run(point)
+    assert records != AnalyticEngine(conversations=30, seed=2).run(point)
+    assert any(not r.ok for r in records)
+    local = engine.run(GridPoint("1P3D", "llama-3.1-8b", "local", parse_workload("small_mid_paste"), 1.0))
+    assert all(r.ok for r in local)
+    assert {r.path for r in local if r.turn == 2} == {"local"}
+    assert {r.n_ctx for r in local if r.turn == 2} == {256}
