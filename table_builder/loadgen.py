@@ -285,7 +285,7 @@ async def run_load(
     progress: bool = False,
 ) -> LoadResult:
     """Run the load; every request becomes a ``Record`` (passed to ``on_record`` as it completes)."""
-    from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs shipped
+    from tqdm import tqdm
 
     rng = random.Random(f"arrivals:{settings.seed}")  # noqa: S311 - reproducible, not secret
     arrivals = poisson_arrivals(rng, settings.qps, settings.duration_s)

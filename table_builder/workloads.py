@@ -4,8 +4,8 @@ Rule 1: pure and deterministic. The same (workload, seed, index) always yields t
         byte for byte; randomness comes only from ``random.Random`` seeded with a string.
 Rule 2: ``Turn.n_in`` is the exact token count of ``Turn.content`` under the injected counter, and
         ``Turn.n_out`` is the answer length the client asks for (``max_tokens`` with ``ignore_eos``).
-Rule 3: synthetic names are ``<turn1>_<class>`` (architecture.md "Reference facts"); Turn 1 uses the
-        Turn-1 setting, every later turn uses the class's (n_in, n_out).
+Rule 3: synthetic names are ``<turn1>_<class>`` (``catalog.py``, architecture.md "Reference facts");
+        Turn 1 uses the Turn-1 setting, every later turn uses the class's (n_in, n_out).
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
+from table_builder import catalog
 from table_builder.tokens import TokenCounter
 
 __all__ = [
     "MAX_TURNS",
     "SYNTHETIC_WORKLOADS",
-    "TURN1_SETTINGS",
-    "TURN2_CLASSES",
     "Conversation",
     "ConversationPool",
     "SyntheticWorkload",
@@ -34,26 +33,8 @@ __all__ = [
 
 MAX_TURNS: Final = 16
 
-#: Turn-1 settings of the paper's artifact: (input tokens, output tokens).
-TURN1_SETTINGS: Final[dict[str, tuple[int, int]]] = {"small": (128, 128), "large": (1024, 1024)}
-
-#: The nine Turn-2 workload classes with the (n_in, n_out) the benchmark uses for each.
-TURN2_CLASSES: Final[dict[str, tuple[int, int]]] = {
-    "tiny": (16, 32),
-    "short_gen": (32, 256),
-    "long_gen": (32, 512),
-    "very_long_gen": (64, 1024),
-    "small_bal": (64, 64),
-    "mid_bal": (128, 128),
-    "mid_paste": (256, 64),
-    "big_paste": (512, 64),
-    "huge_paste": (1024, 32),
-}
-
-#: All 18 synthetic workload names, Turn-1 setting major.
-SYNTHETIC_WORKLOADS: Final[tuple[str, ...]] = tuple(
-    f"{turn1}_{cls}" for turn1 in TURN1_SETTINGS for cls in TURN2_CLASSES
-)
+#: The paper's 18 synthetic workload names, Turn-1 setting major (one definition: ``catalog.py``).
+SYNTHETIC_WORKLOADS: Final[tuple[str, ...]] = tuple(w.name for w in catalog.WORKLOADS)
 
 # Common English words; ``single_token_words`` keeps those that are one token both with and without a
 # leading space, so a text of n such words separated by spaces is exactly n tokens.
@@ -70,6 +51,9 @@ _WORD_TEXT: Final = (
     "air away animal house point page letter mother answer found study still learn should world high"
 )
 _WORDS: Final = tuple(_WORD_TEXT.split())
+
+
+_SHAREGPT: Final = "sharegpt"
 
 
 class WorkloadError(ValueError):
@@ -110,13 +94,11 @@ def single_token_words(counter: TokenCounter) -> tuple[str, ...]:
 
 def parse_synthetic_name(name: str) -> tuple[str, str]:
     """``large_mid_paste`` -> ("large", "mid_paste"); raises WorkloadError listing the valid names."""
-    turn1, _, cls = name.partition("_")
-    if turn1 not in TURN1_SETTINGS or cls not in TURN2_CLASSES:
-        raise WorkloadError(
-            f"unknown workload {name!r}; synthetic workloads are <turn1>_<class> with turn1 in "
-            f"{sorted(TURN1_SETTINGS)} and class in {list(TURN2_CLASSES)}, or 'sharegpt'"
-        )
-    return turn1, cls
+    try:
+        workload = catalog.parse_workload(name)
+    except ValueError as exc:
+        raise WorkloadError(f"{exc}, or '{_SHAREGPT}'") from None
+    return workload.turn1, workload.turn2
 
 
 def _check_turns(turns: int) -> None:
@@ -144,12 +126,12 @@ class SyntheticWorkload:
             raise WorkloadError("a synthetic workload needs a non-empty word list")
 
     def conversation(self, index: int) -> Conversation:
-        turn1, cls = parse_synthetic_name(self.name)
+        workload = catalog.parse_workload(self.name)
         rng = random.Random(f"{self.name}:{self.seed}:{index}")  # noqa: S311 - reproducible, not secret
-        sizes = [TURN1_SETTINGS[turn1]] + [TURN2_CLASSES[cls]] * (self.turns - 1)
+        sizes = [workload.first] + [workload.second] * (self.turns - 1)
         turns = tuple(
-            Turn(content=" ".join(rng.choices(self.words, k=n_in)), n_in=n_in, n_out=n_out)
-            for n_in, n_out in sizes
+            Turn(content=" ".join(rng.choices(self.words, k=size.n_in)), n_in=size.n_in, n_out=size.n_out)
+            for size in sizes
         )
         return Conversation(id=f"{self.name}-s{self.seed}-{index}", turns=turns)
 

@@ -105,7 +105,9 @@ async def test_failures_become_records_and_stop_the_conversation(
     server, url = fake
     server.behaviour = behaviour
     result = await run_load(
-        _settings(url, timeout_s=0.3, served_model="m"), SyntheticWorkload(name="small_tiny", words=WORDS)
+        # only the hanging server may meet the short deadline; the others must fail for their own reason
+        _settings(url, timeout_s=0.3 if behaviour == "hang" else 60.0, served_model="m"),
+        SyntheticWorkload(name="small_tiny", words=WORDS),
     )
     assert result.records
     assert all(not r.ok and r.turn == 1 for r in result.records)

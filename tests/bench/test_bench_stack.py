@@ -35,20 +35,20 @@ async def test_a_ready_child_reports_its_json_line_and_stops_on_sigterm() -> Non
 
 
 @pytest.mark.parametrize(
-    ("args", "reason"),
+    ("args", "deadline", "reason"),
     [
-        (("--stderr", "port in use", "--exit-before", "3"), "exited with code 3 before it was ready"),
-        (("--bad-ready",), "ready line is not a JSON object: 'not json'"),
-        (("--silent",), "no ready line within 0.5 s"),
+        (("--stderr", "port in use", "--exit-before", "3"), 60.0, "exited with code 3 before it was ready"),
+        (("--bad-ready",), 60.0, "ready line is not a JSON object: 'not json'"),
+        (("--silent",), 0.5, "no ready line within 0.5 s"),  # never prints: the deadline always wins
     ],
 )
 async def test_a_child_that_cannot_get_ready_is_named_with_the_reason(
-    args: tuple[str, ...], reason: str
+    args: tuple[str, ...], deadline: float, reason: str
 ) -> None:
     sup = Supervisor()
     try:
         with pytest.raises(ChildError) as exc:
-            await sup.start(ChildSpec("decision service", standin(*args), 0.5))
+            await sup.start(ChildSpec("decision service", standin(*args), deadline))
     finally:
         await sup.stop_all()
     assert exc.value.name == "decision service"

@@ -2,11 +2,10 @@ from __future__ import annotations
 
 import pytest
 
+from table_builder.catalog import TURN1_SETTINGS, TURN2_CLASSES
 from table_builder.tokens import llama3_counter
 from table_builder.workloads import (
     SYNTHETIC_WORKLOADS,
-    TURN1_SETTINGS,
-    TURN2_CLASSES,
     Conversation,
     ConversationPool,
     SyntheticWorkload,
@@ -23,15 +22,19 @@ WORDS = single_token_words(COUNTER)
 def test_there_are_the_papers_18_workloads() -> None:
     assert len(SYNTHETIC_WORKLOADS) == 18
     assert "large_mid_paste" in SYNTHETIC_WORKLOADS
-    assert TURN2_CLASSES["huge_paste"] == (1024, 32)
-    assert TURN1_SETTINGS == {"small": (128, 128), "large": (1024, 1024)}
+    assert (TURN2_CLASSES["huge_paste"].n_in, TURN2_CLASSES["huge_paste"].n_out) == (1024, 32)
+    assert {k: (v.n_in, v.n_out) for k, v in TURN1_SETTINGS.items()} == {
+        "small": (128, 128),
+        "large": (1024, 1024),
+    }
 
 
 @pytest.mark.parametrize("name", SYNTHETIC_WORKLOADS)
 def test_every_turn_has_exactly_the_token_count_it_claims(name: str) -> None:
     conv = SyntheticWorkload(name=name, words=WORDS, seed=3).conversation(0)
     turn1, cls = parse_synthetic_name(name)
-    assert [(t.n_in, t.n_out) for t in conv.turns] == [TURN1_SETTINGS[turn1], TURN2_CLASSES[cls]]
+    expected = [TURN1_SETTINGS[turn1], TURN2_CLASSES[cls]]
+    assert [(t.n_in, t.n_out) for t in conv.turns] == [(e.n_in, e.n_out) for e in expected]
     for turn in conv.turns:
         assert COUNTER.count(turn.content) == turn.n_in
 
@@ -54,7 +57,7 @@ def test_more_turns_repeat_the_class_sizes_up_to_sixteen() -> None:
 
 
 def test_unknown_name_lists_the_valid_ones() -> None:
-    with pytest.raises(WorkloadError, match="mid_paste"):
+    with pytest.raises(WorkloadError, match=r"mid_paste.*sharegpt"):
         SyntheticWorkload(name="medium_tiny", words=WORDS)
     with pytest.raises(WorkloadError):
         parse_synthetic_name("small_gigantic")
