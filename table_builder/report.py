@@ -147,7 +147,7 @@ def _section_table1(pts: Sequence[Point], plots: _Plots) -> list[str]:
             ax.set_title(shape)
             ax.set_xlabel("target QPS")
             ax.set_ylabel("mean Turn 2+ TTFT (ms)")
-            ax.legend()
+            ax.legend(loc="upper left", fontsize=7)  # never "best": it warns when slow
 
     name = plots.save("table1_ttft_by_qps.png", "Turn 2+ TTFT by mode across QPS", draw, panels=len(shapes))
     return [*lines, f"![Turn 2+ TTFT by mode across QPS]({name})", ""]
@@ -182,7 +182,7 @@ def _section_pareto(pts: Sequence[Point], plots: _Plots) -> list[str]:
             ax.set_title(f"{shape} (labels: QPS)")
             ax.set_xlabel("output tokens/s")
             ax.set_ylabel("P99 TTFT (ms)")
-            ax.legend()
+            ax.legend(loc="upper left", fontsize=7)  # never "best": it warns when slow
 
     name = plots.save("figure1_pareto.png", "P99 TTFT vs tokens/s", draw, panels=len(shapes))
     return [*lines, f"![P99 TTFT vs tokens/s]({name})", ""]
@@ -271,7 +271,7 @@ def _section_links(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
         ax.invert_xaxis()
         ax.set_xlabel("link bandwidth (GB/s, slower to the right)")
         ax.set_ylabel("mean Turn 2+ TTFT (ms)")
-        ax.legend()
+        ax.legend(loc="upper left", fontsize=7)  # never "best": it warns when slow
 
     name = plots.save("figure5_links.png", "Turn 2+ TTFT across link bandwidths", draw)
     return [*lines, f"![link sweep]({name})", ""]
