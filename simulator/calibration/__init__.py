@@ -1,0 +1,1 @@
+"""Package data: the calibration measurements the checks compare against (JSON, summarised)."""

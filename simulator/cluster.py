@@ -1,0 +1,585 @@
+"""A P/D cluster in virtual time: arrivals -> routing -> P/D engines and KV links -> benchmark records.
+
+Everything is one discrete-event loop over a heap; no clock, no sockets. Engines are the same
+:class:`~simulator.engine.Engine` the HTTP workers run, in fast-forward mode.
+
+Paths of one request (turn *k* of a conversation, prompt = the ``n_ctx`` tokens before it + ``n_in``):
+
+- ``pd``: after the proxy overhead ``o_PD`` it reaches a prefill engine (``remote_decode``: prefill,
+  one token, blocks pinned); at P's finish it goes to the session's decode engine (``remote_prefill``),
+  whose scheduler issues the KV pull on the P->D link; when the bytes arrive D recomputes the last
+  prompt token and decodes. P's blocks are released when D has them.
+- ``local``: after ``o_local`` it goes straight to the session's decode engine, whose prefix cache
+  holds the earlier turns (append-prefill).
+- ``replica``: every worker does everything; session-affine, like ``local`` without P.
+
+Routing: turn 1 takes ``pd`` (``replica`` in replica mode) on the least-loaded P and D, and the
+conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``fraction:<x>`` (a fixed
+share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`LocalPolicy`,
+normally :class:`simulator.routing.TableRouter`: the decision service's pure rule over a table).
+A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
+its engines, and ends its conversation.
+
+Fast-forward horizons (why results equal a step-by-step run): an engine may run several identical
+decode steps at once only up to the earliest time new work could reach it, which is bounded below
+by the next arrival (plus the smallest proxy overhead), the next dispatch, the end of any busy
+prefill engine's current step, and the next completion on the links into it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import re
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from simulator.engine import Engine, EngineConfig, EngineRequest, FinishReason, KvPullMode, StepResult
+from simulator.kv_cache import StreamBlocks
+from simulator.link import Link, TransferMode
+from simulator.profile import Profile
+from simulator.workload import Conversation
+
+__all__ = [
+    "ClusterConfig",
+    "ClusterResult",
+    "LocalPolicy",
+    "Topology",
+    "parse_mode",
+    "simulate",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    prefill: int
+    decode: int
+    replica: int
+
+    @classmethod
+    def parse(cls, text: str) -> Topology:
+        """``1P3D``, ``2P2D``, ``3P1D`` or ``4R``."""
+        m = re.fullmatch(r"(\d+)P(\d+)D|(\d+)R", text.strip().upper())
+        if not m:
+            raise ValueError(f"bad topology {text!r}: expected e.g. 1P3D or 4R")
+        if m.group(3):
+            return cls(0, 0, int(m.group(3)))
+        topo = cls(int(m.group(1)), int(m.group(2)), 0)
+        if topo.prefill <= 0 or topo.decode <= 0:
+            raise ValueError(f"bad topology {text!r}: needs at least one P and one D")
+        return topo
+
+    @property
+    def label(self) -> str:
+        return f"{self.replica}R" if self.replica else f"{self.prefill}P{self.decode}D"
+
+
+class LocalPolicy(Protocol):
+    """Per-request choice for turns 2+: True = local (append-prefill on the session's D)."""
+
+    def local(
+        self, *, conversation_id: str, turn: int, n_in: int, n_out: int, n_ctx: int, qps: float
+    ) -> bool: ...
+
+
+class _Mode(enum.Enum):
+    PD = "pd"
+    LOCAL = "local"
+    PPD = "ppd"
+    FRACTION = "fraction"
+    REPLICA = "replica"
+
+
+def parse_mode(mode: str) -> tuple[str, float]:
+    """``pd``, ``local``, ``ppd``, ``replica`` or ``fraction:<x>`` (0 ≤ x ≤ 1) -> (kind, x)."""
+    if mode in ("pd", "local", "ppd", "replica"):
+        return mode, 0.0
+    if mode.startswith("fraction:"):
+        try:
+            x = float(mode.split(":", 1)[1])
+        except ValueError:
+            x = math.nan
+        if not 0.0 <= x <= 1.0:
+            raise ValueError(f"bad mode {mode!r}: fraction must be in [0, 1]")
+        return "fraction", x
+    raise ValueError(f"bad mode {mode!r}: expected pd, local, ppd, replica or fraction:<x>")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    topology: Topology
+    mode: str
+    link: str = "nvlink"
+    transfer_mode: TransferMode = TransferMode.SHARED_LINK
+    kv_pull: KvPullMode = KvPullMode.FULL
+    timeout_s: float = 30.0
+    think_time_s: float = 0.0
+    target_qps: float = 0.0
+    run_id: str = "sim"
+    model: str = "llama-3.1-8b"
+    apply_overheads: bool = True
+    fast_forward: bool = True
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    records: list[dict[str, Any]]
+    end_time: float
+    engine_steps: int
+    events: int
+
+
+_ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT = range(6)
+
+
+class _Node:
+    __slots__ = (
+        "engine",
+        "in_links",
+        "inflight",
+        "is_prefill",
+        "name",
+        "outstanding",
+        "pending_for",
+        "wake_version",
+        "work",
+    )
+
+    def __init__(self, name: str, engine: Engine, *, is_prefill: bool) -> None:
+        self.name = name
+        self.work: list[tuple[float, int]] = []  # lower bounds of work coming to this node (lazy deletion)
+        self.pending_for: dict[str, int] = {}  # on a P: requests inside it, by destination D
+        self.engine = engine
+        self.is_prefill = is_prefill
+        self.inflight: StepResult | None = None
+        self.outstanding = 0
+        self.wake_version = 0
+        self.in_links: list[_LinkState] = []
+
+
+class _LinkState:
+    __slots__ = ("link", "owners", "version")
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.version = 0
+        self.owners: dict[int, _Req] = {}
+
+
+class _Req:
+    __slots__ = (
+        "arrival",
+        "conv",
+        "d",
+        "done",
+        "error",
+        "finish",
+        "first",
+        "idx",
+        "in_p",
+        "n_ctx",
+        "n_in",
+        "n_out",
+        "p",
+        "p_done",
+        "path",
+        "rid",
+        "stream",
+        "transfer",
+    )
+
+    def __init__(self, conv: Conversation, idx: int, stream: int, arrival: float, n_ctx: int) -> None:
+        self.conv = conv
+        self.idx = idx
+        self.stream = stream
+        self.arrival = arrival
+        turn = conv.turns[idx]
+        self.n_in = turn.n_in
+        self.n_out = turn.n_out
+        self.n_ctx = n_ctx
+        self.rid = f"{conv.conversation_id}#{idx + 1}"
+        self.path = "pd"
+        self.p: _Node | None = None
+        self.p_done = False
+        self.in_p = False
+        self.d: _Node | None = None
+        self.first: float | None = None
+        self.finish: float | None = None
+        self.done = False
+        self.error: str | None = None
+        self.transfer: tuple[_LinkState, int] | None = None
+
+
+class _Sim:
+    def __init__(self, profile: Profile, config: ClusterConfig, router: LocalPolicy | None) -> None:
+        self.profile = profile
+        self.cfg = config
+        self.kind, self.fraction = parse_mode(config.mode)
+        if self.kind == "ppd" and router is None:
+            raise ValueError("mode ppd needs a router")
+        self.router = router
+        ecfg = EngineConfig(kv_pull=config.kv_pull, record_sampled=False, fast_forward=config.fast_forward)
+        topo = config.topology
+        self.replica_mode = self.kind == "replica" or topo.replica > 0
+        if topo.replica and self.kind not in ("replica",):
+            raise ValueError("a replica topology runs only in mode replica")
+        self.prefills: list[_Node] = []
+        self.decodes: list[_Node] = []
+        if topo.replica:
+            self.decodes = [
+                _Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.replica)
+            ]
+        elif self.replica_mode:
+            n = topo.prefill + topo.decode
+            self.decodes = [_Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(n)]
+        else:
+            self.prefills = [
+                _Node(f"P{i}", Engine(profile, ecfg), is_prefill=True) for i in range(topo.prefill)
+            ]
+            self.decodes = [
+                _Node(f"D{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.decode)
+            ]
+        physical = profile.link("nvlink") if config.transfer_mode is TransferMode.BLOCKING_ON_DECODE else None
+        spec = profile.link(config.link)
+        self.links: dict[tuple[int, int], _LinkState] = {}
+        for pi in range(len(self.prefills)):
+            for di, d in enumerate(self.decodes):
+                ls = _LinkState(Link(spec, config.transfer_mode, physical))
+                self.links[(pi, di)] = ls
+                d.in_links.append(ls)
+        ov = profile.overheads
+        self.o_pd = ov.pd_s if config.apply_overheads else 0.0
+        self.o_local = ov.local_s if config.apply_overheads else 0.0
+        self.min_overhead = min(self.o_pd, self.o_local)
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.work: list[tuple[float, int]] = []  # turn-1 arrivals: they may reach any D
+        self.work_done: set[int] = set()
+        self.records: list[_Req] = []
+        self._live: dict[str, _Req] = {}
+        self.sessions: dict[str, _Node] = {}
+        self.events = 0
+        self.steps = 0
+        self.now = 0.0
+
+    # ------------------------------------------------------------------ heap helpers
+    def push(self, t: float, kind: int, obj: Any) -> int:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, obj))
+        return self.seq
+
+    def push_work(self, t_bound: float, t: float, kind: int, obj: Any, target: _Node | None) -> None:
+        """An event that brings work to ``target`` (any decode node if None) no earlier than ``t_bound``."""
+        seq = self.push(t, kind, obj)
+        heapq.heappush(self.work if target is None else target.work, (t_bound, seq))
+
+    def work_bound(self, work: list[tuple[float, int]]) -> float:
+        done = self.work_done
+        while work and work[0][1] in done:
+            heapq.heappop(work)
+        return work[0][0] if work else math.inf
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, conversations: Iterable[Conversation]) -> ClusterResult:
+        for n, conv in enumerate(conversations):
+            if conv.turns:
+                req = _Req(conv, 0, n, conv.start, 0)
+                first_delay = self.o_local if self.replica_mode else self.o_pd
+                self.push_work(conv.start + first_delay, conv.start, _ARRIVE, req, None)
+        heap = self.heap
+        while heap:
+            t, seq, kind, obj = heapq.heappop(heap)
+            self.now = t
+            self.events += 1
+            if kind == _STEP:
+                self.on_step(obj, t)
+            elif kind == _XFER:
+                self.on_transfer(obj[0], obj[1], t)
+            elif kind == _ARRIVE:
+                self.work_done.add(seq)
+                self.on_arrive(obj, t)
+            elif kind == _DISPATCH:
+                self.work_done.add(seq)
+                self.on_dispatch(obj, t)
+            elif kind == _WAKE:
+                node, version = obj
+                if version == node.wake_version:
+                    self.kick(node, t)
+            else:
+                self.on_timeout(obj, t)
+        return ClusterResult(self.build_records(), self.now, self.steps, self.events)
+
+    # ------------------------------------------------------------------ routing
+    def least_loaded(self, nodes: Sequence[_Node]) -> _Node:
+        return min(nodes, key=lambda n: n.outstanding)
+
+    def on_arrive(self, req: _Req, t: float) -> None:
+        conv = req.conv
+        self._live[req.rid] = req
+        if self.replica_mode:
+            node = self.sessions.get(conv.conversation_id) or self.least_loaded(self.decodes)
+            self.sessions[conv.conversation_id] = node
+            req.path = "replica"
+            req.d = node
+        elif req.idx == 0:
+            req.path = "pd"
+            req.d = self.least_loaded(self.decodes)
+            self.sessions[conv.conversation_id] = req.d
+        else:
+            req.d = self.sessions[conv.conversation_id]
+            req.path = "local" if self.choose_local(req) else "pd"
+        if req.path == "pd":
+            req.p = self.least_loaded(self.prefills)
+            req.p.outstanding += 1
+        req.d.outstanding += 1
+        delay = self.o_pd if req.path == "pd" else self.o_local
+        self.push_work(t + delay, t + delay, _DISPATCH, req, req.d)
+        self.push(t + self.cfg.timeout_s, _TIMEOUT, req)
+
+    def choose_local(self, req: _Req) -> bool:
+        if self.kind == "local":
+            return True
+        if self.kind == "pd":
+            return False
+        if self.kind == "fraction":
+            h = zlib.crc32(req.conv.conversation_id.encode()) / 2**32
+            return h < self.fraction
+        assert self.router is not None
+        return self.router.local(
+            conversation_id=req.conv.conversation_id,
+            turn=req.idx + 1,
+            n_in=req.n_in,
+            n_out=req.n_out,
+            n_ctx=req.n_ctx,
+            qps=self.cfg.target_qps,
+        )
+
+    def on_dispatch(self, req: _Req, t: float) -> None:
+        if req.done:
+            return
+        n_prompt = req.n_ctx + req.n_in
+        if req.path == "pd":
+            assert req.p is not None
+            assert req.d is not None
+            pending = req.p.pending_for
+            pending[req.d.name] = pending.get(req.d.name, 0) + 1
+            req.in_p = True
+            r = EngineRequest(
+                request_id=req.rid,
+                n_prompt=n_prompt,
+                content=StreamBlocks(req.stream),
+                max_tokens=1,
+                remote_decode=True,
+            )
+            req.p.engine.add_request(r, t)
+            self.kick(req.p, t)
+        else:
+            assert req.d is not None
+            r = EngineRequest(
+                request_id=req.rid,
+                n_prompt=n_prompt,
+                content=StreamBlocks(req.stream),
+                max_tokens=req.n_out,
+                ignore_eos=True,
+            )
+            req.d.engine.add_request(r, t)
+            self.kick(req.d, t)
+
+    # ------------------------------------------------------------------ engines
+    def horizon(self, node: _Node, t: float) -> float:
+        h = min(self.work_bound(self.work), self.work_bound(node.work))
+        for p in self.prefills:
+            if p.pending_for.get(node.name, 0) > 0:
+                end = p.inflight.end if p.inflight is not None else t
+                h = min(h, end)
+        for ls in node.in_links:
+            nxt = ls.link.next_completion_at()
+            if nxt is not None and nxt < h:
+                h = nxt
+        return h
+
+    def kick(self, node: _Node, t: float) -> None:
+        while node.inflight is None:
+            nxt = node.engine.next_step_at()
+            if nxt is None:
+                return
+            if nxt > t:
+                node.wake_version += 1
+                self.push(nxt, _WAKE, (node, node.wake_version))
+                return
+            horizon = self.horizon(node, t) if node.engine.config.fast_forward else math.inf
+            result = node.engine.step(t, horizon)
+            self.steps += result.n_steps
+            for pull in result.kv_pulls:
+                self.start_pull(node, pull.request_id, pull.n_tokens, t)
+            if result.duration > 0 or result.finished or result.first_tokens:
+                node.inflight = result
+                self.push(result.end, _STEP, node)
+
+    def on_step(self, node: _Node, t: float) -> None:
+        result = node.inflight
+        assert result is not None
+        node.inflight = None
+        reqs = self._live
+        if node.is_prefill:
+            for fin in result.finished:
+                req = reqs.get(fin.request_id)
+                if req is None:
+                    node.engine.release(fin.request_id, t)
+                    continue
+                node.outstanding -= 1
+                req.p_done = True
+                assert req.d is not None
+                node.pending_for[req.d.name] -= 1
+                req.in_p = False
+                r = EngineRequest(
+                    request_id=req.rid,
+                    n_prompt=req.n_ctx + req.n_in,
+                    content=StreamBlocks(req.stream),
+                    max_tokens=req.n_out,
+                    ignore_eos=True,
+                    remote_prefill=True,
+                )
+                req.d.engine.add_request(r, t)
+                self.kick(req.d, t)
+        else:
+            for rid in result.first_tokens:
+                req = reqs.get(rid)
+                if req is not None:
+                    req.first = t
+            for fin in result.finished:
+                req = reqs.get(fin.request_id)
+                if req is None:
+                    continue
+                if fin.reason is FinishReason.ERROR:
+                    self.fail(req, "kv_transfer_failed", t)
+                else:
+                    self.complete(req, t)
+        self.kick(node, t)
+
+    def start_pull(self, d_node: _Node, rid: str, n_tokens: int, t: float) -> None:
+        req = self._live.get(rid)
+        if req is None or req.p is None:
+            return
+        pi = self.prefills.index(req.p)
+        di = self.decodes.index(d_node)
+        ls = self.links[(pi, di)]
+        tid = ls.link.start(t, n_tokens * self.profile.model.kv_bytes_per_token)
+        ls.owners[tid] = req
+        req.transfer = (ls, tid)
+        self.schedule_link(ls)
+
+    def schedule_link(self, ls: _LinkState) -> None:
+        nxt = ls.link.next_completion_at()
+        ls.version += 1
+        if nxt is not None:
+            self.push(nxt, _XFER, (ls, ls.version))
+
+    def on_transfer(self, ls: _LinkState, version: int, t: float) -> None:
+        if version != ls.version:
+            return
+        for done in ls.link.completions_until(t):
+            req = ls.owners.pop(done.transfer_id, None)
+            if req is None or req.done:
+                continue
+            req.transfer = None
+            assert req.p is not None
+            assert req.d is not None
+            if req.p.engine.lease_alive(req.rid, t):
+                req.p.engine.release(req.rid, t)
+                req.d.engine.kv_loaded(req.rid, t, done.stall_s)
+                self.kick(req.d, t)
+            else:
+                req.d.engine.kv_failed(req.rid, t)
+                self.fail(req, "kv_lease_expired", t)
+        self.schedule_link(ls)
+
+    # ------------------------------------------------------------------ outcomes
+    def complete(self, req: _Req, t: float) -> None:
+        req.finish = t
+        req.done = True
+        self._live.pop(req.rid, None)
+        assert req.d is not None
+        req.d.outstanding -= 1
+        self.records.append(req)
+        nxt = req.idx + 1
+        if nxt < len(req.conv.turns):
+            at = t + self.cfg.think_time_s
+            follow = _Req(req.conv, nxt, req.stream, at, req.n_ctx + req.n_in + req.n_out)
+            self.push_work(at + self.min_overhead, at, _ARRIVE, follow, req.d)
+
+    def fail(self, req: _Req, error: str, t: float) -> None:
+        if req.done:
+            return
+        req.done = True
+        req.error = error
+        self._live.pop(req.rid, None)
+        if req.p is not None:
+            req.p.engine.abort(req.rid, t)
+            if not req.p_done:
+                req.p.outstanding -= 1
+            if req.in_p and req.d is not None:
+                req.p.pending_for[req.d.name] -= 1
+                req.in_p = False
+            self.kick(req.p, t)
+        if req.transfer is not None:
+            ls, tid = req.transfer
+            ls.link.cancel(tid, t)
+            ls.owners.pop(tid, None)
+            self.schedule_link(ls)
+        if req.d is not None:
+            req.d.engine.abort(req.rid, t)
+            req.d.outstanding -= 1
+            self.kick(req.d, t)
+        self.records.append(req)
+
+    def on_timeout(self, req: _Req, t: float) -> None:
+        if not req.done:
+            self.fail(req, "timeout", t)
+
+    def build_records(self) -> list[dict[str, Any]]:
+        cfg = self.cfg
+        out = []
+        for req in sorted(self.records, key=lambda r: (r.arrival, r.rid)):
+            ok = req.error is None and req.finish is not None
+            ttft = (req.first - req.arrival) * 1e3 if req.first is not None else None
+            e2e = (req.finish - req.arrival) * 1e3 if req.finish is not None else None
+            tpot = None
+            if ok and req.first is not None and req.finish is not None and req.n_out > 1:
+                tpot = (req.finish - req.first) * 1e3 / (req.n_out - 1)
+            out.append(
+                {
+                    "run_id": cfg.run_id,
+                    "shape": cfg.topology.label,
+                    "model": cfg.model,
+                    "mode": cfg.mode,
+                    "target_qps": cfg.target_qps,
+                    "workload": req.conv.workload,
+                    "conversation_id": req.conv.conversation_id,
+                    "turn": req.idx + 1,
+                    "n_in": req.n_in,
+                    "n_out": req.n_out,
+                    "n_ctx": req.n_ctx,
+                    "path": req.path,
+                    "ttft_ms": ttft,
+                    "tpot_ms": tpot,
+                    "e2e_ms": e2e if ok else None,
+                    "ok": ok,
+                    "error": req.error,
+                    "start_time": req.arrival,
+                }
+            )
+        return out
+
+
+def simulate(
+    profile: Profile,
+    config: ClusterConfig,
+    conversations: Iterable[Conversation],
+    router: LocalPolicy | None = None,
+) -> ClusterResult:
+    """Run the conversations through a simulated cluster; one record per request sent."""
+    return _Sim(profile, config, router).run(conversations)

@@ -1,0 +1,35 @@
+"""What the real-time driver hands back to the HTTP layer for one request: a queue of step emissions.
+
+Invariant: a `JobHandle` receives `Emission`s in step order; the last one has `finished=True` (with
+`error` set when the request failed, e.g. a KV load after the lease expired), and nothing follows it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+__all__ = ["Emission", "JobHandle"]
+
+
+@dataclass(frozen=True, slots=True)
+class Emission:
+    """The tokens one engine step produced for one request (driver clock)."""
+
+    tokens: int
+    at: float
+    finished: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class JobHandle:
+    """The HTTP side's view of a request inside the engine."""
+
+    request_id: str
+    submitted_at: float
+    queue: asyncio.Queue[Emission] = field(default_factory=asyncio.Queue)
+    first_token_at: float | None = None
+    preemptions: int = 0
+    cached_tokens: int = 0
+    kv_pinned: bool = False

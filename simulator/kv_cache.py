@@ -1,0 +1,223 @@
+"""KV blocks: chained block hashes and the block pool with its prefix cache (vLLM V1 semantics).
+
+A request's token sequence (prompt, then output) is cut into ``block_size``-token blocks; block *i*
+is identified by a hash that covers blocks 0..i (a chain), so equal hashes mean equal prefixes.
+Two kinds of content provide these hashes:
+
+- :class:`TokenBlocks`: real token ids (the HTTP workers); hash(i) = hash((hash(i-1), tokens of i)).
+- :class:`StreamBlocks`: a synthetic conversation stream (the cluster simulation): position *p* of
+  stream *s* is the same token in every turn, so hash(i) is just a function of (s, i). Building it
+  costs nothing, which is what makes the virtual-time sweeps fast.
+
+:class:`BlockPool` holds ``num_blocks`` blocks. Rules:
+1. A block is *private* (held by one request, not hashed), *cached* (hashed, ref count ≥ 0) or *free*.
+2. Cached blocks with ref count 0 are free too, and sit in an LRU queue; allocation takes plain free
+   blocks first, then evicts from the LRU head (the least recently released).
+3. ``num_free`` counts plain free plus evictable blocks; usage = 1 − num_free / num_blocks (vLLM's
+   ``kv_cache_usage_perc``).
+4. A hash is cached at most once; a request that computed a duplicate block keeps it private.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["BlockContent", "BlockPool", "PrefixedBlocks", "StreamBlocks", "TokenBlocks"]
+
+
+class BlockContent(Protocol):
+    """Gives the chained hash of full block ``index`` of a request's sequence (prompt then output)."""
+
+    def block_hash(self, index: int) -> int: ...
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        """Hashes of blocks ``start`` to ``stop − 1`` (bulk form of ``block_hash``)."""
+        ...
+
+
+class TokenBlocks:
+    """Chained hashes over real token ids (prompt followed by the planned output), computed lazily."""
+
+    __slots__ = ("_block_size", "_hashes", "_tokens")
+
+    def __init__(self, token_ids: Sequence[int], block_size: int = 16) -> None:
+        self._tokens = tuple(token_ids)
+        self._block_size = block_size
+        self._hashes: list[int] = []
+
+    @property
+    def num_full_blocks(self) -> int:
+        return len(self._tokens) // self._block_size
+
+    def block_hash(self, index: int) -> int:
+        hashes = self._hashes
+        bs = self._block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            if (i + 1) * bs > len(self._tokens):
+                # Beyond the known tokens: a hash no other sequence can produce.
+                return hash(("unknown", id(self), index))
+            parent = hashes[i - 1] if i else 0
+            hashes.append(hash((parent, self._tokens[i * bs : (i + 1) * bs])))
+        return hashes[index]
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        return [self.block_hash(i) for i in range(start, stop)]
+
+
+class StreamBlocks:
+    """Block *i* of synthetic stream ``stream_id``; every turn of one conversation shares the stream."""
+
+    __slots__ = ("_base",)
+
+    def __init__(self, stream_id: int) -> None:
+        self._base = -((stream_id + 1) << 32)
+
+    def block_hash(self, index: int) -> int:
+        return self._base - index
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        return range(self._base - start, self._base - stop, -1)
+
+
+class PrefixedBlocks:
+    """A shared prefix of ``n_prefix_blocks`` blocks, then content of this request only."""
+
+    __slots__ = ("_n", "_own", "_prefix")
+
+    def __init__(self, prefix: BlockContent, n_prefix_blocks: int, own: BlockContent) -> None:
+        self._prefix = prefix
+        self._n = n_prefix_blocks
+        self._own = own
+
+    def block_hash(self, index: int) -> int:
+        if index < self._n:
+            return self._prefix.block_hash(index)
+        return self._own.block_hash(index)
+
+    def block_hashes(self, start: int, stop: int) -> Sequence[int]:
+        n = self._n
+        if stop <= n:
+            return self._prefix.block_hashes(start, stop)
+        if start >= n:
+            return self._own.block_hashes(start, stop)
+        return [*self._prefix.block_hashes(start, n), *self._own.block_hashes(n, stop)]
+
+
+class BlockPool:
+    """Counts blocks and owns the prefix cache (hash -> ref count) with its LRU of evictable blocks."""
+
+    __slots__ = ("_free", "_lru", "_ref", "evictions", "num_blocks")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError("a block pool needs at least one block")
+        self.num_blocks = num_blocks
+        self._free = num_blocks
+        self._ref: dict[int, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return self._free + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._ref)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+    def ref_count(self, block_hash: int) -> int:
+        return self._ref.get(block_hash, 0)
+
+    def match(self, content: BlockContent, max_blocks: int) -> int:
+        """How many leading blocks of ``content`` are cached (at most ``max_blocks``); no side effect."""
+        if max_blocks <= 0:
+            return 0
+        hashes = content.block_hashes(0, max_blocks)
+        return sum(1 for _ in itertools.takewhile(self._ref.__contains__, hashes))
+
+    def acquire(self, content: BlockContent, n_blocks: int) -> list[int]:
+        """Take a reference on the first ``n_blocks`` cached blocks (a prefix hit); returns their hashes."""
+        ref, lru = self._ref, self._lru
+        out = list(content.block_hashes(0, n_blocks))
+        if not out:
+            return out
+        counts = list(map(ref.__getitem__, out))
+        if max(counts) == 0:  # the usual case: an idle cached prefix
+            list(map(lru.pop, out))
+            ref.update(dict.fromkeys(out, 1))
+            return out
+        for h, count in zip(out, counts, strict=True):
+            if count == 0:
+                del lru[h]
+            ref[h] = count + 1
+        return out
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return n_blocks <= self._free + len(self._lru)
+
+    def allocate(self, n_blocks: int) -> bool:
+        """Take ``n_blocks`` private blocks, evicting LRU cached ones when needed; False if short."""
+        if n_blocks <= self._free:
+            self._free -= n_blocks
+            return True
+        lru = self._lru
+        if n_blocks > self._free + len(lru):
+            return False
+        need = n_blocks - self._free
+        self._free = 0
+        ref = self._ref
+        for _ in range(need):
+            del ref[lru.popitem(last=False)[0]]
+        self.evictions += need
+        return True
+
+    def release_private(self, n_blocks: int) -> None:
+        self._free += n_blocks
+
+    def register(self, block_hash: int) -> bool:
+        """Turn one of the caller's private blocks into cached block ``block_hash`` (ref 1), if not cached."""
+        if block_hash in self._ref:
+            return False
+        self._ref[block_hash] = 1
+        return True
+
+    def register_many(self, hashes: Sequence[int], limit: int) -> list[int]:
+        """``register`` for each hash not cached yet, at most ``limit`` of them; returns those registered."""
+        ref = self._ref
+        new = list(hashes) if ref.keys().isdisjoint(hashes) else [h for h in hashes if h not in ref]
+        if len(new) > limit:
+            new = new[:limit]
+        ref.update(dict.fromkeys(new, 1))
+        return new
+
+    def release(self, hashes: Sequence[int]) -> None:
+        """Drop one reference on each hash, in reverse so a sequence's tail is evicted before its head."""
+        if not hashes:
+            return
+        ref, lru = self._ref, self._lru
+        if max(map(ref.__getitem__, hashes)) == 1:  # the usual case: sole holder
+            rev = hashes[::-1]
+            ref.update(dict.fromkeys(rev, 0))
+            lru.update(dict.fromkeys(rev))
+            return
+        for h in reversed(hashes):
+            count = ref[h] - 1
+            ref[h] = count
+            if count == 0:
+                lru[h] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every evictable cached block (vLLM's /reset_prefix_cache); False if some are still in use."""
+        if len(self._lru) != len(self._ref):
+            return False
+        self._free += len(self._lru)
+        self._lru.clear()
+        self._ref.clear()
+        return True

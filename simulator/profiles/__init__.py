@@ -1,0 +1,1 @@
+"""Package data: model/hardware profiles (JSON)."""

@@ -1,0 +1,207 @@
+"""The real-time driver: runs one sans-I/O `Engine` against the wall clock with asyncio.
+
+Invariants:
+- Rule 1: absolute deadlines. A step that follows another back to back starts exactly at the previous
+  step's end (`result.end`), never at the (late) moment the driver woke up, so timing errors do not
+  accumulate; a step after an idle period starts at the moment work arrived.
+- Rule 2: a step's tokens are delivered together, right after its deadline, in one pass over
+  `result.sampled` / `result.finished`; a request that arrives while a step runs joins the next step
+  (the same rule as :func:`simulator.virtual.run_engine`, so both produce the same step log).
+- Rule 3: only the driver task calls `engine.step`; other coroutines add, abort or complete KV loads
+  and then `wake()` it. Everything runs on one event loop, so no locks are needed.
+
+Timing: sleep on the event loop until `spin_s` before the deadline, then spin on `time.monotonic()`
+(uvloop's timers have millisecond resolution). `lateness` records wake-up minus deadline per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from simulator.engine import Engine, EngineRequest, Finished, FinishReason, KvPull, StepResult
+from simulator.jobs import Emission, JobHandle
+
+__all__ = ["RealtimeDriver", "StepTiming"]
+
+logger = logging.getLogger(__name__)
+
+PullHandler = Callable[[KvPull, float], None]
+StepObserver = Callable[[StepResult], None]
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """Per-step lateness (seconds) and an optional copy of the step log, for benchmarks and tests."""
+
+    lateness: list[float] = field(default_factory=list)
+    log: list[dict[str, Any]] = field(default_factory=list)
+    record_log: bool = False
+    max_samples: int = 1_000_000
+    tokens: int = 0  # tokens delivered while lateness is being recorded
+
+
+class RealtimeDriver:
+    """Owns one engine and the handles of its requests; `run()` is its task."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        spin_s: float = 0.0005,
+        clock: Callable[[], float] = time.monotonic,
+        on_pull: PullHandler | None = None,
+        on_step: StepObserver | None = None,
+        timing: StepTiming | None = None,
+    ) -> None:
+        self.engine = engine
+        self._spin = spin_s
+        self._clock = clock
+        self._on_pull = on_pull
+        self._on_step = on_step
+        self.timing = timing or StepTiming()
+        self._handles: dict[str, JobHandle] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ control
+    def now(self) -> float:
+        return self._clock()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="realtime-driver")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for handle in self._handles.values():
+            handle.queue.put_nowait(Emission(tokens=0, at=self.now(), finished=True, error="engine stopped"))
+        self._handles.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def num_active(self) -> int:
+        return len(self._handles)
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: EngineRequest, handle: JobHandle) -> None:
+        """Queue a request now; its emissions arrive on `handle.queue`."""
+        self.engine.add_request(request, self.now())
+        self._handles[request.request_id] = handle
+        self.wake()
+
+    def abort(self, request_id: str) -> None:
+        if self._handles.pop(request_id, None) is not None:
+            self.engine.abort(request_id, self.now())
+            self.wake()
+
+    def kv_loaded(self, request_id: str, at: float, stall_s: float = 0.0) -> None:
+        if self.engine.kv_loaded(request_id, at, stall_s):
+            self.wake()
+
+    def kv_failed(self, request_id: str, at: float, message: str) -> None:
+        if self.engine.kv_failed(request_id, at) is None:
+            return
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            handle.queue.put_nowait(Emission(tokens=0, at=at, finished=True, error=message))
+        self.wake()
+
+    # ------------------------------------------------------------------ the loop
+    async def _sleep_until(self, deadline: float) -> float:
+        delay = deadline - self._clock() - self._spin
+        if delay > 0:
+            await asyncio.sleep(delay)
+        now = self._clock()
+        while now < deadline:
+            now = self._clock()
+        return now
+
+    async def _wait_for_work(self, limit_s: float | None) -> None:
+        if self._wake.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), limit_s)
+
+    async def run(self) -> None:
+        engine = self.engine
+        continuing = False  # the previous step ended at its deadline and more work was due then
+        while True:
+            self._wake.clear()
+            due = engine.next_step_at()
+            now = self._clock()
+            if due is None:
+                continuing = False
+                await self._wait_for_work(None)
+                continue
+            if due > now:
+                # Idle until a lease expires (or until new work wakes us).
+                continuing = False
+                await self._wait_for_work(due - now)
+                continue
+            start = due if continuing else max(due, now)
+            result = engine.step(start)
+            if result.duration > 0:
+                woke = await self._sleep_until(result.end)
+                timing = self.timing
+                if len(timing.lateness) < timing.max_samples:
+                    timing.lateness.append(woke - result.end)
+                    timing.tokens += len(result.sampled)
+                continuing = True
+            else:
+                continuing = False
+            self._deliver(result)
+            await asyncio.sleep(0)  # let handlers write this step's tokens before the next step
+
+    def _deliver(self, result: StepResult) -> None:
+        end = result.end
+        timing = self.timing
+        if timing.record_log and (result.duration > 0 or result.kv_pulls or result.finished):
+            timing.log.append(result.log_entry())
+        if self._on_step is not None:
+            self._on_step(result)
+        handles = self._handles
+        done = {f.request_id: f for f in result.finished}
+        if result.n_steps > 1:
+            raise RuntimeError("the real-time driver runs without fast-forward")
+        for rid in result.sampled:
+            handle = handles.get(rid)
+            if handle is None:
+                continue
+            fin = done.pop(rid, None)
+            if handle.first_token_at is None:
+                handle.first_token_at = end
+            error = None
+            if fin is not None:
+                del handles[rid]
+                handle.cached_tokens = fin.num_cached_tokens
+                handle.kv_pinned = fin.kv_pinned
+                error = "KV load failed" if fin.reason is FinishReason.ERROR else None
+            handle.queue.put_nowait(Emission(tokens=1, at=end, finished=fin is not None, error=error))
+        self._deliver_tokenless(done, end)
+        for rid in result.preempted:
+            handle = handles.get(rid)
+            if handle is not None:
+                handle.preemptions += 1
+        if result.kv_pulls and self._on_pull is not None:
+            for pull in result.kv_pulls:
+                self._on_pull(pull, end)
+
+    def _deliver_tokenless(self, done: dict[str, Finished], end: float) -> None:
+        """Requests that finished without a token in this step (an aborted or failed one)."""
+        for rid, fin in done.items():
+            handle = self._handles.pop(rid, None)
+            if handle is not None:
+                error = "KV load failed" if fin.reason is FinishReason.ERROR else None
+                handle.queue.put_nowait(Emission(tokens=0, at=end, finished=True, error=error))

@@ -1,0 +1,46 @@
+"""The ``ppd`` mode's per-request rule in the cluster simulation: the decision service's pure core.
+
+The same code decides in simulation and in production: :class:`TableRouter` wraps
+``decision_service.route.Router`` (one compiled table) behind the cluster's :class:`LocalPolicy`
+protocol. A query the rule refuses (``QueryError``) takes PD, as the gateway's fallback would, and
+is counted.
+"""
+
+from __future__ import annotations
+
+from decision_service.route import Query, QueryError, Router, check_query
+from decision_service.table import Table, Weights
+
+__all__ = ["TableRouter"]
+
+
+class TableRouter:
+    """Turns 2+ go LOCAL when the table's verdict says so (with optional per-run weights)."""
+
+    __slots__ = ("_router", "_table", "_weights", "refused", "verdicts")
+
+    def __init__(self, table: Table, weights: Weights | None = None) -> None:
+        self._table = table
+        self._router = Router(table)
+        self._weights = weights
+        self.refused = 0
+        self.verdicts: dict[str, int] = {}
+
+    @classmethod
+    def open(cls, path: str, weights: Weights | None = None) -> TableRouter:
+        return cls(Table.open(path), weights)
+
+    def local(
+        self, *, conversation_id: str, turn: int, n_in: int, n_out: int, n_ctx: int, qps: float
+    ) -> bool:
+        del conversation_id
+        query = Query(turn=turn, n_in=n_in, n_out=n_out, n_ctx=n_ctx, qps=qps, weights=self._weights)
+        try:
+            check_query(query, self._table)
+        except QueryError:
+            self.refused += 1
+            return False
+        verdict = self._router.route(query)
+        name = verdict.reason.name
+        self.verdicts[name] = self.verdicts.get(name, 0) + 1
+        return verdict.local

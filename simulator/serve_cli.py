@@ -1,0 +1,186 @@
+"""The `worker` and `cluster` sub-commands of `ppd-sim` (registered in :mod:`simulator.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import uvloop
+
+from simulator.fabric import FabricSettings
+from simulator.faults import Faults
+from simulator.link import TransferMode
+from simulator.profile import ProfileError, load_profile
+from simulator.sampler import SamplerSettings
+from simulator.topology import Role, Topology, TopologyError, WorkerSpec
+from simulator.worker_group import GroupSettings, WorkerGroup, serve_group
+from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+
+__all__ = ["add_bench_realtime", "add_cluster", "add_worker"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serving")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    g.add_argument("--served-model-name", default=DEFAULT_MODEL, help=f"model id (default {DEFAULT_MODEL})")
+    g.add_argument("--max-model-len", type=int, default=131072, help="context window in tokens")
+    g.add_argument("--profile", default="llama-3.1-8b-h100", help="cost-model profile name or JSON path")
+    g.add_argument(
+        "--kv-lease-duration",
+        type=float,
+        default=30.0,
+        help="seconds a prefill worker pins blocks for the decode worker (vLLM kv_lease_duration)",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, as the vLLM flag does",
+    )
+    g.add_argument(
+        "--mean-natural-tokens",
+        type=int,
+        default=0,
+        help="mean answer length before the model emits EOS (geometric); 0 = runs to max_tokens",
+    )
+    g.add_argument(
+        "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest accepted request body"
+    )
+    g.add_argument(
+        "--spin-us",
+        type=float,
+        default=500.0,
+        help="busy-wait this long before each step deadline for sub-millisecond timing (0 = sleep only)",
+    )
+    k = p.add_argument_group("KV transfer")
+    k.add_argument(
+        "--link", default="nvlink", help="link preset of the profile: nvlink, ib_ndr, ib_hdr, 100gbe"
+    )
+    k.add_argument(
+        "--transfer-mode",
+        choices=[m.value for m in TransferMode],
+        default=TransferMode.SHARED_LINK.value,
+        help="shared_link (processor sharing per node pair), async, or blocking_on_decode (the paper's)",
+    )
+    f = p.add_argument_group("fault injection (also at run time: POST <url>/admin/faults)")
+    f.add_argument("--error-rate", type=float, default=0.0, help="share of generation requests answered 500")
+    f.add_argument("--added-latency-ms", type=float, default=0.0, help="delay before model routes answer")
+    f.add_argument("--down-after-requests", type=int, default=None, help="close the port after N requests")
+    f.add_argument("--refuse-connections", action="store_true", help="reset every connection")
+    f.add_argument("--lease-expiry-s", type=float, default=None, help="pinned KV blocks expire this early")
+    f.add_argument("--fault-seed", type=int, default=0, help="seed of the error-rate dice")
+
+
+def _worker_settings(args: argparse.Namespace, worker_id: str, role: Role) -> WorkerSettings:
+    faults = Faults(
+        error_rate=args.error_rate,
+        added_latency_ms=args.added_latency_ms,
+        down_after_requests=args.down_after_requests,
+        refuse_connections=args.refuse_connections,
+        lease_expiry_s=args.lease_expiry_s,
+    )
+    return WorkerSettings(
+        worker_id=worker_id,
+        role=role,
+        model=args.served_model_name,
+        max_model_len=args.max_model_len,
+        host=args.host,
+        kv_lease_duration_s=args.kv_lease_duration,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        max_body_bytes=args.max_body_bytes,
+        sampler=SamplerSettings(mean_natural_tokens=args.mean_natural_tokens),
+        faults=faults,
+        fault_seed=args.fault_seed,
+    )
+
+
+def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single: bool) -> int:
+    try:
+        profile = load_profile(args.profile)
+        fabric = FabricSettings(link=args.link, mode=TransferMode(args.transfer_mode))
+        profile.link(args.link)
+        worker = _worker_settings(args, topology.workers[0].id, topology.workers[0].role)
+        worker_faults: dict[str, Faults] = {}
+        for item in getattr(args, "worker_faults", None) or []:
+            worker_id, _, raw = item.partition("=")
+            worker_faults[worker_id] = worker.faults.updated(json.loads(raw))
+    except (ProfileError, ValueError) as exc:
+        print(f"ppd-sim: {exc}", file=sys.stderr)
+        return 2
+    settings = GroupSettings(
+        topology=topology,
+        base_port=base_port,
+        worker=worker,
+        fabric=fabric,
+        worker_faults=worker_faults,
+        spin_s=args.spin_us / 1e6,
+    )
+
+    async def main() -> int:
+        return await serve_group(WorkerGroup(settings, profile), sys.stdout, single=single)
+
+    return uvloop.run(main())
+
+
+def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="one simulated vLLM worker (prefill, decode or replica) on one port",
+        description="Serve vLLM 0.33's HTTP API and the NixlConnector P/D protocol in real time. Prints "
+        '{"id", "role", "url"} as one JSON line once healthy; stops on SIGINT/SIGTERM.',
+    )
+    p.add_argument("--role", choices=["prefill", "decode", "replica"], default="replica", help="P/D role")
+    p.add_argument("--port", type=int, default=8000, help="port (0 = a free one, printed)")
+    p.add_argument("--id", default=None, help="worker id (default P0, D0 or R0 by role)")
+    _common(p)
+
+    def run(args: argparse.Namespace) -> int:
+        letter = {"prefill": "P", "decode": "D", "replica": "R"}[args.role]
+        worker_id = args.id or f"{letter}0"
+        topology = Topology(name=f"1{letter}", workers=(WorkerSpec(id=worker_id, role=args.role),))
+        return _run(args, topology, args.port, single=True)
+
+    p.set_defaults(func=run)
+
+
+def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "cluster",
+        help="a whole simulated P/D cluster in one process (workers share the KV links)",
+        description="Start every worker of a topology (1P3D, 2P2D, 3P1D, 4R, ...) on its own port and print "
+        '{"topology", "workers": [{"id", "role", "url"}]} as one JSON line once all answer /health.',
+    )
+    p.add_argument("--topology", default="1P3D", help="groups of <count><P|D|R>, e.g. 1P3D or 4R")
+    p.add_argument(
+        "--base-port", type=int, default=8100, help="first port; workers take consecutive ones (0 = free)"
+    )
+    p.add_argument(
+        "--worker-faults",
+        action="append",
+        metavar="ID=JSON",
+        help="faults of one worker at start, e.g. D1='{\"error_rate\": 0.5}' (repeatable)",
+    )
+    _common(p)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            topology = Topology.parse(args.topology)
+        except TopologyError as exc:
+            print(f"ppd-sim: {exc}", file=sys.stderr)
+            return 2
+        return _run(args, topology, args.base_port, single=False)
+
+    p.set_defaults(func=run)
+
+
+def add_bench_realtime(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "bench-realtime",
+        help="measure step timing error and CPU of a 1P3D cluster process under streaming load",
+        description="Host a 1P3D cluster in this process, stream from a client process, print step lateness "
+        "percentiles and the cluster's CPU share.",
+    )
+    from simulator.bench_realtime import add_arguments, run_from_args
+
+    add_arguments(p)
+    p.set_defaults(func=run_from_args)

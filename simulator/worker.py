@@ -1,0 +1,748 @@
+"""One simulated vLLM 0.33 worker: aiohttp routes over a real-time driven engine (the thin transport).
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /version,
+/metrics, /load, and /admin/faults (GET, POST). See simulator/README.md.
+
+Invariants:
+- Rule 1: no exception escapes a handler as a traceback: `ApiError` becomes vLLM's error body, anything
+  else is logged once and answered with HTTP 500 "Internal server error".
+- Rule 2: P/D follows NixlConnector pull mode: `do_remote_decode` -> one token, blocks pinned, the full
+  `kv_transfer_params` returned; `do_remote_prefill` -> the engine pulls the tokens it does not hold
+  over the fabric's link, after checking the prefill worker's lease (expired -> HTTP 500, or an SSE error
+  event once the stream has started, as vLLM does).
+- Rule 3: "down" behaves like a crashed process: the port closes, open connections are cut, requests in
+  flight fail and the engine (prefix cache, pinned blocks) is lost; `down_for_s` brings up a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from simulator.api_error import ApiError
+from simulator.engine import Engine, EngineConfig, EngineRequest, KvPull, StepResult
+from simulator.fabric import Fabric
+from simulator.faults import Faults
+from simulator.jobs import Emission, JobHandle
+from simulator.link import TransferDone
+from simulator.metrics import FinishedRequest, WorkerMetrics
+from simulator.protocol import (
+    GenerationRequest,
+    ServingLimits,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from simulator.realtime import RealtimeDriver, StepTiming
+from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
+from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
+from simulator.tokenizer import Llama3Tokenizer
+from simulator.worker_settings import WorkerSettings
+
+__all__ = ["VLLM_VERSION", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.33.0"
+_MODEL_ROUTES = ("/v1/", "/tokenize", "/detokenize")
+_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+_INTERNAL_ERROR = "Internal server error"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(slots=True)
+class _Remote:
+    """A decode-side request's source of KV until the pull starts (in this process or behind host:port)."""
+
+    engine_id: str
+    remote_request_id: str
+    host: str | None
+    port: int | None
+
+
+@dataclass(slots=True)
+class _Pinned:
+    pinned_at: float
+    being_read: bool = False
+
+
+class Worker:
+    """A worker's engine, driver, metrics, faults and HTTP site; `start()` binds the port."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        *,
+        tokenizer: Llama3Tokenizer,
+        fabric: Fabric,
+        spin_s: float = 0.0005,
+        timing: StepTiming | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.fabric = fabric
+        self.limits = ServingLimits(model=settings.model, max_model_len=settings.max_model_len)
+        self.metrics = WorkerMetrics(settings.model)
+        self.faults = settings.faults
+        self._fault_rng = random.Random(settings.fault_seed)  # noqa: S311 - fault injection, not crypto
+        self._spin = spin_s
+        self._timing = timing
+        self._generation_requests = 0
+        self._down = False
+        self._restore_task: asyncio.Task[None] | None = None
+        self._remote: dict[str, _Remote] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._pinned: dict[str, _Pinned] = {}
+        self._synced: dict[str, int] = {}
+        self.engine_id = ""
+        self.engine, self.driver = self._new_engine()
+        self.app = self._build_app()
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self.port = settings.port
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def node(self) -> str:
+        return self.settings.node_name
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    @property
+    def is_down(self) -> bool:
+        return self._down
+
+    def describe(self) -> dict[str, str]:
+        return {"id": self.settings.worker_id, "role": self.settings.role, "url": self.url}
+
+    def _new_engine(self) -> tuple[Engine, RealtimeDriver]:
+        if self.engine_id:
+            self.fabric.unregister(self.engine_id)
+        self.engine_id = f"{self.settings.worker_id}-{uuid.uuid4()}"
+        self.fabric.register(self.engine_id, self)
+        engine = Engine(self.fabric.profile, EngineConfig(lease_s=self.settings.kv_lease_duration_s))
+        driver = RealtimeDriver(
+            engine, spin_s=self._spin, on_pull=self._on_pull, on_step=self._on_step, timing=self._timing
+        )
+        self._remote.clear()
+        self._pinned.clear()
+        self._synced.clear()
+        return engine, driver
+
+    async def start(self) -> None:
+        self.driver.start()
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await self._listen(self.settings.port)
+        if self.faults.down:
+            await self._go_down()
+
+    async def _listen(self, port: int) -> None:
+        assert self._runner is not None
+        self._site = web.TCPSite(self._runner, self.settings.host, port, reuse_address=True)
+        await self._site.start()
+        addresses = self._runner.addresses  # only this site is registered (a downed site unregisters)
+        if addresses:
+            self.port = int(addresses[0][1])
+
+    async def stop(self) -> None:
+        if self._restore_task is not None:
+            self._restore_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        await self.driver.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.fabric.unregister(self.engine_id)
+
+    async def _go_down(self) -> None:
+        """Crash: close the port, cut connections, lose the engine."""
+        if self._down:
+            return
+        self._down = True
+        logger.warning("worker %s going down (fault injection)", self.settings.worker_id)
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        if self._runner is not None and self._runner.server is not None:
+            for connection in list(self._runner.server.connections):
+                if connection.transport is not None:
+                    connection.transport.abort()
+        await self.driver.stop()
+        if self.faults.down_for_s is not None:
+            self._restore_task = asyncio.create_task(self._restore_after(self.faults.down_for_s))
+
+    async def _restore_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        self.engine, self.driver = self._new_engine()
+        self.driver.start()
+        self.faults = Faults()
+        self._generation_requests = 0
+        await self._listen(self.port)
+        self._down = False
+        logger.warning("worker %s is back up on port %d", self.settings.worker_id, self.port)
+
+    # ------------------------------------------------------------------ app
+    def _build_app(self) -> web.Application:
+        app = web.Application(
+            middlewares=[self._error_middleware, self._fault_middleware],
+            client_max_size=self.settings.max_body_bytes,
+        )
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/load", self._load)
+        app.router.add_get("/admin/faults", self._get_faults)
+        app.router.add_post("/admin/faults", self._post_faults)
+        app.router.add_post("/_nixl/claim", self._nixl_claim)
+        app.router.add_post("/_nixl/release", self._nixl_release)
+        return app
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return web.json_response(exc.body(), status=exc.status)
+        except web.HTTPRequestEntityTooLarge as exc:
+            body = ApiError(413, f"Request body too large: {exc.text}").body()
+            return web.json_response(body, status=413)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            body = ApiError(exc.status, exc.reason).body()
+            return web.json_response(body, status=exc.status, headers={"Allow": exc.headers.get("Allow", "")})
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:
+            logger.exception("worker %s: unhandled error on %s", self.settings.worker_id, request.path)
+            return web.json_response(ApiError(500, _INTERNAL_ERROR).body(), status=500)
+
+    @web.middleware
+    async def _fault_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/admin/faults":
+            return await handler(request)
+        faults = self.faults
+        if self._down or faults.refuse_connections:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("connection refused by fault injection")
+        if request.path in _GENERATION_ROUTES:
+            self._generation_requests += 1
+            after = faults.down_after_requests
+            if after is not None and self._generation_requests > after:
+                await self._go_down()
+                raise ConnectionResetError("worker went down by fault injection")
+        if faults.added_latency_ms > 0 and request.path.startswith(_MODEL_ROUTES):
+            await asyncio.sleep(faults.added_latency_ms / 1000.0)
+        if (
+            request.path in _GENERATION_ROUTES
+            and faults.error_rate > 0
+            and self._fault_rng.random() < faults.error_rate
+        ):
+            raise ApiError(500, _INTERNAL_ERROR)
+        return await handler(request)
+
+    # ------------------------------------------------------------------ small routes
+    async def _read_json(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"Invalid JSON body: {exc}") from exc
+
+    async def _health(self, request: web.Request) -> web.Response:
+        del request
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        del request
+        return web.json_response({"version": VLLM_VERSION})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        del request
+        model = self.settings.model
+        card = {
+            "id": model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": model,
+            "parent": None,
+            "max_model_len": self.settings.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{uuid.uuid4().hex}",
+                    "object": "model_permission",
+                    "created": int(time.time()),
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        ids, with_strs = parse_tokenize(await self._read_json(request), self.tokenizer, self.limits)
+        strs = [self.tokenizer.token_str(i) for i in ids] if with_strs else None
+        body = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
+        body["token_strs"] = strs
+        return web.json_response(body)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        ids = parse_detokenize(await self._read_json(request), self.tokenizer, self.limits)
+        return web.json_response({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        del request
+        return web.json_response({"server_load": self.engine.load()})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        del request
+        self._sync_metrics()
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        del request
+        return web.json_response(self.faults.as_json())
+
+    async def _post_faults(self, request: web.Request) -> web.StreamResponse:
+        faults = self.faults.updated(await self._read_json(request))
+        if faults.down_after_requests != self.faults.down_after_requests:
+            self._generation_requests = 0
+        self.faults = faults
+        logger.info("worker %s faults now %s", self.settings.worker_id, faults.as_json())
+        response = web.json_response(faults.as_json())
+        if faults.down:
+            await response.prepare(request)
+            await response.write_eof()
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._go_down()))
+        return response
+
+    def _sync_metrics(self) -> None:
+        """Carry the engine's cumulative counters into the Prometheus counters (by difference)."""
+        stats = self.engine.stats()
+        m = self.metrics
+        m.set_load(
+            running=stats.num_running,
+            waiting=stats.num_waiting_capacity,
+            deferred=stats.num_waiting_deferred,
+            kv_usage=stats.kv_cache_usage,
+        )
+        current = {
+            "prefix_queries": stats.prefix_cache_queries,
+            "prefix_hits": stats.prefix_cache_hits,
+            "external_queries": stats.external_prefix_cache_queries,
+            "external_hits": stats.external_prefix_cache_hits,
+            "preemptions": stats.num_preemptions,
+            "expired": stats.num_kv_expired,
+            "local_compute": stats.prompt_tokens_local_compute,
+            "local_cache_hit": stats.prompt_tokens_local_cache_hit,
+            "external": stats.prompt_tokens_external,
+        }
+        delta = {key: value - self._synced.get(key, 0) for key, value in current.items()}
+        self._synced = current
+        m.add_engine_counts(
+            prefix_queries=delta["prefix_queries"],
+            prefix_hits=delta["prefix_hits"],
+            external_queries=delta["external_queries"],
+            external_hits=delta["external_hits"],
+            preemptions=delta["preemptions"],
+            expired=delta["expired"],
+            local_compute=delta["local_compute"],
+            local_cache_hit=delta["local_cache_hit"],
+            external=delta["external"],
+        )
+
+    # ------------------------------------------------------------------ KV source (prefill side)
+    def claim_lease(self, remote_request_id: str, now: float) -> bool:
+        if self._down:
+            return False
+        pinned = self._pinned.get(remote_request_id)
+        if pinned is None or pinned.being_read or not self.engine.lease_alive(remote_request_id, now):
+            return False
+        early = self.faults.lease_expiry_s
+        if early is not None and now - pinned.pinned_at >= early:
+            del self._pinned[remote_request_id]
+            self.engine.release(remote_request_id, now)
+            self.metrics.on_lease_expired()
+            self.driver.wake()
+            return False
+        pinned.being_read = True
+        return True
+
+    def release_lease(self, remote_request_id: str, now: float) -> None:
+        if self._pinned.pop(remote_request_id, None) is not None and self.engine.release(
+            remote_request_id, now
+        ):
+            self.driver.wake()
+
+    # ------------------------------------------------------------------ driver callbacks
+    def _on_step(self, result: StepResult) -> None:
+        self.metrics.on_step(tokens=result.num_decodes + result.prefill_tokens, generated=len(result.sampled))
+
+    def _on_pull(self, pull: KvPull, at: float) -> None:
+        """Start reading the KV of a D request: claim P's lease, then move the bytes over the link.
+
+        P in this process: the claim is a call. P elsewhere: the claim goes over HTTP to the
+        `remote_host:remote_port` P advertised (the simulator's stand-in for NIXL's side channel).
+        """
+        remote = self._remote.pop(pull.request_id, None)
+        source = self.fabric.source(remote.engine_id) if remote is not None else None
+        if remote is not None and source is not None:
+            rrid = remote.remote_request_id
+            if source.claim_lease(rrid, at):
+                self._transfer(pull, at, source.node, lambda t: source.release_lease(rrid, t))
+                return
+        elif remote is not None and remote.host and remote.port:
+            task = asyncio.create_task(self._pull_over_side_channel(pull, remote))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self._pull_failed(pull.request_id, at)
+
+    def _pull_failed(self, request_id: str, at: float) -> None:
+        logger.warning(
+            "worker %s: KV load failed for %s (lease expired or prefill worker gone)",
+            self.settings.worker_id,
+            request_id,
+        )
+        self.metrics.on_transfer_failed()
+        self.driver.kv_failed(request_id, at, "KV load failed")
+
+    def _transfer(self, pull: KvPull, at: float, source_node: str, release: Callable[[float], None]) -> None:
+        driver = self.driver
+        n_bytes = pull.n_tokens * self.fabric.kv_bytes_per_token
+
+        def done(transfer: TransferDone) -> None:
+            release(transfer.at)
+            self.metrics.on_transfer(seconds=transfer.at - at, num_bytes=transfer.n_bytes)
+            if driver is self.driver:
+                driver.kv_loaded(pull.request_id, transfer.at, transfer.stall_s)
+
+        self.fabric.transfer(source_node, self.node, n_bytes, at, done)
+
+    async def _side_channel(self, remote: _Remote, action: str) -> bool:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        url = f"http://{remote.host}:{remote.port}/_nixl/{action}"
+        try:
+            async with self._session.post(url, json={"remote_request_id": remote.remote_request_id}) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("worker %s: side channel %s failed: %s", self.settings.worker_id, url, exc)
+            return False
+
+    async def _pull_over_side_channel(self, pull: KvPull, remote: _Remote) -> None:
+        driver = self.driver
+        claimed = await self._side_channel(remote, "claim")
+        if driver is not self.driver:
+            return
+        now = driver.now()
+        if not claimed:
+            self._pull_failed(pull.request_id, now)
+            return
+
+        def release(at: float) -> None:
+            del at
+            task = asyncio.create_task(self._side_channel(remote, "release"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._transfer(pull, now, f"{remote.host}:{remote.port}", release)
+
+    async def _nixl_claim(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        rrid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rrid, str):
+            raise ApiError(400, "remote_request_id: Field required", param="remote_request_id")
+        claimed = self.claim_lease(rrid, self.driver.now())
+        return web.json_response({"claimed": claimed}, status=200 if claimed else 410)
+
+    async def _nixl_release(self, request: web.Request) -> web.Response:
+        body = await self._read_json(request)
+        rrid = body.get("remote_request_id") if isinstance(body, dict) else None
+        if not isinstance(rrid, str):
+            raise ApiError(400, "remote_request_id: Field required", param="remote_request_id")
+        self.release_lease(rrid, self.driver.now())
+        return web.json_response({"released": True})
+
+    def release_unpulled(self, request_id: str, now: float) -> None:
+        """A D request that needed no pull (full local hit) still frees P's blocks (vLLM notifies P)."""
+        remote = self._remote.pop(request_id, None)
+        if remote is None:
+            return
+        source = self.fabric.source(remote.engine_id)
+        if source is not None:
+            source.release_lease(remote.remote_request_id, now)
+        elif remote.host and remote.port:
+            task = asyncio.create_task(self._side_channel(remote, "release"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ generation
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_completion(await self._read_json(request), self.tokenizer, self.limits)
+        return await self._generate(request, req)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        req = parse_chat(await self._read_json(request), self.tokenizer, self.limits)
+        return await self._generate(request, req)
+
+    def _ids(self, request: web.Request, req: GenerationRequest) -> tuple[str, str]:
+        base = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
+        if req.kind == "completion":
+            response_id = f"cmpl-{base}"
+            return response_id, f"{response_id}-0-{secrets.token_hex(4)}"
+        response_id = f"chatcmpl-{base}"
+        return response_id, f"{response_id}-{secrets.token_hex(4)}"
+
+    async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
+        response_id, internal_id = self._ids(request, req)
+        kv = req.kv_transfer
+        remote_decode = kv is not None and kv.do_remote_decode
+        remote_prefill = kv is not None and kv.do_remote_prefill and not remote_decode
+        sampled = sample_output(
+            req.prompt_ids,
+            seed=req.seed,
+            max_tokens=1 if remote_decode else req.max_tokens,
+            min_tokens=0 if remote_decode else req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            settings=self.settings.sampler,
+            tokenizer=self.tokenizer,
+            explicit_limit=req.max_tokens_given,
+        )
+        engine_request = EngineRequest(
+            request_id=internal_id,
+            n_prompt=len(req.prompt_ids),
+            content=GeneratedBlocks(req.prompt_ids, sampled),
+            max_tokens=sampled.length,
+            ignore_eos=sampled.finish_reason == "length",
+            eos_at=sampled.length if sampled.finish_reason == "stop" else None,
+            remote_decode=remote_decode,
+            remote_prefill=remote_prefill,
+        )
+        if remote_prefill and kv is not None:
+            self._remote[internal_id] = _Remote(
+                engine_id=kv.remote_engine_id or "",
+                remote_request_id=kv.remote_request_id or "",
+                host=kv.remote_host,
+                port=kv.remote_port,
+            )
+        driver = self.driver
+        handle = JobHandle(request_id=internal_id, submitted_at=driver.now())
+        driver.submit(engine_request, handle)
+        renderer = ResponseRenderer(req, response_id=response_id, created=int(time.time()))
+        run = _Run(
+            worker=self,
+            req=req,
+            renderer=renderer,
+            handle=handle,
+            output=sampled,
+            internal_id=internal_id,
+        )
+        try:
+            if req.stream:
+                return await run.stream(request)
+            return await run.full()
+        finally:
+            if driver.engine.has_request(internal_id) and not handle.kv_pinned:
+                driver.abort(internal_id)
+            self._remote.pop(internal_id, None)
+
+    def kv_params_for(self, internal_id: str, handle: JobHandle, n_prompt: int) -> dict[str, Any] | None:
+        """P's `kv_transfer_params` (vllm-protocol.md 1.3) once its blocks are pinned."""
+        if not handle.kv_pinned:
+            return None
+        self._pinned[internal_id] = _Pinned(pinned_at=self.driver.now())
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [self.engine.remote_block_ids(internal_id)],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": internal_id,
+            "remote_host": self.settings.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": n_prompt,
+            "remote_blocks_expiry_time": None,
+            "remote_registration_generation": 0,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": handle.cached_tokens,
+        }
+
+    def finish_metrics(self, req: GenerationRequest, handle: JobHandle, produced: int, reason: str) -> None:
+        now = self.driver.now()
+        first = handle.first_token_at if handle.first_token_at is not None else now
+        ttft = max(0.0, first - handle.submitted_at)
+        self.metrics.on_finished(
+            FinishedRequest(
+                finished_reason=reason,
+                prompt_tokens=len(req.prompt_ids),
+                generation_tokens=produced,
+                max_tokens=req.max_tokens,
+                queue_s=0.0,
+                ttft_s=ttft,
+                prefill_s=ttft,
+                decode_s=max(0.0, now - first),
+                e2e_s=max(0.0, now - handle.submitted_at),
+                preemptions=handle.preemptions,
+            )
+        )
+
+
+class _Run:
+    """One generation request from submission to the last byte (streaming or not)."""
+
+    def __init__(
+        self,
+        *,
+        worker: Worker,
+        req: GenerationRequest,
+        renderer: ResponseRenderer,
+        handle: JobHandle,
+        output: SampledOutput,
+        internal_id: str,
+    ) -> None:
+        self.w = worker
+        self.req = req
+        self.renderer = renderer
+        self.handle = handle
+        self.output = output
+        self.finish_reason: str = output.finish_reason
+        self.internal_id = internal_id
+        self.produced = 0
+        self.last_at: float | None = None
+
+    def _usage(self) -> Usage:
+        cached: int | None = None
+        if self.w.settings.enable_prompt_tokens_details:
+            kv = self.req.kv_transfer
+            if kv is not None and kv.do_remote_prefill and not kv.do_remote_decode:
+                cached = kv.remote_prefill_cached_tokens
+            else:
+                cached = self.handle.cached_tokens
+        return Usage(
+            prompt_tokens=len(self.req.prompt_ids), completion_tokens=self.produced, cached_tokens=cached
+        )
+
+    def _take(self, emission: Emission) -> list[int]:
+        ids = self.output.ids(self.produced, self.produced + emission.tokens)
+        self.produced += len(ids)
+        if self.produced == len(ids) and ids:
+            self.w.release_unpulled(self.internal_id, emission.at)
+        if ids and self.last_at is not None:
+            self.w.metrics.on_token_gap(emission.at - self.last_at)
+        if ids:
+            self.last_at = emission.at
+        return ids
+
+    def _final_reason(self) -> str:
+        if self.handle.kv_pinned:
+            return "length"  # the P leg of P/D always stops at its one token
+        return self.finish_reason
+
+    async def full(self) -> web.Response:
+        ids: list[int] = []
+        while True:
+            emission = await self.handle.queue.get()
+            if emission.error is not None:
+                self.w.finish_metrics(self.req, self.handle, self.produced, "error")
+                raise ApiError(500, _INTERNAL_ERROR)
+            ids.extend(self._take(emission))
+            if emission.finished:
+                break
+        reason = self._final_reason()
+        self.w.finish_metrics(self.req, self.handle, self.produced, reason)
+        kv_params = self.w.kv_params_for(self.internal_id, self.handle, len(self.req.prompt_ids))
+        prompt_text = self.w.tokenizer.decode(self.req.prompt_ids) if self.req.echo else None
+        body = self.renderer.full(
+            text=self.w.tokenizer.decode(ids),
+            token_ids=ids,
+            finish_reason=reason,
+            usage=self._usage(),
+            kv_transfer_params=kv_params,
+            prompt_text=prompt_text,
+        )
+        return web.json_response(body)
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
+        )
+        await response.prepare(request)
+        req = self.req
+        continuous = req.include_usage and req.continuous_usage_stats
+        fast = not continuous and not req.return_token_ids
+        try:
+            if req.kind == "chat":
+                await response.write(
+                    sse_event(self.renderer.role_chunk(self._usage() if continuous else None))
+                )
+            while True:
+                emission = await self.handle.queue.get()
+                if emission.error is not None:
+                    self.w.finish_metrics(req, self.handle, self.produced, "error")
+                    await response.write(sse_event(ApiError(500, _INTERNAL_ERROR).body()))
+                    break
+                ids = self._take(emission)
+                if fast and not emission.finished:
+                    text = "".join(map(self.w.tokenizer.token_text, ids))
+                    await response.write(self.renderer.delta_event(text))
+                    continue
+                reason = self._final_reason() if emission.finished else None
+                kv_params = None
+                if emission.finished:
+                    self.w.finish_metrics(req, self.handle, self.produced, reason or "length")
+                    kv_params = self.w.kv_params_for(self.internal_id, self.handle, len(req.prompt_ids))
+                chunk = self.renderer.delta_chunk(
+                    text=self.w.tokenizer.decode(ids),
+                    token_ids=ids,
+                    finish_reason=reason,
+                    usage=self._usage() if continuous else None,
+                    kv_transfer_params=kv_params,
+                )
+                await response.write(sse_event(chunk))
+                if emission.finished:
+                    break
+            if req.include_usage:
+                await response.write(sse_event(self.renderer.usage_chunk(self._usage())))
+            await response.write(SSE_DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            logger.debug("client went away during stream %s", self.renderer.response_id)
+        return response

@@ -1,0 +1,128 @@
+"""Several simulated workers in one process sharing one KV fabric (`ppd-sim cluster`, `ppd-sim worker`).
+
+Invariants:
+- Rule 1: the ready line is printed only after every worker answered `GET /health` over TCP.
+- Rule 2: SIGINT and SIGTERM stop every worker (sites closed, drivers cancelled) and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, TextIO
+
+import aiohttp
+
+from simulator.fabric import Fabric, FabricSettings
+from simulator.faults import Faults
+from simulator.profile import Profile
+from simulator.realtime import StepTiming
+from simulator.tokenizer import Llama3Tokenizer
+from simulator.topology import Topology
+from simulator.worker import Worker
+from simulator.worker_settings import WorkerSettings
+
+__all__ = ["GroupSettings", "WorkerGroup", "serve_group"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSettings:
+    """A topology, its first port (0 = any free ports) and the settings every worker starts from."""
+
+    topology: Topology
+    base_port: int
+    worker: WorkerSettings
+    fabric: FabricSettings = field(default_factory=FabricSettings)
+    worker_faults: Mapping[str, Faults] = field(default_factory=dict)
+    spin_s: float = 0.0005
+
+
+class WorkerGroup:
+    def __init__(
+        self,
+        settings: GroupSettings,
+        profile: Profile,
+        *,
+        tokenizer: Llama3Tokenizer | None = None,
+        timing: StepTiming | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer or Llama3Tokenizer()
+        self.fabric = Fabric(profile, settings.fabric)
+        self.workers: list[Worker] = []
+        for i, spec in enumerate(settings.topology.workers):
+            port = settings.base_port + i if settings.base_port else 0
+            faults = settings.worker_faults.get(spec.id, settings.worker.faults)
+            worker_settings = replace(
+                settings.worker, worker_id=spec.id, role=spec.role, port=port, faults=faults, fault_seed=i
+            )
+            self.workers.append(
+                Worker(
+                    worker_settings,
+                    tokenizer=self.tokenizer,
+                    fabric=self.fabric,
+                    spin_s=settings.spin_s,
+                    timing=timing,
+                )
+            )
+
+    def worker(self, worker_id: str) -> Worker:
+        for w in self.workers:
+            if w.settings.worker_id == worker_id:
+                return w
+        raise KeyError(worker_id)
+
+    async def start(self) -> None:
+        self.fabric.start()
+        for w in self.workers:
+            await w.start()
+        await self._wait_healthy()
+
+    async def _wait_healthy(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for w in self.workers:
+                if w.is_down:
+                    continue
+                async with session.get(f"{w.url}/health") as response:
+                    if response.status != 200:
+                        raise RuntimeError(
+                            f"worker {w.settings.worker_id} answered /health with {response.status}"
+                        )
+
+    async def stop(self) -> None:
+        for w in self.workers:
+            await w.stop()
+        await self.fabric.stop()
+
+    def ready_line(self) -> dict[str, Any]:
+        return {"topology": self.settings.topology.name, "workers": [w.describe() for w in self.workers]}
+
+
+async def serve_group(group: WorkerGroup, out: TextIO, *, single: bool = False) -> int:
+    """Start, print the ready line, run until SIGINT/SIGTERM, stop."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await group.start()
+        line = group.workers[0].describe() if single else group.ready_line()
+        out.write(json.dumps(line) + "\n")
+        out.flush()
+        logger.info("serving %s", json.dumps(line))
+        await stop.wait()
+        logger.info("signal received, stopping")
+    finally:
+        await group.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+    return 0

@@ -1,0 +1,42 @@
+"""Start-up settings of one simulated worker (read once, frozen)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simulator.faults import Faults
+from simulator.sampler import SamplerSettings
+from simulator.topology import Role
+
+__all__ = ["DEFAULT_MODEL", "WorkerSettings"]
+
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    worker_id: str
+    role: Role
+    model: str = DEFAULT_MODEL
+    max_model_len: int = 131072
+    host: str = "127.0.0.1"
+    port: int = 0
+    node: str = ""  # link endpoint name; empty = the worker id (one GPU node per worker)
+    kv_lease_duration_s: float = 30.0
+    enable_prompt_tokens_details: bool = False
+    max_body_bytes: int = 32 * 1024 * 1024
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    faults: Faults = field(default_factory=Faults)
+    fault_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.kv_lease_duration_s <= 0:
+            raise ValueError("kv_lease_duration_s must be > 0")
+
+    @property
+    def node_name(self) -> str:
+        return self.node or self.worker_id

@@ -1,0 +1,126 @@
+"""Conversations to simulate: the paper's 18 synthetic two-turn workloads and generic multi-turn lists.
+
+A :class:`Conversation` is a start time and a list of turns, each ``(n_in, n_out)``: the new input
+tokens of the turn and the tokens of its answer. Turn *k* is sent when turn *k − 1* has finished (plus
+the configured think time); its context ``n_ctx`` is the sum of all earlier inputs and outputs.
+
+Synthetic names are ``<turn1>_<class>`` (architecture.md "Reference facts"): turn 1 is small
+(128 in / 128 out) or large (1,024 / 1,024); turn 2 is one of nine classes. Arrivals are Poisson at
+``qps`` conversations per second for ``duration_s`` seconds, from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "TURN1",
+    "TURN2_CLASSES",
+    "Conversation",
+    "Turn",
+    "poisson_starts",
+    "sharegpt_like",
+    "synthetic_conversations",
+    "synthetic_workloads",
+    "turn_list_conversations",
+]
+
+# The paper's prototype (github.com/freelulul/vllm-ppd), as recorded in architecture.md.
+TURN1: dict[str, tuple[int, int]] = {"small": (128, 128), "large": (1024, 1024)}
+TURN2_CLASSES: dict[str, tuple[int, int]] = {
+    "tiny": (16, 32),
+    "short_gen": (32, 256),
+    "long_gen": (32, 512),
+    "very_long_gen": (64, 1024),
+    "small_bal": (64, 64),
+    "mid_bal": (128, 128),
+    "mid_paste": (256, 64),
+    "big_paste": (512, 64),
+    "huge_paste": (1024, 32),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    n_in: int
+    n_out: int
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    conversation_id: str
+    workload: str
+    start: float
+    turns: tuple[Turn, ...]
+
+
+def synthetic_workloads() -> list[str]:
+    """The 18 names, e.g. ``large_mid_paste``."""
+    return [f"{t1}_{cls}" for t1 in TURN1 for cls in TURN2_CLASSES]
+
+
+def poisson_starts(qps: float, duration_s: float, seed: int) -> list[float]:
+    """Poisson arrival times in [0, duration_s)."""
+    if qps <= 0:
+        raise ValueError("qps must be positive")
+    rng = random.Random(seed)  # noqa: S311 -- reproducible simulation input, not security
+    out = []
+    t = rng.expovariate(qps)
+    while t < duration_s:
+        out.append(t)
+        t += rng.expovariate(qps)
+    return out
+
+
+def synthetic_conversations(
+    workload: str, qps: float, duration_s: float, seed: int = 0
+) -> list[Conversation]:
+    """Two-turn conversations of one synthetic workload, Poisson at ``qps``."""
+    t1_name, _, cls = workload.partition("_")
+    if t1_name not in TURN1 or cls not in TURN2_CLASSES:
+        raise ValueError(f"unknown synthetic workload {workload!r} (e.g. {synthetic_workloads()[0]})")
+    turns = (Turn(*TURN1[t1_name]), Turn(*TURN2_CLASSES[cls]))
+    return [
+        Conversation(f"{workload}-{seed}-{i}", workload, t, turns)
+        for i, t in enumerate(poisson_starts(qps, duration_s, seed))
+    ]
+
+
+def turn_list_conversations(
+    turn_lists: Iterable[Sequence[tuple[int, int]]],
+    qps: float,
+    duration_s: float,
+    *,
+    workload: str = "sharegpt",
+    seed: int = 0,
+) -> list[Conversation]:
+    """Conversations from lists of (n_in, n_out) per turn (e.g. ShareGPT), cycled over Poisson starts."""
+    lists = [tuple(Turn(a, b) for a, b in turns) for turns in turn_lists]
+    lists = [t for t in lists if t]
+    if not lists:
+        raise ValueError("no conversations given")
+    starts = poisson_starts(qps, duration_s, seed)
+    return [
+        Conversation(f"{workload}-{seed}-{i}", workload, t, lists[i % len(lists)])
+        for i, t in enumerate(starts)
+    ]
+
+
+def sharegpt_like(n: int, *, turns: int = 2, seed: int = 0) -> list[list[tuple[int, int]]]:
+    """A seeded stand-in for ShareGPT turn lengths (log-normal; inputs ~ median 60, outputs ~ median 220).
+
+    Only for tests and sanity runs on machines without the dataset; the bench feeds real ShareGPT.
+    """
+    rng = random.Random(seed)  # noqa: S311 -- reproducible simulation input, not security
+    out = []
+    for _ in range(n):
+        conv = []
+        for k in range(turns):
+            n_in = int(min(2048, max(4, rng.lognormvariate(math.log(120 if k == 0 else 60), 1.0))))
+            n_out = int(min(1024, max(4, rng.lognormvariate(math.log(220), 0.8))))
+            conv.append((n_in, n_out))
+        out.append(conv)
+    return out

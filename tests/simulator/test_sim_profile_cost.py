@@ -1,0 +1,80 @@
+"""The profile loads as data and the cost model reproduces the reference table (emulator-model.md 2.4)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simulator.cost import CostModel
+from simulator.profile import ProfileError, available_profiles, load_profile
+
+
+def test_default_profile_is_shipped_and_sane() -> None:
+    assert "llama-3.1-8b-h100" in available_profiles()
+    p = load_profile()
+    assert p.model.kv_bytes_per_token == 131_072
+    assert 3.9e5 < p.kv_capacity_tokens < 4.2e5
+    assert {s.name for s in p.links} >= {"nvlink", "ib_ndr", "ib_hdr", "100gbe"}
+
+
+def test_overrides_make_a_new_profile() -> None:
+    p = load_profile()
+    q = p.with_overrides({"efficiency.gemm": 0.78, "cascade.enabled": True})
+    assert q.efficiency.gemm == 0.78
+    assert q.cascade.enabled
+    assert p.efficiency.gemm == 0.5
+    assert not p.cascade.enabled
+    with pytest.raises(ProfileError, match="unknown profile field"):
+        p.with_overrides({"efficiency.nope": 1})
+
+
+def test_bad_profiles_are_rejected_with_the_field_named(tmp_path: Path) -> None:
+    raw = load_profile().to_dict()
+    raw["efficiency"]["kv"] = 1.5
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ProfileError, match=r"efficiency\.kv"):
+        load_profile(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        load_profile(str(path))
+    with pytest.raises(ProfileError, match="unknown profile"):
+        load_profile("no-such-profile")
+    with pytest.raises(ProfileError, match="cannot read"):
+        load_profile(str(tmp_path / "missing.json"))
+
+
+@pytest.mark.parametrize(
+    ("what", "n_new", "n_cached", "target_ms"),
+    [
+        ("full 1,024", 1024, 0, 34.5),
+        ("full 2,200", 2200, 0, 72.0),
+        ("full 10,000 in chunks", 10_000, 0, 362.0),
+        ("append 1,024 on 2,048", 1024, 2048, 37.0),
+        ("append 1,024 on 32K", 1024, 32_768, 70.0),
+        ("append 1,024 on 64K", 1024, 65_536, 106.0),
+    ],
+)
+def test_prefill_matches_reference_table(what: str, n_new: int, n_cached: int, target_ms: float) -> None:
+    cost = CostModel(load_profile())
+    steps = -(-n_new // 8192)
+    gpu_ms = (cost.prefill_chunks(n_new, n_cached, budget=8192) - steps * cost.cpu(0)) * 1e3
+    assert gpu_ms == pytest.approx(target_ms, rel=0.08), what
+
+
+@pytest.mark.parametrize(("batch", "target_ms"), [(1, 7.9), (32, 9.6), (200, 20.8)])
+def test_decode_step_matches_reference_table(batch: int, target_ms: float) -> None:
+    cost = CostModel(load_profile())
+    assert cost.decode_only(batch, batch * 1024) * 1e3 == pytest.approx(target_ms, rel=0.05)
+
+
+def test_step_cost_is_monotone() -> None:
+    cost = CostModel(load_profile())
+    prev = 0.0
+    for n in (1, 16, 128, 512, 2048, 8192):
+        t = cost.step(num_decodes=0, chunks=[(n, 0)], num_sampled=1, kv_read_tokens=0)
+        assert t > prev
+        prev = t
+    assert cost.step(num_decodes=0, chunks=(), num_sampled=0, kv_read_tokens=0) == 0.0
