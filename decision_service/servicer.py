@@ -1,0 +1,275 @@
+"""DecisionServicer: translation between the v1 proto and the pure core, nothing more.
+
+Every handler answers; no exception escapes one:
+- input the core rejects (`QueryError`)      -> INVALID_ARGUMENT with the core's message
+- a `table_key` the server does not serve    -> NOT_FOUND naming the keys it does serve
+- no table loaded (or the default missing)   -> UNAVAILABLE
+- anything unexpected                        -> INTERNAL, logged once with its traceback
+Unary RPCs carry these as the call status; RouteBatch and RouteStream items carry them in
+`RouteResponse.error` so one bad item never fails the others.
+
+Route is the hot path: one snapshot read of the holder, one `Query`, one `route()`, one response
+message, pre-bound metric children. Keep it that way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from decision_service.holder import TableHolder, TableSet
+from decision_service.metrics import DecisionMetrics
+from decision_service.route import Query, QueryError, Router, Verdict, check_query
+from decision_service.table import FORMAT_VERSION, Table, Weights
+from ppd.decision.v1 import decision_pb2 as pb
+from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
+
+__all__ = ["DecisionServicer"]
+
+logger = logging.getLogger(__name__)
+
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_INTERNAL = grpc.StatusCode.INTERNAL
+_Context = grpc.aio.ServicerContext
+_DECISION = (pb.DECISION_PD, pb.DECISION_LOCAL)  # indexed by Verdict.local
+
+
+class _Failure:
+    """Why an item got no decision: a status code and a message for the caller."""
+
+    __slots__ = ("code", "message")
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        self.message = message
+
+
+def _query(request: pb.RouteRequest) -> Query:
+    weights = request.weights if request.HasField("weights") else None
+    live = request.live if request.HasField("live") else None
+    return Query(
+        request.turn,
+        request.new_input_tokens,
+        request.expected_output_tokens,
+        request.context_tokens,
+        request.qps,
+        None if weights is None else Weights(weights.w_ttft, weights.w_tpot),
+        request.weights_profile or None,
+        None if live is None or not live.HasField("decode_kv_usage") else live.decode_kv_usage,
+        None if live is None or not live.HasField("prefill_queue_depth") else live.prefill_queue_depth,
+        None
+        if live is None or not live.HasField("decode_running_requests")
+        else live.decode_running_requests,
+    )
+
+
+def _response(verdict: Verdict, table: Table, request_id: str) -> pb.RouteResponse:
+    response = pb.RouteResponse(
+        decision=_DECISION[verdict.local],
+        reason=verdict.reason.value,  # type: ignore[arg-type]  # numbered exactly like the proto enum
+        score=verdict.score,
+        default_decision=_DECISION[verdict.default_local],
+        table_version=table.version,
+        table_key=table.key,
+        request_id=request_id,
+        detail=verdict.detail,
+    )
+    if verdict.context is not None:
+        cell = response.cell
+        cell.context_class = verdict.context
+        cell.workload_class = verdict.workload or ""
+        cell.qps_level = verdict.qps_level or 0.0
+    return response
+
+
+class DecisionServicer(pb_grpc.DecisionServiceServicer):
+    """The DecisionService over a `TableHolder`; see the module docstring for the error policy."""
+
+    def __init__(
+        self,
+        holder: TableHolder,
+        metrics: DecisionMetrics,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._holder = holder
+        self._metrics = metrics
+        self._clock = clock
+        self._decision_counter = metrics.decision_counter
+        self._latency = metrics.route_latency
+
+    # --- item level: one request -> a response or a failure ---------------------------------
+
+    def _router(self, tables: TableSet, key: str) -> Router | _Failure:
+        router = tables.routers.get(key) if key else tables.default
+        return self._missing(tables, key) if router is None else router
+
+    def _missing(self, tables: TableSet, key: str) -> _Failure:
+        """Why no router answers `key` ("" = the default)."""
+        if not tables.routers:
+            return _Failure(_UNAVAILABLE, f"no table is loaded yet from {self._holder.directory}")
+        served = ", ".join(tables.keys())
+        if key:
+            return _Failure(_NOT_FOUND, f"unknown table_key {key!r}; this server serves: {served}")
+        return _Failure(
+            _UNAVAILABLE,
+            f"the default table {tables.default_key!r} is not loaded; pass table_key, one of: {served}",
+        )
+
+    def _decide(self, request: pb.RouteRequest) -> pb.RouteResponse | _Failure:
+        tables = self._holder.current
+        key = request.table_key
+        router = tables.default if not key else tables.routers.get(key)
+        if router is None:
+            return self._missing(tables, key)
+        query = _query(request)
+        table = router.table
+        try:
+            check_query(query, table)
+        except QueryError as exc:
+            return _Failure(_INVALID_ARGUMENT, str(exc))
+        verdict = router.route(query)
+        self._decision_counter[verdict.local, verdict.reason].inc()
+        return _response(verdict, table, request.request_id)
+
+    def _decide_item(self, request: pb.RouteRequest) -> pb.RouteResponse:
+        """For batch and stream: failures become a response with `error` set."""
+        try:
+            outcome = self._decide(request)
+        except Exception:
+            logger.exception("Route item %r failed unexpectedly", request.request_id)
+            outcome = _Failure(_INTERNAL, "internal error while routing; see the decision service log")
+        if isinstance(outcome, _Failure):
+            self._metrics.count_error(outcome.code.name)
+            return pb.RouteResponse(
+                request_id=request.request_id,
+                table_key=request.table_key,
+                error=pb.RouteError(code=outcome.code.value[0], message=outcome.message),
+            )
+        return outcome
+
+    # --- RPCs -------------------------------------------------------------------------------
+
+    async def Route(  # noqa: N802
+        self, request: pb.RouteRequest, context: _Context[pb.RouteRequest, pb.RouteResponse]
+    ) -> pb.RouteResponse:
+        start = self._clock()
+        try:
+            outcome = self._decide(request)
+        except Exception:
+            logger.exception("Route %r failed unexpectedly", request.request_id)
+            outcome = _Failure(_INTERNAL, "internal error while routing; see the decision service log")
+        if isinstance(outcome, _Failure):
+            self._metrics.count_error(outcome.code.name)
+            await context.abort(outcome.code, outcome.message)
+        self._latency.observe(self._clock() - start)
+        return outcome
+
+    async def RouteBatch(  # noqa: N802
+        self,
+        request: pb.RouteBatchRequest,
+        context: _Context[pb.RouteBatchRequest, pb.RouteBatchResponse],
+    ) -> pb.RouteBatchResponse:
+        decide = self._decide_item
+        return pb.RouteBatchResponse(responses=[decide(item) for item in request.requests])
+
+    async def RouteStream(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[pb.RouteRequest],
+        context: _Context[pb.RouteRequest, pb.RouteResponse],
+    ) -> AsyncIterator[pb.RouteResponse]:
+        decide = self._decide_item
+        async for request in request_iterator:
+            yield decide(request)
+
+    async def DescribeTable(  # noqa: N802
+        self,
+        request: pb.DescribeTableRequest,
+        context: _Context[pb.DescribeTableRequest, pb.DescribeTableResponse],
+    ) -> pb.DescribeTableResponse:
+        tables = self._holder.current
+        try:
+            router = self._router(tables, request.table_key)
+            if isinstance(router, _Failure):
+                failure = router
+            else:
+                return _describe(router, tables)
+        except Exception:
+            logger.exception("DescribeTable %r failed unexpectedly", request.table_key)
+            failure = _Failure(_INTERNAL, "internal error while describing the table; see the log")
+        await context.abort(failure.code, failure.message)
+        raise AssertionError("abort() returned")  # pragma: no cover
+
+
+def _describe(router: Router, tables: TableSet) -> pb.DescribeTableResponse:
+    table = router.table
+    axes = table.axes
+    response = pb.DescribeTableResponse(
+        table_key=table.key,
+        table_version=table.version,
+        format_version=FORMAT_VERSION,
+        context_edges=axes.context_edges,
+        context_classes=axes.context_classes,
+        workload_classes=[
+            pb.WorkloadClass(name=w.name, bench_input_tokens=w.n_in, bench_output_tokens=w.n_out)
+            for w in axes.workloads
+        ],
+        qps_levels=axes.qps_levels,
+        default_weights=pb.Weights(w_ttft=table.default_weights.w_ttft, w_tpot=table.default_weights.w_tpot),
+        success_slo=table.min_success,
+        default_decision=pb.DECISION_LOCAL if table.default_decision == "local" else pb.DECISION_PD,
+        header_json=json.dumps(table.header, sort_keys=True),
+        table_keys=tables.keys(),
+        default_table_key=tables.default_key or "",
+    )
+    for name, weights in sorted(table.profiles.items()):
+        response.weights_profiles[name].w_ttft = weights.w_ttft
+        response.weights_profiles[name].w_tpot = weights.w_tpot
+    response.cells.extend(_cell_figures(router))
+    return response
+
+
+def _cell_figures(router: Router) -> list[pb.CellFigures]:
+    """Every cell's measured figures with the router's precomputed default-weight verdict."""
+    table = router.table
+    axes = table.axes
+    nc, nw, nq = axes.shape
+    # Router compiles one cell per (c, w, q) in that nesting order (route.Router.__init__).
+    compiled = router._cells
+    cells: list[pb.CellFigures] = []
+    for c in range(nc):
+        for w in range(nw):
+            for q in range(nq):
+                pd_ttft, pd_tpot, lo_ttft, lo_tpot, pd_ok, lo_ok, pd_n, lo_n = (
+                    float(x) for x in table.figures[c, w, q]
+                )
+                own = compiled[(c * nw + w) * nq + q]
+                cells.append(
+                    pb.CellFigures(
+                        cell=pb.Cell(
+                            context_class=axes.context_classes[c],
+                            workload_class=axes.workloads[w].name,
+                            qps_level=axes.qps_levels[q],
+                        ),
+                        measured=table.measured(c, w, q),
+                        pd_ttft_ms=pd_ttft,
+                        pd_tpot_ms=pd_tpot,
+                        local_ttft_ms=lo_ttft,
+                        local_tpot_ms=lo_tpot,
+                        pd_success=pd_ok,
+                        local_success=lo_ok,
+                        pd_samples=int(pd_n),
+                        local_samples=int(lo_n),
+                        delta_ttft=own.delta_ttft,
+                        delta_tpot=own.delta_tpot,
+                        default_decision=_DECISION[own.verdict.local],
+                        default_reason=own.verdict.reason.value,  # type: ignore[arg-type]
+                    )
+                )
+    return cells

@@ -1,0 +1,86 @@
+"""Start-up settings of the decision service, read once into a frozen value.
+
+Only `cli.py` reads argv and the environment; everything below it receives a `Settings`.
+Environment variables (all optional) give the defaults the command-line flags override:
+PPD_DECISION_TABLES, PPD_DECISION_HOST, PPD_DECISION_PORT, PPD_DECISION_METRICS_PORT,
+PPD_DECISION_DEFAULT_KEY, PPD_DECISION_RELOAD_INTERVAL, PPD_DECISION_GRACE, PPD_DECISION_WORKERS.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Settings", "SettingsError"]
+
+_ENV_PREFIX = "PPD_DECISION_"
+
+
+class SettingsError(ValueError):
+    """A setting is missing or out of range; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    tables_dir: Path = field(default_factory=lambda: Path("tables"))
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    # Table key ("<shape>/<model>") answering requests without one. None: the only table when
+    # exactly one is loaded, else the first key in sorted order.
+    default_key: str | None = None
+    # Seconds between two stat() polls of the tables directory.
+    reload_interval_s: float = 1.0
+    # Seconds in-flight calls get to finish on SIGTERM/SIGINT.
+    grace_s: float = 5.0
+    # Server processes sharing the gRPC port through SO_REUSEPORT.
+    workers: int = 1
+    # Bind with SO_REUSEPORT so several processes share one port (implied by workers > 1).
+    reuse_port: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise SettingsError(f"{name} must be in 0..65535, got {value}")
+        for name in ("reload_interval_s", "grace_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise SettingsError(f"{name} must be a positive number of seconds, got {value}")
+        if self.workers < 1:
+            raise SettingsError(f"workers must be at least 1, got {self.workers}")
+        if self.default_key is not None and not self.default_key:
+            raise SettingsError("default_key must not be empty")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Settings:
+        """Settings from `PPD_DECISION_*` variables; unset ones keep their defaults."""
+        converters: dict[str, tuple[str, Any]] = {
+            "TABLES": ("tables_dir", Path),
+            "HOST": ("host", str),
+            "PORT": ("port", int),
+            "METRICS_HOST": ("metrics_host", str),
+            "METRICS_PORT": ("metrics_port", int),
+            "DEFAULT_KEY": ("default_key", str),
+            "RELOAD_INTERVAL": ("reload_interval_s", float),
+            "GRACE": ("grace_s", float),
+            "WORKERS": ("workers", int),
+        }
+        values: dict[str, Any] = {}
+        for suffix, (name, convert) in converters.items():
+            raw = environ.get(_ENV_PREFIX + suffix)
+            if raw is None:
+                continue
+            try:
+                values[name] = convert(raw)
+            except ValueError as exc:
+                raise SettingsError(f"{_ENV_PREFIX}{suffix}={raw!r}: {exc}") from exc
+        return cls(**values)
+
+    def with_changes(self, **changes: Any) -> Settings:
+        """A copy with some fields replaced (validated again)."""
+        return replace(self, **changes)

@@ -1,0 +1,67 @@
+"""The in-process harness: a real grpc.aio server on 127.0.0.1:0 over a temp tables directory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from decision_service.holder import TableHolder
+from decision_service.metrics import DecisionMetrics
+from decision_service.server import DecisionServer, build_server
+from decision_service.settings import Settings
+from ppd.decision.v1 import decision_pb2 as pb
+from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0) -> None:
+    """Poll `check` until it holds; fail after `timeout_s` (a deadline, not a sleep-as-sync)."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.02)
+
+
+@dataclass
+class Running:
+    server: DecisionServer
+    holder: TableHolder
+    metrics: DecisionMetrics
+    channel: grpc.aio.Channel
+    stub: pb_grpc.DecisionServiceAsyncStub
+    tables_dir: Path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+
+async def start_server(tables_dir: Path, *, default_key: str | None = None) -> Running:
+    metrics = DecisionMetrics()
+    holder = TableHolder(tables_dir, default_key=default_key, listener=metrics)
+    await holder.refresh()
+    settings = Settings(tables_dir=tables_dir, host="127.0.0.1", port=0, default_key=default_key)
+    server = build_server(settings, holder, metrics)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.DecisionServiceStub(channel)
+    return Running(server, holder, metrics, channel, stub, tables_dir)
+
+
+def turn2(**fields: object) -> pb.RouteRequest:
+    """A valid Turn-2 request; keyword arguments override its fields."""
+    values: dict[str, object] = {
+        "request_id": "req-1",
+        "turn": 2,
+        "new_input_tokens": 256,
+        "expected_output_tokens": 64,
+        "context_tokens": 1500,
+        "qps": 4.0,
+    }
+    values.update(fields)
+    return pb.RouteRequest(**values)  # type: ignore[arg-type]

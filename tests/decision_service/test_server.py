@@ -1,0 +1,91 @@
+"""Health transitions and server reflection of a real in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from decision_service.server import SERVICE_NAME
+from tests.decision_service.harness import Running, eventually
+from tests.decision_service.tables import DEFAULT_KEY, write_table_file
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def health_of(running: Running, service: str) -> int:
+    stub = health_pb2_grpc.HealthStub(running.channel)
+    response: health_pb2.HealthCheckResponse = await stub.Check(
+        health_pb2.HealthCheckRequest(service=service)
+    )
+    return int(response.status)
+
+
+async def test_not_serving_until_the_first_table_loads(empty_server: Running) -> None:
+    assert await health_of(empty_server, "") == NOT_SERVING
+    assert await health_of(empty_server, SERVICE_NAME) == NOT_SERVING
+    write_table_file(empty_server.tables_dir / "a.ppdt", key=DEFAULT_KEY)
+    await empty_server.holder.refresh()
+    assert await health_of(empty_server, "") == SERVING
+    assert await health_of(empty_server, SERVICE_NAME) == SERVING
+
+
+async def test_not_serving_again_when_the_last_table_goes(running: Running) -> None:
+    assert await health_of(running, "") == SERVING
+    for path in running.tables_dir.iterdir():
+        path.unlink()
+    await running.holder.refresh()
+    assert await health_of(running, "") == NOT_SERVING
+
+
+async def test_graceful_shutdown_turns_not_serving_before_the_port_closes(running: Running) -> None:
+    stub = health_pb2_grpc.HealthStub(running.channel)
+    watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+    first = await watch.read()
+    assert isinstance(first, health_pb2.HealthCheckResponse)
+    assert first.status == SERVING
+    stopping = asyncio.create_task(running.server.stop(5.0))
+    second = await watch.read()
+    assert isinstance(second, health_pb2.HealthCheckResponse)
+    assert second.status == NOT_SERVING
+    watch.cancel()
+    await stopping
+
+
+async def test_reflection_lists_the_services(running: Running) -> None:
+    stub = reflection_pb2_grpc.ServerReflectionStub(running.channel)
+    call = stub.ServerReflectionInfo()
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    response = await call.read()
+    await call.done_writing()
+    assert isinstance(response, reflection_pb2.ServerReflectionResponse)
+    names = {service.name for service in response.list_services_response.service}
+    assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+async def test_a_second_server_on_a_busy_port_fails(running: Running, tables_dir: Path) -> None:
+    del tables_dir
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    try:
+        port = server.add_insecure_port(running.target)
+    except RuntimeError:
+        port = 0
+    assert port == 0
+
+
+async def test_watch_loop_and_health_follow_a_new_file(empty_server: Running) -> None:
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(empty_server.holder.watch(0.01, stop))
+    write_table_file(empty_server.tables_dir / "a.ppdt", key=DEFAULT_KEY)
+
+    async def serving() -> bool:
+        status: int = await health_of(empty_server, "")
+        return bool(status == SERVING)
+
+    await eventually(serving)
+    stop.set()
+    await watcher

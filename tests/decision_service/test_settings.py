@@ -1,0 +1,53 @@
+"""Settings: read once, validated, from the environment or the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from decision_service.settings import Settings, SettingsError
+
+
+def test_defaults_are_loopback_and_free_ports() -> None:
+    settings = Settings()
+    assert (settings.host, settings.port, settings.metrics_port) == ("127.0.0.1", 0, 0)
+
+
+def test_from_env_reads_only_the_prefixed_variables() -> None:
+    settings = Settings.from_env(
+        {
+            "PPD_DECISION_TABLES": "/srv/tables",
+            "PPD_DECISION_PORT": "50051",
+            "PPD_DECISION_DEFAULT_KEY": "2P2D/m",
+            "PPD_DECISION_RELOAD_INTERVAL": "0.5",
+            "PPD_DECISION_WORKERS": "3",
+            "PORT": "1",
+        }
+    )
+    assert settings.tables_dir == Path("/srv/tables")
+    assert settings.port == 50051
+    assert settings.default_key == "2P2D/m"
+    assert settings.reload_interval_s == 0.5
+    assert settings.workers == 3
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"PPD_DECISION_PORT": "http"}, "PPD_DECISION_PORT='http'"),
+        ({"PPD_DECISION_PORT": "70000"}, "port must be in 0..65535"),
+        ({"PPD_DECISION_RELOAD_INTERVAL": "0"}, "reload_interval_s must be a positive"),
+        ({"PPD_DECISION_GRACE": "nan"}, "grace_s must be a positive"),
+        ({"PPD_DECISION_WORKERS": "0"}, "workers must be at least 1"),
+        ({"PPD_DECISION_DEFAULT_KEY": ""}, "default_key must not be empty"),
+    ],
+)
+def test_bad_values_name_the_setting(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        Settings.from_env(environ)
+
+
+def test_with_changes_validates_again() -> None:
+    with pytest.raises(SettingsError):
+        Settings().with_changes(metrics_port=-1)
