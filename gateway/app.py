@@ -1,0 +1,274 @@
+"""The HTTP face of the gateway: `create_app(settings)` builds an aiohttp application whose cleanup
+context owns the one shared client session, the DecisionService channel and the background tasks.
+
+Routes: the OpenAI API as vLLM serves it (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
+`/tokenize`, `/detokenize`, `/health`, `/metrics`) and the bearer-token admin API for worker
+registration (`/admin/workers`). Errors are rendered once, here, as OpenAI-style bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from gateway.decision_client import DecisionClient
+from gateway.deps import Deps
+from gateway.errors import (
+    BadRequestError,
+    GatewayError,
+    NotFoundError,
+    NoWorkerError,
+    UnauthorizedError,
+    error_body,
+)
+from gateway.forwarding import Forwarder
+from gateway.metrics import GatewayMetrics
+from gateway.pool import WorkerPool, WorkerSpec
+from gateway.probe import PoolMonitor
+from gateway.psi import QpsMeter, Tokenizers
+from gateway.request_log import RequestLog
+from gateway.sessions import InMemorySessionStore, SessionStore
+from gateway.settings import Settings
+from gateway.types import Clock, Role
+from gateway.upstream import Upstream
+
+__all__ = ["DEPS", "create_app"]
+
+log = logging.getLogger(__name__)
+DEPS = web.AppKey("deps", Deps)
+FORWARDER = web.AppKey("forwarder", Forwarder)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_PASSTHROUGH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def create_app(
+    settings: Settings,
+    *,
+    clock: Clock = time.monotonic,
+    wall_clock: Clock = time.time,
+    new_id: Callable[[], str] = _new_id,
+    sessions: SessionStore | None = None,
+) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        metrics = GatewayMetrics()
+        client = Upstream.create_session()
+        upstream = Upstream(client, settings.timeouts)
+        decisions = DecisionClient(settings.decision, metrics)
+        store = sessions or InMemorySessionStore(
+            ttl_s=settings.sessions.ttl_s, max_entries=settings.sessions.max_entries, clock=clock
+        )
+        pool = WorkerPool(settings.workers, heartbeat_expiry_s=settings.pool.heartbeat_expiry_s, clock=clock)
+        qps = QpsMeter(
+            window_s=settings.policy.qps_window_s, hysteresis=settings.policy.qps_hysteresis, clock=clock
+        )
+        request_log = RequestLog(settings.log.request_log) if settings.log.request_log else None
+        deps = Deps(
+            settings=settings,
+            pool=pool,
+            sessions=store,
+            tokenizers=Tokenizers(),
+            qps=qps,
+            metrics=metrics,
+            decisions=decisions,
+            upstream=upstream,
+            request_log=request_log,
+            clock=clock,
+            wall_clock=wall_clock,
+            new_id=new_id,
+        )
+        metrics.bind_sessions(store.__len__)
+        metrics.bind_qps(qps.measured)
+        app[DEPS] = deps
+        app[FORWARDER] = Forwarder(deps)
+        # Load the served model's tokenizer now, not on the first request (it takes ~0.5 s).
+        deps.tokenizers.encoding(settings.served_model)
+        await decisions.start()
+        monitor = PoolMonitor(pool, upstream, settings.pool, metrics)
+        monitor.publish()
+        tasks = [
+            asyncio.create_task(monitor.run(), name="pool-monitor"),
+            asyncio.create_task(_sweep(deps), name="session-sweeper"),
+        ]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await decisions.close()
+            await client.close()
+            if request_log is not None:
+                request_log.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", _passthrough)
+    app.router.add_post("/detokenize", _passthrough)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/workers", _list_workers)
+    app.router.add_post("/admin/workers", _register_worker)
+    app.router.add_delete("/admin/workers/{worker_id}", _deregister_worker)
+    return app
+
+
+async def _sweep(deps: Deps) -> None:
+    while True:
+        await asyncio.sleep(deps.settings.sessions.sweep_interval_s)
+        dropped = deps.sessions.expire()
+        if dropped:
+            log.debug("expired %d idle sessions", dropped)
+        if deps.request_log is not None:
+            deps.request_log.flush()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+    deps = request.app.get(DEPS)
+    try:
+        response = await handler(request)
+    except GatewayError as exc:
+        status, body = exc.to_openai_error()
+        response = web.json_response(body, status=status)
+    except web.HTTPRequestEntityTooLarge as exc:
+        response = web.json_response(
+            error_body(exc.text or "body too large", "BadRequestError", 413), status=413
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = web.json_response(error_body(exc.reason, "NotFoundError", exc.status), status=exc.status)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        response = web.json_response(
+            error_body("internal gateway error", "InternalServerError", 500), status=500
+        )
+    if deps is not None:
+        deps.metrics.requests.labels(endpoint, str(response.status)).inc()
+    return response
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await request.app[FORWARDER].handle(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[FORWARDER].handle(request, "completions")
+
+
+def _any_worker(deps: Deps) -> str:
+    view = deps.pool.view()
+    for role in _PASSTHROUGH_ROLES:
+        ranked = view.ranked(role)
+        if ranked:
+            return ranked[0].url
+    raise NoWorkerError("decode")
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    deps = request.app[DEPS]
+    with contextlib.suppress(GatewayError):
+        reply = await deps.upstream.get(_any_worker(deps) + "/v1/models")
+        if reply.status == 200:
+            return web.Response(body=reply.body, content_type="application/json")
+    model = deps.settings.served_model
+    card = {"id": model, "object": "model", "created": 0, "owned_by": "vllm", "root": model, "parent": None}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _passthrough(request: web.Request) -> web.StreamResponse:
+    deps = request.app[DEPS]
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise BadRequestError("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequestError("request body must be a JSON object")
+    headers: dict[str, str] = {}
+    if deps.settings.worker_api_key:
+        headers["Authorization"] = f"Bearer {deps.settings.worker_api_key}"
+    reply = await deps.upstream.post(_any_worker(deps) + request.path, body, headers)
+    return web.Response(body=reply.body, status=reply.status, content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    deps = request.app[DEPS]
+    pool = deps.pool
+    live = {role: pool.count(role, live=True) for role in _PASSTHROUGH_ROLES}
+    serving = live["replica"] > 0 or live["decode"] > 0
+    body: dict[str, Any] = {"status": "ok" if serving else "unavailable", "workers": live}
+    body["decision_service"] = {True: "serving", False: "not_serving", None: "unknown"}[
+        deps.decisions.serving
+    ]
+    return web.json_response(body, status=200 if serving else 503)
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    deps = request.app[DEPS]
+    return web.Response(body=deps.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def _authorize(request: web.Request) -> Deps:
+    deps = request.app[DEPS]
+    token = deps.settings.admin_token
+    if not token:
+        raise UnauthorizedError("the admin API is disabled (no admin_token configured)")
+    given = request.headers.get("Authorization", "")
+    if not given.startswith("Bearer ") or not hmac.compare_digest(given[7:].encode(), token.encode()):
+        raise UnauthorizedError("missing or wrong bearer token")
+    return deps
+
+
+async def _list_workers(request: web.Request) -> web.StreamResponse:
+    deps = _authorize(request)
+    return web.json_response({"workers": deps.pool.describe()})
+
+
+async def _register_worker(request: web.Request) -> web.StreamResponse:
+    deps = _authorize(request)
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequestError("request body is not valid JSON") from None
+    if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("id", "role", "url")):
+        raise BadRequestError('expected {"id": str, "role": prefill|decode|replica, "url": str}')
+    spec = WorkerSpec(body["id"], body["role"], body["url"].rstrip("/"))
+    new = deps.pool.register(spec)
+    if new:
+        log.info("worker %s (%s) registered at %s", spec.id, spec.role, spec.url)
+    return web.json_response(
+        {"id": spec.id, "registered": new, "heartbeat_expiry_s": deps.settings.pool.heartbeat_expiry_s},
+        status=201 if new else 200,
+    )
+
+
+async def _deregister_worker(request: web.Request) -> web.StreamResponse:
+    deps = _authorize(request)
+    worker_id = request.match_info["worker_id"]
+    if not deps.pool.deregister(worker_id):
+        raise NotFoundError(f"no registered worker {worker_id!r}")
+    log.info("worker %s deregistered", worker_id)
+    return web.json_response({"id": worker_id, "removed": True})

@@ -1,0 +1,106 @@
+"""`ppd-gateway serve --config FILE.toml --port P`: the only place that reads argv and the environment.
+
+Prints one JSON line, {"http": PORT}, once the server listens (so `--port 0` callers learn the port),
+then serves until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import uvloop
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.settings import Settings, SettingsError
+
+__all__ = ["main"]
+
+log = logging.getLogger("gateway")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ppd-gateway", description="OpenAI-compatible PPD gateway in front of vLLM P/D workers."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI API", description="Serve the OpenAI API.")
+    serve.add_argument(
+        "--config", help="TOML config file (every setting has a default; see gateway/README.md)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
+    serve.add_argument("--host", help="bind address (default: the config's host, 127.0.0.1)")
+    serve.add_argument("--mode", help="routing mode, overrides the config: pd|local|ppd|replica|fraction:<x>")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    check = sub.add_parser("check-config", help="validate a config file and print it resolved")
+    check.add_argument("config")
+    return parser
+
+
+def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
+    from dataclasses import replace
+
+    from gateway.routing import parse_mode
+
+    settings = Settings.from_toml(path) if path else Settings()
+    if mode:
+        try:
+            settings = replace(settings, mode=parse_mode(mode))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+    if host:
+        settings = replace(settings, host=host)
+    return settings
+
+
+async def _serve(settings: Settings, port: int) -> None:
+    app = create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, port, backlog=2048)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    sys.stdout.write(json.dumps({"http": bound, "mode": str(settings.mode)}) + "\n")
+    sys.stdout.flush()
+    log.info("gateway listening on http://%s:%d (mode %s)", settings.host, bound, settings.mode)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("gateway shutting down")
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "check-config":
+        try:
+            settings = _load(args.config, None, None)
+        except SettingsError as exc:
+            sys.stderr.write(f"ppd-gateway: {exc}\n")
+            return 2
+        sys.stdout.write(repr(settings) + "\n")
+        return 0
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        settings = _load(args.config, args.mode, args.host)
+    except SettingsError as exc:
+        sys.stderr.write(f"ppd-gateway: {exc}\n")
+        return 2
+    uvloop.run(_serve(settings, args.port))
+    return 0

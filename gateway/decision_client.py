@@ -1,0 +1,256 @@
+"""The gateway's side of the Route RPC: one long-lived grpc.aio channel, a deadline on every call, and
+a fallback decision whenever the DecisionService is slow, down or NOT_SERVING.
+
+Rule 1: `route()` never raises and never waits longer than the deadline; a failure becomes the
+configured fallback with `fallback=True` and a reason naming the cause (`fallback_timeout`,
+`fallback_unavailable`, `fallback_not_serving`, `fallback_error`, `fallback_no_service`).
+Rule 2: the standard gRPC health service is watched in the background; while it says NOT_SERVING no
+RPC is attempted (no deadline is spent on a known-bad answer).
+Rule 3 (stream form): requests are written to one RouteStream in order and answers matched to them
+first-in-first-out; a late answer resolves a future nobody waits for any more. A broken stream fails
+every waiter and is reopened by the next call, at most once a second.
+Talks gRPC only; never imports decision_service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from gateway.metrics import GatewayMetrics
+from gateway.routing import Decision
+from gateway.settings import DecisionSettings
+from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
+
+__all__ = ["DecisionClient", "LiveSignals", "RouteQuery", "decision_from_response", "request_from_query"]
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = decision_pb2.DESCRIPTOR.services_by_name["DecisionService"].full_name
+_REASONS = {v: k.removeprefix("REASON_").lower() for k, v in decision_pb2.Reason.items()}
+_STREAM_RETRY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSignals:
+    prefill_queue_depth: int | None = None
+    decode_running_requests: int | None = None
+    decode_kv_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    request_id: str
+    turn: int
+    new_input_tokens: int
+    expected_output_tokens: int
+    context_tokens: int
+    qps: float
+    live: LiveSignals | None = None
+    weights_profile: str = ""
+    table_key: str = ""
+
+
+def request_from_query(q: RouteQuery) -> decision_pb2.RouteRequest:
+    req = decision_pb2.RouteRequest(
+        request_id=q.request_id,
+        turn=q.turn,
+        new_input_tokens=q.new_input_tokens,
+        expected_output_tokens=q.expected_output_tokens,
+        context_tokens=q.context_tokens,
+        qps=q.qps,
+        weights_profile=q.weights_profile,
+        table_key=q.table_key,
+    )
+    if q.live is not None:
+        live = req.live
+        if q.live.prefill_queue_depth is not None:
+            live.prefill_queue_depth = q.live.prefill_queue_depth
+        if q.live.decode_running_requests is not None:
+            live.decode_running_requests = q.live.decode_running_requests
+        if q.live.decode_kv_usage is not None:
+            live.decode_kv_usage = q.live.decode_kv_usage
+    return req
+
+
+def decision_from_response(resp: decision_pb2.RouteResponse) -> Decision | None:
+    """None when the answer carries an error or no decision."""
+    if resp.HasField("error") and resp.error.code != 0:
+        return None
+    if resp.decision == decision_pb2.DECISION_LOCAL:
+        path = "local"
+    elif resp.decision == decision_pb2.DECISION_PD:
+        path = "pd"
+    else:
+        return None
+    return Decision(
+        path,  # type: ignore[arg-type]
+        _REASONS.get(resp.reason, "unspecified"),
+        table_version=resp.table_version,
+        score=resp.score,
+        detail=resp.detail,
+    )
+
+
+def _outcome(exc: grpc.aio.AioRpcError) -> str:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        # The service answers UNAVAILABLE itself until its first table loads.
+        return "not_serving" if "table" in (exc.details() or "").lower() else "unavailable"
+    return "error"
+
+
+class DecisionClient:
+    def __init__(self, settings: DecisionSettings, metrics: GatewayMetrics) -> None:
+        self._s = settings
+        self._metrics = metrics
+        self._deadline = settings.deadline_ms / 1000.0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: decision_pb2_grpc.DecisionServiceAsyncStub | None = None
+        self._serving: bool | None = None  # None: unknown (no health answer yet)
+        self._health_task: asyncio.Task[None] | None = None
+        self._stream: grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse] | None
+        self._stream = None
+        self._stream_reader: asyncio.Task[None] | None = None
+        self._stream_failed_at = 0.0
+        self._waiters: collections.deque[asyncio.Future[decision_pb2.RouteResponse]] = collections.deque()
+        self._write_lock = asyncio.Lock()
+
+    @property
+    def serving(self) -> bool | None:
+        return self._serving
+
+    async def start(self) -> None:
+        if not self._s.address:
+            return
+        self._channel = grpc.aio.insecure_channel(
+            self._s.address,
+            options=[
+                ("grpc.keepalive_time_ms", 10_000),
+                ("grpc.keepalive_timeout_ms", 5_000),
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ],
+        )
+        self._stub = decision_pb2_grpc.DecisionServiceStub(self._channel)
+        self._channel.get_state(try_to_connect=True)
+        self._health_task = asyncio.create_task(self._watch_health(), name="decision-health")
+
+    async def close(self) -> None:
+        for task in (self._health_task, self._stream_reader):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._channel is not None:
+            await self._channel.close(grace=None)
+
+    async def route(self, query: RouteQuery, fallback: Decision) -> Decision:
+        if self._stub is None:
+            return self._fall(fallback, "no_service")
+        if self._serving is False:
+            return self._fall(fallback, "not_serving")
+        start = time.perf_counter()
+        resp, outcome = await self._call(self._stub, request_from_query(query))
+        self._metrics.route_rpc.labels(outcome).observe(time.perf_counter() - start)
+        decision = decision_from_response(resp) if resp is not None else None
+        if decision is None:
+            return self._fall(fallback, "error" if outcome == "ok" else outcome)
+        return decision
+
+    async def _call(
+        self, stub: decision_pb2_grpc.DecisionServiceAsyncStub, req: decision_pb2.RouteRequest
+    ) -> tuple[decision_pb2.RouteResponse | None, str]:
+        try:
+            if self._s.stream:
+                return await self._route_stream(req), "ok"
+            return await stub.Route(req, timeout=self._deadline), "ok"
+        except grpc.aio.AioRpcError as exc:
+            return None, _outcome(exc)
+        except TimeoutError:
+            return None, "timeout"
+        except (grpc.RpcError, ConnectionError, RuntimeError) as exc:
+            log.warning("Route RPC failed: %s", exc)
+            return None, "unavailable" if isinstance(exc, ConnectionError) else "error"
+
+    def _fall(self, fallback: Decision, cause: str) -> Decision:
+        self._metrics.fallbacks.labels(cause).inc()
+        return Decision(fallback.path, f"fallback_{cause}", fallback=True)
+
+    async def _route_stream(self, req: decision_pb2.RouteRequest) -> decision_pb2.RouteResponse:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[decision_pb2.RouteResponse] = loop.create_future()
+        async with asyncio.timeout(self._deadline):
+            async with self._write_lock:
+                stream = self._ensure_stream()
+                self._waiters.append(future)
+                await stream.write(req)
+            return await asyncio.shield(future)
+
+    def _ensure_stream(
+        self,
+    ) -> grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse]:
+        if self._stream is not None and not self._stream.done():
+            return self._stream
+        if time.monotonic() - self._stream_failed_at < _STREAM_RETRY_S:
+            raise ConnectionError("RouteStream recently failed")
+        assert self._stub is not None
+        self._stream = self._stub.RouteStream()
+        self._stream_reader = asyncio.create_task(self._read_stream(self._stream), name="route-stream")
+        return self._stream
+
+    async def _read_stream(
+        self, stream: grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse]
+    ) -> None:
+        try:
+            async for resp in stream:
+                waiter = self._waiters.popleft() if self._waiters else None
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(resp)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("RouteStream broke: %s", exc.code().name)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            self._stream_failed_at = time.monotonic()
+            if self._stream is stream:
+                self._stream = None
+            waiters, self._waiters = self._waiters, collections.deque()
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(ConnectionError("RouteStream closed"))
+                    waiter.exception()  # retrieved: nobody may be waiting any more
+
+    async def _watch_health(self) -> None:
+        assert self._channel is not None
+        watch = self._channel.unary_stream(
+            "/grpc.health.v1.Health/Watch",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while True:
+            try:
+                async for resp in watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
+                    if resp.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+                        self._serving = None
+                    else:
+                        self._serving = resp.status == serving
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._serving = None
+                    return
+                # Down: let calls try (and fail fast) so recovery is seen at once.
+                self._serving = None
+            await asyncio.sleep(1.0)

@@ -1,0 +1,138 @@
+"""Errors the gateway turns into OpenAI-style responses.
+
+    GatewayError                   every error carries an HTTP status hint and an OpenAI `type`
+    ├── BadRequestError (400)      malformed JSON, wrong field types, missing messages
+    │   └── PayloadTooLargeError (413)  body over the configured limit
+    ├── UnauthorizedError (401)    admin API without the right bearer token
+    ├── NotFoundError (404)        unknown admin object
+    ├── NoWorkerError (503)        no live worker of a needed role; the message names the role
+    ├── PrefillFailedError (503)   every P attempt failed and policy.prefill_failure = "error"
+    └── UpstreamError              a worker failed before the response started
+        ├── UpstreamStatusError    the worker answered an error status (4xx passed on, 5xx -> 502)
+        ├── UpstreamUnreachableError (502)  connection refused/reset before any byte of the answer
+        └── UpstreamTimeoutError (504)      no answer within the configured timeout
+
+Rule: core modules raise these; only the HTTP layer (`app.py`) renders them, once, with
+`to_openai_error`. Errors after a streaming response has started never become an HTTP status; the
+relay turns them into an SSE error event instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "BadRequestError",
+    "GatewayError",
+    "NoWorkerError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "PrefillFailedError",
+    "UnauthorizedError",
+    "UpstreamError",
+    "UpstreamStatusError",
+    "UpstreamTimeoutError",
+    "UpstreamUnreachableError",
+    "error_body",
+]
+
+
+class GatewayError(Exception):
+    status: int = 500
+    error_type: str = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_openai_error(self) -> tuple[int, dict[str, Any]]:
+        return self.status, error_body(self.message, self.error_type, self.status, self.param)
+
+
+class BadRequestError(GatewayError):
+    status = 400
+    error_type = "BadRequestError"
+
+
+class PayloadTooLargeError(BadRequestError):
+    status = 413
+
+
+class UnauthorizedError(GatewayError):
+    status = 401
+    error_type = "AuthenticationError"
+
+
+class NotFoundError(GatewayError):
+    status = 404
+    error_type = "NotFoundError"
+
+
+class NoWorkerError(GatewayError):
+    status = 503
+    error_type = "ServiceUnavailableError"
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no live {role} worker in the pool")
+        self.role = role
+
+
+class PrefillFailedError(GatewayError):
+    status = 503
+    error_type = "ServiceUnavailableError"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    error_type = "BadGatewayError"
+
+    def __init__(self, message: str, *, worker: str) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class UpstreamStatusError(UpstreamError):
+    """The worker answered with an error status. Client errors (4xx) keep their status and the
+    worker's own error body; server errors become 502 with ours."""
+
+    def __init__(self, status: int, body: bytes, *, worker: str) -> None:
+        super().__init__(f"worker {worker} answered HTTP {status}", worker=worker)
+        self.upstream_status = status
+        self.body = body
+        if 400 <= status < 500:
+            self.status = status
+            self.error_type = "BadRequestError"
+
+    def to_openai_error(self) -> tuple[int, dict[str, Any]]:
+        if 400 <= self.upstream_status < 500:
+            passed = _openai_error_or_none(self.body)
+            if passed is not None:
+                return self.upstream_status, passed
+        return super().to_openai_error()
+
+
+class UpstreamUnreachableError(UpstreamError):
+    pass
+
+
+class UpstreamTimeoutError(UpstreamError):
+    status = 504
+    error_type = "GatewayTimeoutError"
+
+
+def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's ErrorResponse shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _openai_error_or_none(body: bytes) -> dict[str, Any] | None:
+    import json
+
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return parsed
+    return None

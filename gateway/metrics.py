@@ -1,0 +1,107 @@
+"""The gateway's Prometheus metrics, on a registry of its own (one per app, no global state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["GatewayMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_OVERHEAD_BUCKETS = (
+    0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
+    0.02, 0.05, 0.1,
+)  # fmt: skip
+_RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "ppd_gateway_requests",
+            "Client requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "ppd_gateway_decisions",
+            "Routing decisions by path taken and reason",
+            ["path", "reason"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "ppd_gateway_decision_fallbacks",
+            "ppd-mode decisions that used the configured fallback, by cause",
+            ["cause"],
+            registry=r,
+        )
+        self.route_rpc = Histogram(
+            "ppd_gateway_route_rpc_seconds",
+            "DecisionService Route latency seen by the gateway, by outcome",
+            ["outcome"],
+            buckets=_RPC_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ppd_gateway_time_to_first_token_seconds",
+            "Time from request arrival to the first content chunk relayed",
+            ["path", "turn_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "ppd_gateway_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request",
+            ["path", "turn_class"],
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "ppd_gateway_overhead_seconds",
+            "The gateway's own time on the way to the first token of a stream: request handling, "
+            "decision and planning, the gaps around the prefill leg, relaying the first chunk",
+            ["path"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "ppd_gateway_upstream_errors",
+            "Failed calls to workers by worker, role and kind",
+            ["worker", "role", "kind"],
+            registry=r,
+        )
+        self.prefill_retries = Counter(
+            "ppd_gateway_prefill_retries", "P legs retried on another prefill worker", registry=r
+        )
+        self.rebinds = Counter(
+            "ppd_gateway_session_rebinds", "Sessions moved to another decode worker", registry=r
+        )
+        self.token_counts = Counter(
+            "ppd_gateway_token_counts",
+            "New-input token counts by source (exact tokenizer, worker /tokenize, estimate)",
+            ["source"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "ppd_gateway_stream_errors",
+            "Streams that ended with an SSE error event or a client disconnect, by cause",
+            ["cause"],
+            registry=r,
+        )
+        self.sessions = Gauge("ppd_gateway_sessions", "Session entries held", registry=r)
+        self.qps = Gauge("ppd_gateway_qps", "Request rate fed to decisions (window, hysteresis)", registry=r)
+        self.inflight = Gauge("ppd_gateway_requests_in_flight", "Client requests being served", registry=r)
+        self.workers = Gauge("ppd_gateway_workers", "Workers in the pool", ["role", "state"], registry=r)
+
+    def bind_sessions(self, count: Callable[[], int]) -> None:
+        self.sessions.set_function(lambda: float(count()))
+
+    def bind_qps(self, rate: Callable[[], float]) -> None:
+        self.qps.set_function(rate)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

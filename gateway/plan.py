@@ -1,0 +1,200 @@
+"""P/D request planning: (request, session, decision, pool) -> the upstream calls to make. Pure.
+
+Rules from vLLM's NixlConnector proxy protocol (docs/vllm-protocol.md 1.2-1.5):
+Rule 1 (P leg): a copy of the client body with `kv_transfer_params` = {do_remote_decode: true,
+do_remote_prefill: false, remote_*: null}, `stream` false, `max_tokens` 1 (and
+`max_completion_tokens` 1 when the client sent it), no `stream_options`, no `min_tokens` /
+`min_completion_tokens`.
+Rule 2 (D leg): the original body plus P's returned `kv_transfer_params`, unmodified (absent when P
+returned none: D then computes the whole prompt itself).
+Rule 3: both legs carry the same `X-Request-Id`.
+Rule 4: upstream addresses come only from the pool; a client-sent `kv_transfer_params` is dropped
+(it would point a worker at an arbitrary KV source).
+Rule 5: the session keeps its D (or R) while it is live; if it is gone the turn goes through P to the
+least-loaded live D and the session is rebound. Turn 1 picks the least-loaded P and D.
+Deliberate addition: a streaming D leg gets `stream_options.include_usage` when the client did not ask
+for it (the gateway needs `usage` for the next turn's context size); the relay then drops that extra
+usage-only chunk (`Plan.strip_usage`), so the client sees exactly what it asked for.
+Every function returns new dicts; inputs are never mutated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gateway.errors import NoWorkerError
+from gateway.pool import PoolView, WorkerView
+from gateway.routing import Decision
+from gateway.sessions import Session
+from gateway.types import Endpoint, JsonObject, Path
+
+__all__ = [
+    "KV_FIELD",
+    "Plan",
+    "PlanRequest",
+    "UpstreamCall",
+    "decode_after_prefill",
+    "local_fallback",
+    "plan",
+    "plan_to_json",
+    "prefill_body",
+]
+
+KV_FIELD = "kv_transfer_params"
+_PREFILL_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_ROUTES: Mapping[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+Headers = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRequest:
+    endpoint: Endpoint
+    body: Mapping[str, Any]
+    request_id: str
+    # Extra headers for every leg (e.g. a forwarded Authorization); X-Request-Id is added here.
+    headers: Headers = ()
+    inject_usage: bool = True
+    prefill_attempts: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamCall:
+    worker: str
+    url: str
+    body: JsonObject
+    headers: Headers
+    stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    path: Path
+    reason: str
+    # P candidates in order: the first, then the ones to retry on. Empty unless path == "pd".
+    prefill: tuple[UpstreamCall, ...]
+    # The D (or R) leg. For "pd" its body still lacks P's params; see decode_after_prefill.
+    decode: UpstreamCall
+    strip_usage: bool
+    rebound: bool
+
+
+def prefill_body(body: Mapping[str, Any]) -> JsonObject:
+    out = {
+        k: v
+        for k, v in body.items()
+        if k not in ("stream_options", "min_tokens", "min_completion_tokens", KV_FIELD)
+    }
+    out[KV_FIELD] = dict(_PREFILL_PARAMS)
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def _decode_body(body: Mapping[str, Any], *, inject_usage: bool) -> tuple[JsonObject, bool]:
+    out = {k: v for k, v in body.items() if k != KV_FIELD}
+    strip = False
+    if inject_usage and out.get("stream") is True:
+        options = out.get("stream_options")
+        if not isinstance(options, Mapping) or options.get("include_usage") is not True:
+            merged = dict(options) if isinstance(options, Mapping) else {}
+            merged["include_usage"] = True
+            out["stream_options"] = merged
+            strip = True
+    return out, strip
+
+
+def _call(worker: WorkerView, request: PlanRequest, body: JsonObject, *, stream: bool) -> UpstreamCall:
+    headers = (("X-Request-Id", request.request_id), *request.headers)
+    return UpstreamCall(worker.id, worker.url + _ROUTES[request.endpoint], body, headers, stream)
+
+
+def plan(request: PlanRequest, session: Session | None, decision: Decision, pool: PoolView) -> Plan:
+    """Raises NoWorkerError naming the missing role."""
+    body, strip = _decode_body(request.body, inject_usage=request.inject_usage)
+    stream = body.get("stream") is True
+    bound = session.worker if session is not None else None
+
+    if decision.path == "replica":
+        replica = pool.get(bound)
+        if replica is None or replica.role != "replica":
+            replica = pool.least_loaded("replica")
+        return Plan(
+            "replica",
+            decision.reason,
+            (),
+            _call(replica, request, body, stream=stream),
+            strip,
+            rebound=bound is not None and replica.id != bound,
+        )
+
+    decode = pool.get(bound)
+    if decode is not None and decode.role != "decode":
+        decode = None
+    path: Path = decision.path
+    reason = decision.reason
+    rebound = False
+    if decode is None:
+        decode = pool.least_loaded("decode")
+        if bound is not None:
+            # The D holding the KV is gone: only P can rebuild it elsewhere.
+            path, reason, rebound = "pd", "decode_gone", True
+    if path == "local":
+        return Plan("local", reason, (), _call(decode, request, body, stream=stream), strip, rebound)
+
+    prefills = pool.ranked("prefill")[: max(1, request.prefill_attempts)]
+    if not prefills:
+        raise NoWorkerError("prefill")
+    p_body = prefill_body(request.body)
+    return Plan(
+        "pd",
+        reason,
+        tuple(_call(p, request, p_body, stream=False) for p in prefills),
+        _call(decode, request, body, stream=stream),
+        strip,
+        rebound,
+    )
+
+
+def decode_after_prefill(p: Plan, kv_params: Mapping[str, Any] | None) -> UpstreamCall:
+    """The D leg once P answered: the original body plus P's params, unmodified."""
+    if kv_params is None:
+        return p.decode
+    body = dict(p.decode.body)
+    body[KV_FIELD] = dict(kv_params)
+    return replace(p.decode, body=body)
+
+
+def local_fallback(p: Plan, reason: str) -> Plan:
+    """Every P failed: prefill on the chosen D instead (it computes the whole prompt)."""
+    return replace(p, path="local", reason=reason, prefill=())
+
+
+def plan_to_json(p: Plan) -> JsonObject:
+    def call(c: UpstreamCall) -> JsonObject:
+        return {
+            "worker": c.worker,
+            "url": c.url,
+            "body": c.body,
+            "headers": [list(h) for h in c.headers],
+            "stream": c.stream,
+        }
+
+    return {
+        "path": p.path,
+        "reason": p.reason,
+        "prefill": [call(c) for c in p.prefill],
+        "decode": call(p.decode),
+        "strip_usage": p.strip_usage,
+        "rebound": p.rebound,
+    }

@@ -1,0 +1,227 @@
+"""The worker pool: which P, D and R workers exist, whether they are alive, and how loaded they are.
+
+Rule 1: workers come from the static config or from authenticated registration; nothing in a client
+request can add an address. Registered workers expire when no heartbeat arrived for
+`heartbeat_expiry_s` (paper: heartbeat every 10 s, removed after 30 s); static ones never expire.
+Rule 2: a worker is *live* until `unhealthy_after` health checks in a row failed, or a request could
+not connect to it (that marks it down at once); the next passing health check brings it back.
+Rule 3: planning reads an immutable `PoolView` snapshot, never this mutable object, so the planner
+stays pure and one request sees one consistent pool.
+Concurrency: owned by one event loop; no locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import get_args
+
+from gateway.errors import BadRequestError, NoWorkerError
+from gateway.types import Clock, Role
+
+__all__ = ["Load", "PoolView", "WorkerPool", "WorkerSpec", "WorkerView"]
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Scraped from the worker's /metrics (vLLM names)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    id: str
+    role: Role
+    url: str
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise BadRequestError("worker id must not be empty")
+        if self.role not in get_args(Role):
+            raise BadRequestError(f"worker role must be one of {get_args(Role)}, got {self.role!r}")
+        if not (self.url.startswith(("http://", "https://")) and len(self.url) > 8):
+            raise BadRequestError(f"worker url must be http(s)://host:port, got {self.url!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    id: str
+    role: Role
+    url: str
+    load: Load = field(default_factory=Load)
+    inflight: int = 0
+    last_pick: int = 0
+
+    def rank(self) -> tuple[float, float, int, str]:
+        busy = max(self.load.running + self.load.waiting, float(self.inflight))
+        return (busy, self.load.kv_usage, self.last_pick, self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """An immutable snapshot of the live workers."""
+
+    workers: tuple[WorkerView, ...] = ()
+
+    def get(self, worker_id: str | None) -> WorkerView | None:
+        for w in self.workers:
+            if w.id == worker_id:
+                return w
+        return None
+
+    def ranked(self, role: Role, *, exclude: Iterable[str] = ()) -> list[WorkerView]:
+        """Live workers of a role, least loaded first."""
+        skip = set(exclude)
+        return sorted((w for w in self.workers if w.role == role and w.id not in skip), key=WorkerView.rank)
+
+    def least_loaded(self, role: Role, *, exclude: Iterable[str] = ()) -> WorkerView:
+        ranked = self.ranked(role, exclude=exclude)
+        if not ranked:
+            raise NoWorkerError(role)
+        return ranked[0]
+
+
+class _State:
+    __slots__ = (
+        "failed_checks",
+        "healthy",
+        "inflight",
+        "last_heartbeat",
+        "last_pick",
+        "load",
+        "spec",
+        "static",
+    )
+
+    def __init__(self, spec: WorkerSpec, *, static: bool, now: float) -> None:
+        self.spec = spec
+        self.static = static
+        self.healthy = True
+        self.failed_checks = 0
+        self.load = Load()
+        self.inflight = 0
+        self.last_pick = 0
+        self.last_heartbeat = now
+
+
+class WorkerPool:
+    def __init__(self, static: Sequence[WorkerSpec], *, heartbeat_expiry_s: float, clock: Clock) -> None:
+        self._clock = clock
+        self._expiry = heartbeat_expiry_s
+        self._workers: dict[str, _State] = {}
+        self._picks = 0
+        now = clock()
+        for spec in static:
+            if spec.id in self._workers:
+                raise BadRequestError(f"duplicate worker id {spec.id!r}")
+            self._workers[spec.id] = _State(spec, static=True, now=now)
+
+    def register(self, spec: WorkerSpec) -> bool:
+        """Add a worker or renew its heartbeat; True when it is new."""
+        state = self._workers.get(spec.id)
+        now = self._clock()
+        if state is not None:
+            if state.static:
+                raise BadRequestError(f"worker {spec.id!r} is statically configured")
+            if state.spec != spec:
+                state.spec = spec
+            state.last_heartbeat = now
+            return False
+        self._workers[spec.id] = _State(spec, static=False, now=now)
+        return True
+
+    def deregister(self, worker_id: str) -> bool:
+        state = self._workers.get(worker_id)
+        if state is None or state.static:
+            return False
+        del self._workers[worker_id]
+        return True
+
+    def expire(self) -> list[str]:
+        """Remove registered workers whose heartbeat is older than the expiry; returns their ids."""
+        deadline = self._clock() - self._expiry
+        gone = [w for w, s in self._workers.items() if not s.static and s.last_heartbeat < deadline]
+        for worker_id in gone:
+            del self._workers[worker_id]
+        return gone
+
+    def specs(self) -> list[WorkerSpec]:
+        return [s.spec for s in self._workers.values()]
+
+    def set_health(self, worker_id: str, healthy: bool) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.healthy = healthy
+
+    def record_check(self, worker_id: str, ok: bool, *, unhealthy_after: int = 1) -> None:
+        """One active health check's result."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        if ok:
+            state.failed_checks = 0
+            state.healthy = True
+        else:
+            state.failed_checks += 1
+            if state.failed_checks >= unhealthy_after:
+                state.healthy = False
+
+    def set_load(self, worker_id: str, load: Load) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.load = load
+
+    def mark_failed(self, worker_id: str) -> None:
+        self.set_health(worker_id, False)
+
+    def is_live(self, worker_id: str) -> bool:
+        state = self._workers.get(worker_id)
+        return state is not None and state.healthy
+
+    def acquire(self, worker_id: str) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.inflight += 1
+
+    def release(self, worker_id: str) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None and state.inflight > 0:
+            state.inflight -= 1
+
+    def note_pick(self, worker_id: str) -> None:
+        """Remember when a worker was chosen, so equally loaded workers take turns."""
+        state = self._workers.get(worker_id)
+        if state is not None:
+            self._picks += 1
+            state.last_pick = self._picks
+
+    def view(self) -> PoolView:
+        return PoolView(
+            tuple(
+                WorkerView(s.spec.id, s.spec.role, s.spec.url, s.load, s.inflight, s.last_pick)
+                for s in self._workers.values()
+                if s.healthy
+            )
+        )
+
+    def describe(self) -> list[dict[str, object]]:
+        return [
+            {
+                "id": s.spec.id,
+                "role": s.spec.role,
+                "url": s.spec.url,
+                "static": s.static,
+                "healthy": s.healthy,
+                "inflight": s.inflight,
+                "running": s.load.running,
+                "waiting": s.load.waiting,
+                "kv_usage": s.load.kv_usage,
+            }
+            for s in self._workers.values()
+        ]
+
+    def count(self, role: Role, *, live: bool) -> int:
+        return sum(1 for s in self._workers.values() if s.spec.role == role and (s.healthy or not live))

@@ -1,0 +1,99 @@
+"""Keeps the worker pool honest: active /health checks, load scraped from /metrics, heartbeat expiry.
+
+Runs as one background task per gateway; each round probes all workers concurrently, so one slow
+worker delays nobody else's check by more than the probe timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.errors import UpstreamError
+from gateway.metrics import GatewayMetrics
+from gateway.pool import Load, WorkerPool, WorkerSpec
+from gateway.settings import PoolSettings
+from gateway.types import Role
+from gateway.upstream import Upstream
+
+__all__ = ["PoolMonitor", "load_from_metrics"]
+
+log = logging.getLogger(__name__)
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV = "vllm:kv_cache_usage_perc"
+_ROLES: tuple[Role, ...] = ("prefill", "decode", "replica")
+
+
+def load_from_metrics(text: str) -> Load:
+    """Running and waiting summed over engines (DP ranks), KV usage the highest of them."""
+    running = waiting = kv = 0.0
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        name = line[:name_end]
+        if name not in (_RUNNING, _WAITING, _KV):
+            continue
+        try:
+            value = float(line.rsplit("}", 1)[-1].split()[0] if "}" in line else line.split()[1])
+        except (IndexError, ValueError):
+            continue
+        if name == _RUNNING:
+            running += value
+        elif name == _WAITING:
+            waiting += value
+        else:
+            kv = max(kv, value)
+    return Load(running, waiting, kv)
+
+
+class PoolMonitor:
+    def __init__(
+        self, pool: WorkerPool, upstream: Upstream, settings: PoolSettings, metrics: GatewayMetrics
+    ) -> None:
+        self._pool = pool
+        self._upstream = upstream
+        self._s = settings
+        self._metrics = metrics
+
+    async def run(self) -> None:
+        while True:
+            await self.check_once()
+            await asyncio.sleep(self._s.health_interval_s)
+
+    async def check_once(self) -> None:
+        for gone in self._pool.expire():
+            log.warning("worker %s missed its heartbeats; removed from the pool", gone)
+        specs = self._pool.specs()
+        await asyncio.gather(*(self._check(spec) for spec in specs))
+        self.publish()
+
+    def publish(self) -> None:
+        for role in _ROLES:
+            total = self._pool.count(role, live=False)
+            live = self._pool.count(role, live=True)
+            self._metrics.workers.labels(role, "live").set(live)
+            self._metrics.workers.labels(role, "down").set(total - live)
+
+    async def _check(self, spec: WorkerSpec) -> None:
+        try:
+            reply = await self._upstream.get(spec.url + "/health")
+            healthy = reply.status == 200
+        except UpstreamError:
+            healthy = False
+        was = self._pool.is_live(spec.id)
+        self._pool.record_check(spec.id, healthy, unhealthy_after=self._s.unhealthy_after)
+        healthy = self._pool.is_live(spec.id)
+        if was != healthy:
+            log.warning("worker %s (%s) is now %s", spec.id, spec.url, "up" if healthy else "down")
+        if not healthy or not self._s.scrape_metrics:
+            return
+        try:
+            reply = await self._upstream.get(spec.url + "/metrics")
+        except UpstreamError:
+            return
+        if reply.status == 200:
+            self._pool.set_load(spec.id, load_from_metrics(reply.body.decode("utf-8", errors="replace")))

@@ -1,0 +1,212 @@
+"""Gateway settings: read once at start-up from a TOML file into frozen dataclasses.
+
+Every setting has a default (an empty file is a valid config); unknown keys are an error, so a typo
+never silently does nothing. `gateway/README.md` documents each key with an example.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path as FsPath
+from typing import Any, Literal
+
+from gateway.pool import WorkerSpec
+from gateway.routing import Mode, parse_mode
+
+__all__ = [
+    "DecisionSettings",
+    "LogSettings",
+    "PolicySettings",
+    "PoolSettings",
+    "SessionSettings",
+    "Settings",
+    "SettingsError",
+    "TimeoutSettings",
+]
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionSettings:
+    # host:port of the DecisionService; empty = none (ppd mode then always uses the fallback).
+    address: str = ""
+    deadline_ms: float = 5.0
+    # Use the long-lived RouteStream instead of one unary Route call per request.
+    stream: bool = False
+    # What ppd mode does when the service is slow, down or NOT_SERVING: "pd" or "local".
+    fallback: Literal["pd", "local"] = "pd"
+    table_key: str = ""
+    weights_profile: str = ""
+    # Attach live load (P queue depth, D running, D KV usage) to each Route call.
+    send_live_signals: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySettings:
+    # After every P attempt failed: "local" prefill on the chosen D, or "error" (503).
+    prefill_failure: Literal["local", "error"] = "local"
+    # P attempts per request (1 = no retry; 2 = one retry on another P).
+    prefill_attempts: int = 2
+    # n_out when the request names no limit, no hint is given and the session has no history.
+    default_output_tokens: int = 256
+    qps_window_s: float = 10.0
+    qps_hysteresis: float = 0.1
+    # Ask streaming D legs for usage (dropped again before the client) to track context size.
+    inject_usage: bool = True
+    # Count new input tokens with a worker's /tokenize when no exact tokenizer is bundled.
+    worker_tokenize: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutSettings:
+    connect_s: float = 3.0
+    # The whole P leg (it returns one token, non-streaming).
+    prefill_s: float = 60.0
+    # A whole non-streaming D (or R) response.
+    response_s: float = 600.0
+    # Longest silence between two chunks of a streaming response (headers included).
+    idle_s: float = 60.0
+    # Health checks, /metrics scrapes, /tokenize and other small calls.
+    probe_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSettings:
+    ttl_s: float = 3600.0
+    max_entries: int = 200_000
+    sweep_interval_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    health_interval_s: float = 2.0
+    # Consecutive failed /health checks before a worker leaves the pool (a refused request: at once).
+    unhealthy_after: int = 2
+    heartbeat_expiry_s: float = 30.0
+    scrape_metrics: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LogSettings:
+    # JSONL request log in the benchmark record schema; empty = off.
+    request_log: str = ""
+    run_id: str = ""
+    shape: str = ""
+    model: str = ""
+    workload: str = ""
+    target_qps: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    host: str = "127.0.0.1"
+    mode: Mode = field(default_factory=lambda: Mode("ppd"))
+    # Requests may choose their routing mode with the X-PPD-Mode header (for benchmarking).
+    allow_mode_header: bool = True
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Bearer token for /admin/*; empty disables the admin API.
+    admin_token: str = ""
+    # Forward the client's Authorization header to workers (off: workers never see client keys).
+    forward_authorization: bool = False
+    # Authorization sent to workers when not forwarding the client's (e.g. vLLM --api-key).
+    worker_api_key: str = ""
+    # Name answered by /v1/models when no worker can be asked.
+    served_model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    workers: tuple[WorkerSpec, ...] = ()
+    decision: DecisionSettings = field(default_factory=DecisionSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    sessions: SessionSettings = field(default_factory=SessionSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+
+    @classmethod
+    def from_toml(cls, path: str | FsPath) -> Settings:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"cannot read config {path}: {exc}") from None
+        return cls.from_mapping(data)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Settings:
+        data = dict(data)
+        sections: dict[str, Any] = {
+            "decision": DecisionSettings(**_section(DecisionSettings, data.pop("decision", {}), "decision")),
+            "policy": PolicySettings(**_section(PolicySettings, data.pop("policy", {}), "policy")),
+            "timeouts": TimeoutSettings(**_section(TimeoutSettings, data.pop("timeouts", {}), "timeouts")),
+            "sessions": SessionSettings(**_section(SessionSettings, data.pop("sessions", {}), "sessions")),
+            "pool": PoolSettings(**_section(PoolSettings, data.pop("pool", {}), "pool")),
+            "log": LogSettings(**_section(LogSettings, data.pop("log", {}), "log")),
+        }
+        workers = data.pop("workers", [])
+        if not isinstance(workers, list):
+            raise SettingsError("workers must be an array of tables ([[workers]])")
+        try:
+            specs = tuple(
+                WorkerSpec(str(w.get("id", "")), w.get("role", ""), str(w.get("url", "")).rstrip("/"))
+                for w in workers
+            )
+        except Exception as exc:
+            raise SettingsError(f"workers: {exc}") from None
+        if len({s.id for s in specs}) != len(specs):
+            raise SettingsError("workers: duplicate id")
+        if "mode" in data:
+            try:
+                data["mode"] = parse_mode(str(data["mode"]))
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+        top = _section(cls, data, "top level", skip=set(sections) | {"workers", "mode"})
+        settings = cls(**top, workers=specs, **({"mode": data["mode"]} if "mode" in data else {}), **sections)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.decision.fallback not in ("pd", "local"):
+            raise SettingsError("decision.fallback must be 'pd' or 'local'")
+        if self.policy.prefill_failure not in ("local", "error"):
+            raise SettingsError("policy.prefill_failure must be 'local' or 'error'")
+        if self.policy.prefill_attempts < 1:
+            raise SettingsError("policy.prefill_attempts must be >= 1")
+        if self.decision.deadline_ms <= 0:
+            raise SettingsError("decision.deadline_ms must be positive")
+        if self.sessions.ttl_s <= 0 or self.sessions.max_entries <= 0:
+            raise SettingsError("sessions.ttl_s and sessions.max_entries must be positive")
+        if self.max_body_bytes <= 0:
+            raise SettingsError("max_body_bytes must be positive")
+
+
+def _section(cls: type[Any], raw: Any, name: str, *, skip: set[str] | None = None) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise SettingsError(f"[{name}] must be a table")
+    known = {f.name: f for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for key, given in raw.items():
+        value = given
+        if skip and key in skip:
+            continue
+        f = known.get(key)
+        if f is None:
+            raise SettingsError(f"unknown setting {key!r} in [{name}]")
+        default = getattr(cls(), key)
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, str):
+            ok = isinstance(value, str)
+        else:
+            ok = True
+        if not ok:
+            raise SettingsError(f"setting {key!r} in [{name}] must be {type(default).__name__}")
+        out[key] = value
+    return out

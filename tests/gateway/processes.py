@@ -1,0 +1,63 @@
+"""Start our commands as real processes on port 0 and read the JSON line each prints when ready."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[str]
+    ready: dict[str, Any]
+    stderr_path: Path
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+
+def start(args: list[str], tmp: Path, name: str) -> Process:
+    """`python -m <args>`; returns once the process printed its JSON line (or fails with its stderr)."""
+    stderr_path = tmp / f"{name}.stderr"
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""))
+    reader.start()
+    reader.join(READY_TIMEOUT_S)
+    if not line or not line[0].strip():
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        raise RuntimeError(f"{name} did not become ready:\n{stderr_path.read_text(errors='replace')[-3000:]}")
+    return Process(proc, json.loads(line[0]), stderr_path)

@@ -1,0 +1,250 @@
+"""Gateway features beyond the core path: ppd mode over gRPC, sessions at the HTTP level, the admin
+API, the pass-through routes, metrics and the request log."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ppd.decision.v1 import decision_pb2
+from tests.gateway.conftest import MODEL, Reply, Stack, StackFactory
+from tests.gateway.fake_decision import FakeDecision
+
+
+@pytest.fixture
+async def decision() -> AsyncIterator[FakeDecision]:
+    svc = await FakeDecision().start()
+    yield svc
+    await svc.stop()
+
+
+async def _follow_up(stack: Stack, messages: list[dict[str, Any]], reply: Reply, text: str) -> None:
+    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": text}]
+
+
+# ---------------------------------------------------------------- ppd mode
+
+
+async def test_ppd_mode_asks_the_decision_service_from_turn_two(
+    make_stack: StackFactory, decision: FakeDecision
+) -> None:
+    stack = await make_stack(mode="ppd", decision={"address": decision.address, "deadline_ms": 2000.0})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
+    first = await stack.chat(messages, max_tokens=6)
+    assert (first.path, first.reason) == ("pd", "turn_one")
+    assert not decision.seen  # turn 1 never asks
+    await _follow_up(stack, messages, first, "and then")
+    second = await stack.chat(messages, max_tokens=6)
+    assert (second.path, second.reason, second.headers["X-PPD-Table-Version"]) == ("local", "table", "v-test")
+    q = decision.seen[-1]
+    assert (q.turn, q.new_input_tokens, q.expected_output_tokens) == (2, 2 + 5, 6)
+    assert q.context_tokens > 0  # from the first turn's usage
+    assert q.live.HasField("decode_kv_usage")
+    decision.decision = decision_pb2.DECISION_PD
+    decision.reason = decision_pb2.REASON_WEIGHTS
+    await _follow_up(stack, messages, second, "more")
+    third = await stack.chat(messages, max_tokens=6, stream=True)
+    assert (third.path, third.reason, third.headers["X-PPD-Turn"]) == ("pd", "weights", "3")
+    assert third.headers["X-PPD-Decode-Worker"] == first.headers["X-PPD-Decode-Worker"]
+
+
+async def test_ppd_mode_falls_back_when_the_service_is_down(make_stack: StackFactory) -> None:
+    svc = await FakeDecision().start()
+    address = svc.address
+    await svc.stop()
+    stack = await make_stack(
+        mode="ppd", decision={"address": address, "deadline_ms": 500.0, "fallback": "local"}
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages)
+    await _follow_up(stack, messages, first, "again")
+    second = await stack.chat(messages)
+    assert second.status == 200
+    assert second.path == "local"
+    assert second.reason in ("fallback_unavailable", "fallback_timeout")
+    assert second.headers["X-PPD-Fallback"] == "1"
+    metrics = (await stack.http.get(stack.url + "/metrics")).content
+    text = (await metrics.read()).decode()
+    assert "ppd_gateway_decision_fallbacks_total" in text
+
+
+async def test_mode_header_overrides_the_config(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="local")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages)
+    await _follow_up(stack, messages, first, "again")
+    second = await stack.chat(messages, headers={"X-PPD-Mode": "pd"})
+    assert (second.path, second.reason, second.headers["X-PPD-Mode"]) == ("pd", "mode_pd", "pd")
+
+
+# ---------------------------------------------------------------- sessions over HTTP
+
+
+async def test_regeneration_and_edit_find_the_same_session(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="local")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages)
+    await _follow_up(stack, messages, first, "question A")
+    second = await stack.chat(messages)
+    regenerated = await stack.chat(messages)
+    edited = await stack.chat([*messages[:-1], {"role": "user", "content": "question B"}])
+    for reply in (second, regenerated, edited):
+        assert (reply.path, reply.headers["X-PPD-Turn"]) == ("local", "2")
+        assert reply.headers["X-PPD-Session-Id"] == first.headers["X-PPD-Session-Id"]
+
+
+async def test_conversations_starting_alike_are_separate_sessions(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="local")
+    a = await stack.chat([{"role": "user", "content": "hi"}])
+    b = await stack.chat([{"role": "user", "content": "hi"}])
+    assert a.headers["X-PPD-Session-Id"] != b.headers["X-PPD-Session-Id"]
+    unknown = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "never said"}]
+    c = await stack.chat([*unknown, {"role": "user", "content": "x"}])
+    assert (c.path, c.headers["X-PPD-Turn"]) == ("pd", "1")  # no KV anywhere for an unknown history
+
+
+@pytest.mark.parametrize("where", ["header", "session_id", "conversation_id"])
+async def test_explicit_session_id_overrides_content(make_stack: StackFactory, where: str) -> None:
+    stack = await make_stack(mode="local")
+    headers = {"X-Session-ID": "conv-42"} if where == "header" else {}
+    extra: dict[str, Any] = {where: "conv-42"} if where != "header" else {}
+    first = await stack.chat([{"role": "user", "content": "a"}], headers=headers, **extra)
+    # Different content, same explicit id: the same conversation.
+    second = await stack.chat([{"role": "user", "content": "b"}], headers=headers, **extra)
+    assert first.headers["X-PPD-Session-Id"] == second.headers["X-PPD-Session-Id"] == "conv-42"
+    assert (second.path, second.headers["X-PPD-Turn"]) == ("local", "2")
+    d = stack.workers[second.headers["X-PPD-Decode-Worker"]]
+    if where != "header":
+        assert d.completions()[-1].body[where] == "conv-42"  # unknown-to-us fields pass through
+
+
+async def test_completions_endpoint_with_session_id(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="local")
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 3, "session_id": "c1"}
+    first = await stack.post("/v1/completions", body)
+    assert (first.status, first.path) == (200, "pd")
+    second = await stack.post("/v1/completions", body | {"prompt": "Once more", "stream": True})
+    assert (second.status, second.path, second.headers["X-PPD-Turn"]) == (200, "local", "2")
+    assert second.events[-1] == "[DONE]"
+
+
+async def test_session_survives_idle_below_ttl_and_the_store_is_bounded(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="local", sessions={"max_entries": 3})
+    for i in range(10):
+        await stack.chat([{"role": "user", "content": f"conversation {i}"}])
+    assert len(stack.deps.sessions) == 3
+
+
+# ---------------------------------------------------------------- admin API
+
+
+async def test_registered_worker_serves_and_can_be_removed(make_stack: StackFactory) -> None:
+    stack = await make_stack({"P0": "prefill", "D0": "decode"}, admin_token="tok")
+    auth = {"Authorization": "Bearer tok"}
+    d0 = stack.workers["D0"]
+    await d0.close()  # the static D is gone; only a registered one can serve
+    stack.deps.pool.mark_failed("D0")
+    from tests.gateway.fake_worker import FakeWorker
+
+    extra = await FakeWorker("D5", "decode").start()
+    stack.workers["D5"] = extra
+    reg = await stack.post("/admin/workers", {"id": "D5", "role": "decode", "url": extra.url}, headers=auth)
+    assert reg.status == 201
+    assert (
+        await stack.post("/admin/workers", {"id": "D5", "role": "decode", "url": extra.url}, headers=auth)
+    ).status == 200
+    reply = await stack.chat([{"role": "user", "content": "x"}])
+    assert (reply.status, reply.headers["X-PPD-Decode-Worker"]) == (200, "D5")
+    listing = await stack.http.get(stack.url + "/admin/workers", headers=auth)
+    assert {w["id"] for w in (await listing.json())["workers"]} == {"P0", "D0", "D5"}
+    gone = await stack.http.delete(stack.url + "/admin/workers/D5", headers=auth)
+    assert gone.status == 200
+    again = await stack.http.delete(stack.url + "/admin/workers/D5", headers=auth)
+    assert again.status == 404
+    reply = await stack.chat([{"role": "user", "content": "y"}])
+    assert (reply.status, "decode" in reply.body["error"]["message"]) == (503, True)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"id": "D5", "role": "decode"},
+        {"id": "D5", "role": "gpu", "url": "http://x:1"},
+        {"id": "P0", "role": "prefill", "url": "http://x:1"},
+    ],
+)
+async def test_bad_registrations_are_400(make_stack: StackFactory, body: dict[str, str]) -> None:
+    stack = await make_stack(admin_token="tok")
+    reply = await stack.post("/admin/workers", body, headers={"Authorization": "Bearer tok"})
+    assert reply.status == 400
+
+
+# ---------------------------------------------------------------- pass-through routes, health, metrics, log
+
+
+async def test_models_tokenize_detokenize_health(make_stack: StackFactory) -> None:
+    stack = await make_stack()
+    models = await (await stack.http.get(stack.url + "/v1/models")).json()
+    assert models["data"][0]["id"] == MODEL
+    tok = await stack.post("/tokenize", {"model": MODEL, "prompt": "a b c"})
+    assert (tok.status, tok.body["count"]) == (200, 3)
+    detok = await stack.post("/detokenize", {"model": MODEL, "tokens": [1, 2]})
+    assert detok.body == {"prompt": "1 2"}
+    bad = await stack.post("/tokenize", None, raw=b"nope")
+    assert bad.status == 400
+    health = await stack.http.get(stack.url + "/health")
+    assert health.status == 200
+    for w in ("D0", "D1"):
+        stack.deps.pool.mark_failed(w)
+    assert (await stack.http.get(stack.url + "/health")).status == 503
+
+
+async def test_models_is_answered_without_workers(make_stack: StackFactory) -> None:
+    stack = await make_stack({"P0": "prefill"})
+    await stack.workers["P0"].close()
+    stack.deps.pool.mark_failed("P0")
+    models = await (await stack.http.get(stack.url + "/v1/models")).json()
+    assert models["data"][0]["id"] == MODEL
+
+
+async def test_metrics_show_decisions_ttft_and_sessions(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="local")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages, stream=True)
+    await _follow_up(stack, messages, first, "again")
+    await stack.chat(messages, stream=True)
+    text = await (await stack.http.get(stack.url + "/metrics")).text()
+    assert 'ppd_gateway_decisions_total{path="pd",reason="turn_one"} 1.0' in text
+    assert 'ppd_gateway_decisions_total{path="local",reason="mode_local"} 1.0' in text
+    assert 'ppd_gateway_time_to_first_token_seconds_count{path="local",turn_class="later"} 1.0' in text
+    assert 'ppd_gateway_time_per_output_token_seconds_count{path="pd",turn_class="first"} 1.0' in text
+    assert "ppd_gateway_sessions 2.0" in text
+    assert 'ppd_gateway_token_counts_total{source="exact"} 2.0' in text
+
+
+async def test_request_log_writes_benchmark_records(make_stack: StackFactory, tmp_path: Path) -> None:
+    path = tmp_path / "requests.jsonl"
+    stack = await make_stack(
+        mode="local", log={"request_log": str(path), "run_id": "r1", "shape": "2P2D", "target_qps": 2.0}
+    )
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages, stream=True, max_tokens=5)
+    await _follow_up(stack, messages, first, "again")
+    await stack.chat(messages, max_tokens=5, headers={"X-PPD-Workload": "small_tiny"})
+    stack.deps.request_log.flush()  # type: ignore[union-attr]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["turn"] for r in records] == [1, 2]
+    one, two = records
+    assert set(one) == {
+        "run_id", "shape", "model", "mode", "target_qps", "workload", "conversation_id", "turn", "n_in",
+        "n_out", "n_ctx", "path", "ttft_ms", "tpot_ms", "e2e_ms", "ok", "error", "start_time",
+    }  # fmt: skip
+    assert (one["path"], one["ok"], one["n_out"], one["n_ctx"], one["shape"]) == ("pd", True, 5, 0, "2P2D")
+    assert one["ttft_ms"] is not None
+    assert (two["path"], two["workload"], two["ttft_ms"]) == ("local", "small_tiny", None)
+    assert two["n_ctx"] == (1 + 5) + 5  # the fake worker's usage: prompt words + template, completion
+    assert one["conversation_id"] == two["conversation_id"]

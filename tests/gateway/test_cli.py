@@ -1,0 +1,59 @@
+"""The command line: --help everywhere, config errors exit 2 with a message, serve prints its port."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+from tests.gateway.processes import REPO, start
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["check-config", "--help"]])
+def test_help(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 0
+    assert "usage: ppd-gateway" in capsys.readouterr().out
+
+
+def test_check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check-config", str(REPO / "gateway" / "example.toml")]) == 0
+    assert "Settings(" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text('mode = "sideways"\n')
+    assert main(["check-config", str(bad)]) == 2
+    assert "routing mode" in capsys.readouterr().err
+    assert main(["serve", "--config", str(bad), "--port", "0"]) == 2
+    assert main(["serve", "--mode", "nope", "--port", "0"]) == 2
+
+
+@pytest.mark.integration
+def test_serve_prints_its_port_and_stops_cleanly(tmp_path: Path) -> None:
+    config = tmp_path / "g.toml"
+    config.write_text('mode = "local"\n')
+    proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp_path, "gateway")
+    try:
+        assert proc.ready["mode"] == "local"
+        port = proc.ready["http"]
+        assert isinstance(port, int)
+        assert port > 0
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert info.value.code == 503  # no workers configured
+        assert json.loads(info.value.read())["status"] == "unavailable"
+    finally:
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.stderr()
+
+
+def test_python_dash_m_gateway_help() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "serve" in out.stdout

@@ -1,0 +1,190 @@
+"""End to end with real processes: the simulator cluster, the DecisionService and `python -m gateway`,
+driven by the official `openai` client. Faults come from the simulator's /admin/faults."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.gateway.processes import REPO, Process, start
+
+pytestmark = pytest.mark.integration
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+TABLE = REPO / "tests" / "testdata" / "tables" / "good.ppdt"
+TABLE_REASONS = {
+    "table",
+    "weights",
+    "nearest_cell",
+    "default",
+    "live_signal",
+    "pd_failed_in_cell",
+    "local_failed_in_cell",
+}
+
+
+def _config(workers: list[dict[str, str]], tmp: Path, *, decision: str = "", extra: str = "") -> Path:
+    lines = [f'mode = "ppd"\nadmin_token = "tok"\n{extra}']
+    for w in workers:
+        lines.append(f'[[workers]]\nid = "{w["id"]}"\nrole = "{w["role"]}"\nurl = "{w["url"]}"\n')
+    lines.append(f'[decision]\naddress = "{decision}"\ndeadline_ms = 250.0\nfallback = "pd"\n')
+    lines.append("[pool]\nhealth_interval_s = 0.5\n")
+    path = tmp / "gateway.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp: Path) -> Iterator[Process]:
+    proc = start(["simulator", "cluster", "--topology", "2P2D", "--base-port", "0"], tmp, "cluster")
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def decision(tmp: Path) -> Iterator[Process]:
+    tables = tmp / "tables"
+    tables.mkdir()
+    shutil.copy(TABLE, tables / TABLE.name)
+    args = ["decision_service", "serve", "--tables", str(tables), "--port", "0", "--metrics-port", "0"]
+    proc = start(args, tmp, "decision")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: Process, decision: Process, tmp: Path) -> Iterator[Process]:
+    config = _config(cluster.ready["workers"], tmp, decision=f"127.0.0.1:{decision.ready['grpc']}")
+    proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway")
+    yield proc
+    assert proc.stop() == 0, proc.stderr()[-2000:]
+
+
+def _url(gateway: Process) -> str:
+    return f"http://127.0.0.1:{gateway.ready['http']}"
+
+
+def _worker(cluster: Process, worker_id: str) -> str:
+    return str(next(w["url"] for w in cluster.ready["workers"] if w["id"] == worker_id))
+
+
+def _http(url: str, body: Any = None) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, resp.read()
+
+
+def _faults(cluster: Process, worker_id: str, **faults: Any) -> None:
+    assert _http(_worker(cluster, worker_id) + "/admin/faults", faults)[0] == 200
+
+
+def _converse(
+    client: openai.OpenAI, *, turns: int, stream: bool, first: str = "Tell me a story"
+) -> list[Any]:
+    messages: list[Any] = [{"role": "user", "content": first}]
+    headers = []
+    for t in range(turns):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=12, stream=stream
+        )
+        headers.append(raw.headers)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)  # type: ignore[union-attr]
+        else:
+            text = raw.parse().choices[0].message.content or ""  # type: ignore[union-attr]
+        assert text
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"go on ({t})"}]
+    return headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_multi_turn_through_the_openai_client(gateway: Process, stream: bool) -> None:
+    client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)
+    headers = _converse(client, turns=4, stream=stream)
+    assert (headers[0]["x-ppd-path"], headers[0]["x-ppd-reason"], headers[0]["x-ppd-turn"]) == (
+        "pd",
+        "turn_one",
+        "1",
+    )
+    for t, h in enumerate(headers[1:], start=2):
+        assert h["x-ppd-turn"] == str(t)
+        assert h["x-ppd-path"] in ("local", "pd")
+        assert h["x-ppd-reason"] in TABLE_REASONS, h["x-ppd-reason"]
+        assert h["x-ppd-table-version"]
+        assert h["x-ppd-session-id"] == headers[0]["x-ppd-session-id"]
+        assert h["x-ppd-decode-worker"] == headers[0]["x-ppd-decode-worker"]
+    metrics = _http(_url(gateway) + "/metrics")[1].decode()
+    assert 'ppd_gateway_route_rpc_seconds_count{outcome="ok"}' in metrics
+
+
+def test_models_tokenize_and_health_pass_through(gateway: Process) -> None:
+    url = _url(gateway)
+    assert json.loads(_http(url + "/v1/models")[1])["data"][0]["id"] == MODEL
+    tok = json.loads(_http(url + "/tokenize", {"model": MODEL, "prompt": "Hello world"})[1])
+    assert tok["count"] >= 2
+    assert _http(url + "/health")[0] == 200
+
+
+def test_prefill_errors_retry_on_the_other_p(gateway: Process, cluster: Process) -> None:
+    _faults(cluster, "P0", error_rate=1.0)
+    try:
+        client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)
+        for i in range(3):
+            h = _converse(client, turns=1, stream=True, first=f"retry {i}")[0]
+            assert (h["x-ppd-path"], h["x-ppd-prefill-worker"]) == ("pd", "P1")
+        _faults(cluster, "P1", error_rate=1.0)
+        h = _converse(client, turns=1, stream=False, first="both down")[0]
+        assert (h["x-ppd-path"], h["x-ppd-reason"]) == ("local", "prefill_failed")
+    finally:
+        _faults(cluster, "P0", error_rate=0.0)
+        _faults(cluster, "P1", error_rate=0.0)
+
+
+def test_decision_service_stopped_falls_back(cluster: Process, tmp: Path) -> None:
+    tables = tmp / "tables2"
+    tables.mkdir()
+    shutil.copy(TABLE, tables / TABLE.name)
+    args = ["decision_service", "serve", "--tables", str(tables), "--port", "0", "--metrics-port", "0"]
+    svc = start(args, tmp, "decision2")
+    config = _config(cluster.ready["workers"], tmp, decision=f"127.0.0.1:{svc.ready['grpc']}")
+    gw = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway2")
+    try:
+        client = openai.OpenAI(base_url=_url(gw) + "/v1", api_key="unused", max_retries=0)
+        svc.stop()
+        headers = _converse(client, turns=3, stream=True, first="no oracle")
+        for h in headers[1:]:
+            assert h["x-ppd-path"] == "pd"
+            assert h["x-ppd-reason"].startswith("fallback_")
+            assert h["x-ppd-fallback"] == "1"
+    finally:
+        svc.stop()
+        gw.stop()
+
+
+def test_dead_decode_worker_rebinds_the_session(gateway: Process, cluster: Process) -> None:
+    """Runs last in this module: the downed worker stays down."""
+    client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "rebind me"}]
+    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8)
+    old = first.headers["x-ppd-decode-worker"]
+    messages += [{"role": "assistant", "content": first.parse().choices[0].message.content}]
+    messages += [{"role": "user", "content": "still there?"}]
+    _faults(cluster, old, down=True)
+    second = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8)
+    assert second.parse().choices[0].message.content
+    assert second.headers["x-ppd-path"] == "pd"
+    assert second.headers["x-ppd-reason"] in ("decode_gone", "decode_unreachable")
+    assert second.headers["x-ppd-decode-worker"] != old
+    assert second.headers["x-ppd-turn"] == "2"

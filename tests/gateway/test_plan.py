@@ -1,0 +1,132 @@
+"""The P/D planner as a table of golden cases (tests/gateway/golden/plan/*.json), plus the protocol
+rules checked one by one so a golden file can never silently encode a wrong rule.
+
+Regenerate the expected halves after a deliberate change:
+    PPD_UPDATE_GOLDEN=1 pytest tests/gateway/test_plan.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.errors import NoWorkerError
+from gateway.plan import (
+    KV_FIELD,
+    PlanRequest,
+    decode_after_prefill,
+    local_fallback,
+    plan,
+    plan_to_json,
+    prefill_body,
+)
+from gateway.pool import Load, PoolView, WorkerView
+from gateway.routing import Decision
+from gateway.sessions import Session
+
+GOLDEN = Path(__file__).parent / "golden" / "plan"
+CASES = sorted(GOLDEN.glob("*.json"))
+
+
+def _pool(rows: list[dict[str, Any]]) -> PoolView:
+    return PoolView(
+        tuple(
+            WorkerView(r["id"], r["role"], r["url"], Load(**r.get("load", {})), r.get("inflight", 0))
+            for r in rows
+        )
+    )
+
+
+def _run(case: dict[str, Any]) -> dict[str, Any]:
+    req = case["request"]
+    request = PlanRequest(
+        endpoint=req["endpoint"],
+        body=req["body"],
+        request_id=req["request_id"],
+        headers=tuple(tuple(h) for h in req.get("headers", [])),
+        inject_usage=req.get("inject_usage", True),
+        prefill_attempts=req.get("prefill_attempts", 2),
+    )
+    session = Session(**case["session"]) if case.get("session") else None
+    decision = Decision(**case["decision"])
+    try:
+        p = plan(request, session, decision, _pool(case["pool"]))
+    except NoWorkerError as exc:
+        return {"error": exc.message}
+    out = plan_to_json(p)
+    if "p_returns" in case:
+        out["decode_after_prefill"] = plan_to_json(local_fallback(p, "x"))["decode"] | {
+            "body": decode_after_prefill(p, case["p_returns"]).body
+        }
+    return out
+
+
+@pytest.mark.parametrize("path", CASES, ids=[c.stem for c in CASES])
+def test_golden(path: Path) -> None:
+    case = json.loads(path.read_text())
+    body_before = json.dumps(case["request"]["body"], sort_keys=True)
+    got = _run(case)
+    assert json.dumps(case["request"]["body"], sort_keys=True) == body_before, "plan mutated its input"
+    if os.environ.get("PPD_UPDATE_GOLDEN"):
+        case["expected"] = got
+        path.write_text(json.dumps(case, indent=2, sort_keys=True) + "\n")
+    assert got == case["expected"]
+
+
+def test_there_are_golden_cases() -> None:
+    assert len(CASES) >= 10
+
+
+BODY: dict[str, Any] = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "max_tokens": 50,
+    "max_completion_tokens": 40,
+    "min_tokens": 5,
+    "min_completion_tokens": 5,
+    "temperature": 0.3,
+    "vendor_field": {"kept": True},
+    KV_FIELD: {"remote_host": "evil"},
+}
+
+
+def test_prefill_leg_follows_the_nixl_proxy_rules() -> None:
+    p = prefill_body(BODY)
+    assert p[KV_FIELD] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert (p["stream"], p["max_tokens"], p["max_completion_tokens"]) == (False, 1, 1)
+    for gone in ("stream_options", "min_tokens", "min_completion_tokens"):
+        assert gone not in p
+    assert p["vendor_field"] == {"kept": True}
+    assert p["temperature"] == 0.3
+    assert "max_completion_tokens" not in prefill_body({"model": "m", "prompt": "x"})
+
+
+def test_decode_leg_is_the_original_body_plus_ps_params_and_both_share_the_request_id() -> None:
+    pool = _pool(
+        [
+            {"id": "P0", "role": "prefill", "url": "http://p0"},
+            {"id": "D0", "role": "decode", "url": "http://d0"},
+        ]
+    )
+    req = PlanRequest("chat", BODY, "rid-1", inject_usage=False)
+    p = plan(req, None, Decision("pd", "turn_one"), pool)
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]]}
+    d = decode_after_prefill(p, params)
+    expected = {k: v for k, v in BODY.items() if k != KV_FIELD} | {KV_FIELD: params}
+    assert d.body == expected
+    assert ("X-Request-Id", "rid-1") in d.headers
+    assert ("X-Request-Id", "rid-1") in p.prefill[0].headers
+    assert decode_after_prefill(p, None).body == {k: v for k, v in BODY.items() if k != KV_FIELD}

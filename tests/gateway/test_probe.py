@@ -1,0 +1,48 @@
+"""Active health checks and load scraping against fake workers on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+from gateway.metrics import GatewayMetrics
+from gateway.pool import Load, WorkerPool, WorkerSpec
+from gateway.probe import PoolMonitor
+from gateway.settings import PoolSettings, TimeoutSettings
+from gateway.upstream import Upstream
+from tests.gateway.fake_worker import FakeWorker
+
+
+async def test_checks_mark_down_after_two_failures_and_scrape_load() -> None:
+    d0 = await FakeWorker("D0", "decode").start()
+    d1 = await FakeWorker("D1", "decode").start()
+    gone = await FakeWorker("D2", "decode").start()
+    gone_url = gone.url
+    await gone.close()
+    d0.running = 3
+    clock = [0.0]
+    pool = WorkerPool(
+        [WorkerSpec("D0", "decode", d0.url), WorkerSpec("D1", "decode", d1.url)],
+        heartbeat_expiry_s=30,
+        clock=lambda: clock[0],
+    )
+    pool.register(WorkerSpec("D2", "decode", gone_url))
+    session = Upstream.create_session()
+    metrics = GatewayMetrics()
+    monitor = PoolMonitor(pool, Upstream(session, TimeoutSettings(probe_s=2.0)), PoolSettings(), metrics)
+    try:
+        d1.knobs.healthy = False
+        await monitor.check_once()
+        assert pool.is_live("D1")  # one failed check is not enough
+        assert pool.is_live("D2")
+        await monitor.check_once()
+        assert not pool.is_live("D1")
+        assert not pool.is_live("D2")
+        assert pool.view().get("D0").load == Load(running=3.0, waiting=0.0, kv_usage=0.25)  # type: ignore[union-attr]
+        assert metrics.workers.labels("decode", "down")._value.get() == 2
+        d1.knobs.healthy = True
+        clock[0] = 31.0  # D2 sent no heartbeat: removed
+        await monitor.check_once()
+        assert pool.is_live("D1")
+        assert [s.id for s in pool.specs()] == ["D0", "D1"]
+    finally:
+        await session.close()
+        await d0.close()
+        await d1.close()

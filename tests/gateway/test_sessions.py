@@ -1,0 +1,148 @@
+"""Content-addressed session keys and the bounded in-memory store (injected clock, no sleeping)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gateway.sessions import (
+    MAX_OUTPUT_HISTORY,
+    InMemorySessionStore,
+    Session,
+    content_key,
+    explicit_key,
+    split_history,
+)
+
+M = "llama"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def u(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def a(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize(
+    ("messages", "expected"),
+    [
+        ([u("hi")], (0, 0)),
+        ([{"role": "system", "content": "s"}, u("hi")], (0, 0)),
+        ([u("hi"), a("yo"), u("more")], (2, 1)),
+        ([u("hi"), a("yo"), u("more"), a("ok"), u("x"), u("y")], (4, 2)),
+        ([u("hi"), a("yo")], (2, 1)),
+    ],
+)
+def test_split_history(messages: list[dict[str, Any]], expected: tuple[int, int]) -> None:
+    assert split_history(messages) == expected
+
+
+def test_follow_up_finds_the_key_written_after_the_previous_turn() -> None:
+    after_turn_1 = content_key(M, [u("hi"), a("hello!")])
+    turn_2 = [u("hi"), a("hello!"), u("tell me more")]
+    end, _ = split_history(turn_2)
+    assert content_key(M, turn_2[:end]) == after_turn_1
+
+
+def test_edit_and_regeneration_find_the_state_before_the_turn() -> None:
+    turn_2 = [u("hi"), a("hello!"), u("tell me more")]
+    edited = [u("hi"), a("hello!"), u("tell me less")]
+    assert content_key(M, turn_2[:2]) == content_key(M, edited[: split_history(edited)[0]])
+
+
+def test_conversations_that_start_alike_do_not_share_a_key() -> None:
+    assert content_key(M, [u("hi"), a("Hello!")]) != content_key(M, [u("hi"), a("Hey.")])
+    assert content_key(M, [u("hi"), a("x")]) != content_key("other-model", [u("hi"), a("x")])
+    assert content_key(M, [u("hi"), a("x")]) != content_key(M, [{"role": "system", "content": "hi"}, a("x")])
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"role": "assistant", "content": "yo"},
+        {"content": "yo", "role": "assistant"},
+        {"role": "assistant", "content": [{"type": "text", "text": "y"}, {"type": "text", "text": "o"}]},
+        {"role": "assistant", "content": "yo", "tool_calls": None, "refusal": None, "annotations": []},
+    ],
+)
+def test_key_ignores_how_a_client_serialises_a_message(variant: dict[str, Any]) -> None:
+    assert content_key(M, [u("hi"), variant]) == content_key(M, [u("hi"), a("yo")])
+
+
+def test_tool_calls_are_part_of_the_key() -> None:
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {"name": "f"}}]}
+    assert content_key(M, [u("hi"), call]) != content_key(M, [u("hi"), a("")])
+
+
+def test_explicit_keys_live_apart_from_content_keys() -> None:
+    assert explicit_key("abc") != explicit_key("abd")
+    assert explicit_key("abc").startswith("x:")
+    assert content_key(M, []).startswith("c:")
+
+
+def test_session_after_turn_tracks_context_and_bounded_history() -> None:
+    s = Session("s")
+    for i in range(MAX_OUTPUT_HISTORY + 3):
+        s = s.after_turn(worker="D1", prompt_tokens=100 + i, completion_tokens=i)
+    assert s.turns == MAX_OUTPUT_HISTORY + 3
+    assert s.worker == "D1"
+    assert s.context_tokens == 100 + 2 * (MAX_OUTPUT_HISTORY + 2)
+    assert len(s.output_lengths) == MAX_OUTPUT_HISTORY
+    assert s.output_lengths[-1] == MAX_OUTPUT_HISTORY + 2
+    assert Session("x").mean_output() is None
+
+
+def test_store_expires_idle_entries_lazily_and_in_sweeps() -> None:
+    clock = FakeClock()
+    store = InMemorySessionStore(ttl_s=60, max_entries=10, clock=clock)
+    store.put("a", Session("a"))
+    store.put("b", Session("b"))
+    clock.now += 30
+    assert store.get("a") is not None  # touching a renews it
+    clock.now += 31
+    assert store.get("b") is None
+    assert store.get("a") is not None
+    clock.now += 61
+    assert store.expire() == 1
+    assert len(store) == 0
+
+
+def test_store_evicts_least_recently_used_at_the_bound() -> None:
+    clock = FakeClock()
+    store = InMemorySessionStore(ttl_s=60, max_entries=3, clock=clock)
+    for key in "abc":
+        store.put(key, Session(key))
+    store.get("a")
+    store.put("d", Session("d"))
+    assert store.get("b") is None
+    assert {k for k in "acd" if store.get(k) is not None} == set("acd")
+    assert len(store) == 3
+    assert store.evicted == 1
+
+
+def test_store_memory_stays_bounded_under_any_traffic() -> None:
+    clock = FakeClock()
+    store = InMemorySessionStore(ttl_s=5, max_entries=100, clock=clock)
+    for i in range(10_000):
+        clock.now += 0.001
+        store.put(f"k{i}", Session(str(i)))
+        assert len(store) <= 100
+    clock.now += 10
+    store.expire()
+    assert len(store) == 0
+
+
+def test_store_rejects_non_positive_bounds() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        InMemorySessionStore(ttl_s=0, max_entries=1, clock=FakeClock())

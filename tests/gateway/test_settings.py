@@ -1,0 +1,86 @@
+"""TOML settings: defaults for everything, typos and bad values rejected at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.routing import Mode
+from gateway.settings import Settings, SettingsError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "gateway" / "example.toml"
+
+
+def test_empty_config_is_valid() -> None:
+    s = Settings.from_mapping({})
+    assert s.mode == Mode("ppd")
+    assert s.decision.deadline_ms == 5.0
+    assert s.sessions.ttl_s == 3600.0
+    assert s.pool.heartbeat_expiry_s == 30.0
+    assert s.workers == ()
+
+
+def test_the_shipped_example_parses(tmp_path: Path) -> None:
+    s = Settings.from_toml(EXAMPLE)
+    assert {w.role for w in s.workers} == {"prefill", "decode"}
+
+
+def test_full_config(tmp_path: Path) -> None:
+    path = tmp_path / "g.toml"
+    path.write_text(
+        """
+mode = "fraction:0.5"
+admin_token = "t"
+[[workers]]
+id = "P0"
+role = "prefill"
+url = "http://127.0.0.1:8100/"
+[decision]
+address = "127.0.0.1:50051"
+deadline_ms = 3
+stream = true
+fallback = "local"
+[policy]
+prefill_failure = "error"
+[sessions]
+ttl_s = 60
+max_entries = 10
+"""
+    )
+    s = Settings.from_toml(path)
+    assert s.mode == Mode("fraction", 0.5)
+    assert s.workers[0].url == "http://127.0.0.1:8100"
+    assert (s.decision.deadline_ms, s.decision.stream, s.decision.fallback) == (3.0, True, "local")
+    assert s.policy.prefill_failure == "error"
+    assert (s.sessions.ttl_s, s.sessions.max_entries) == (60.0, 10)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"mod": "pd"}, "unknown setting"),
+        ({"decision": {"deadline": 3}}, "unknown setting"),
+        ({"mode": "turbo"}, "routing mode"),
+        ({"decision": {"deadline_ms": "5"}}, "must be float"),
+        ({"decision": {"fallback": "maybe"}}, "fallback"),
+        ({"policy": {"prefill_attempts": 0}}, "prefill_attempts"),
+        ({"sessions": {"max_entries": 0}}, "positive"),
+        ({"workers": [{"id": "a", "role": "decode", "url": "x"}]}, "url"),
+        ({"workers": [{"id": "a", "role": "decode", "url": "http://a:1"}] * 2}, "duplicate"),
+        ({"decision": 3}, "must be a table"),
+        ({"allow_mode_header": "yes"}, "must be bool"),
+    ],
+)
+def test_bad_configs_are_rejected(data: dict[str, object], match: str) -> None:
+    with pytest.raises(SettingsError, match=match):
+        Settings.from_mapping(data)
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot read"):
+        Settings.from_toml(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("mode = ")
+    with pytest.raises(SettingsError, match="cannot read"):
+        Settings.from_toml(bad)
