@@ -37,7 +37,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from simulator.engine import Engine, EngineConfig, EngineRequest, FinishReason, KvPullMode, StepResult
+from simulator.engine import (
+    Engine,
+    EngineConfig,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    KvPullMode,
+    StepResult,
+)
 from simulator.kv_cache import StreamBlocks
 from simulator.link import Link, TransferMode
 from simulator.profile import Profile
@@ -122,6 +130,7 @@ class ClusterConfig:
     model: str = "llama-3.1-8b"
     apply_overheads: bool = True
     fast_forward: bool = True
+    kv_capacity_tokens: int | None = None  # per engine; None = the profile's
 
 
 @dataclass(slots=True)
@@ -130,6 +139,8 @@ class ClusterResult:
     end_time: float
     engine_steps: int
     events: int
+    engine_stats: dict[str, EngineStats]
+    kv_free_blocks: dict[str, tuple[int, int]]  # engine -> (free, total) at the end
 
 
 _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT = range(6)
@@ -221,7 +232,12 @@ class _Sim:
         if self.kind == "ppd" and router is None:
             raise ValueError("mode ppd needs a router")
         self.router = router
-        ecfg = EngineConfig(kv_pull=config.kv_pull, record_sampled=False, fast_forward=config.fast_forward)
+        ecfg = EngineConfig(
+            kv_pull=config.kv_pull,
+            record_sampled=False,
+            fast_forward=config.fast_forward,
+            kv_capacity_tokens=config.kv_capacity_tokens,
+        )
         topo = config.topology
         self.replica_mode = self.kind == "replica" or topo.replica > 0
         if topo.replica and self.kind not in ("replica",):
@@ -310,7 +326,15 @@ class _Sim:
                     self.kick(node, t)
             else:
                 self.on_timeout(obj, t)
-        return ClusterResult(self.build_records(), self.now, self.steps, self.events)
+        nodes = [*self.prefills, *self.decodes]
+        return ClusterResult(
+            self.build_records(),
+            self.now,
+            self.steps,
+            self.events,
+            {n.name: n.engine.stats() for n in nodes},
+            {n.name: (n.engine.pool.num_free, n.engine.pool.num_blocks) for n in nodes},
+        )
 
     # ------------------------------------------------------------------ routing
     def least_loaded(self, nodes: Sequence[_Node]) -> _Node:
@@ -410,7 +434,7 @@ class _Sim:
                 node.wake_version += 1
                 self.push(nxt, _WAKE, (node, node.wake_version))
                 return
-            horizon = self.horizon(node, t) if node.engine.config.fast_forward else math.inf
+            horizon = self.horizon(node, t) if node.engine.can_fast_forward() else math.inf
             result = node.engine.step(t, horizon)
             self.steps += result.n_steps
             for pull in result.kv_pulls:
@@ -492,6 +516,7 @@ class _Sim:
                 req.p.engine.release(req.rid, t)
                 req.d.engine.kv_loaded(req.rid, t, done.stall_s)
                 self.kick(req.d, t)
+                self.kick(req.p, t)  # the freed blocks may let a waiting prefill in
             else:
                 req.d.engine.kv_failed(req.rid, t)
                 self.fail(req, "kv_lease_expired", t)

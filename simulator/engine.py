@@ -47,6 +47,13 @@ Scheduler rules (vLLM V1 with chunked prefill):
 3. When blocks run out for running requests, the most recently admitted running request is preempted
    (blocks freed, recomputed later from the front of the queue); a waiting request never preempts.
 4. Full prompt blocks are cached as they are computed; output blocks are cached when the request ends.
+5. Lookup and allocation are atomic: a request that cannot be admitted holds no blocks while it waits.
+6. A sequence never outgrows the KV cache: ``add_request`` refuses a prompt that does not fit and the
+   output is capped (reason ``length``) where prompt + output would exceed it (vLLM's max_model_len).
+
+Other queries: ``stats()`` (vLLM metric values), ``load()`` (unfinished requests), ``has_request``,
+``num_output_tokens``, ``remote_block_ids`` (ids for ``kv_transfer_params``), ``expire_leases(now)``,
+``pool`` (the :class:`~simulator.kv_cache.BlockPool`; ``pool.reset_prefix_cache()``).
 
 Step log (the format both drivers record, compared by tests): ``StepResult.log_entry()`` gives
 ``{"t": start, "dt": duration, "n": n_steps, "decode": [ids], "prefill": [[id, n_new, n_cached]],
@@ -186,7 +193,12 @@ class EngineRequest:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Run-time knobs; ``None`` means the profile's value."""
+    """Run-time knobs; ``None`` means the profile's value.
+
+    ``record_sampled=False`` (the cluster simulation) leaves ``StepResult.sampled``, ``decoded`` and
+    ``prefills`` empty: only first tokens, finishes, pulls and preemptions are reported.
+    ``kv_pull`` defaults to vLLM 0.33's behaviour (pull only what D lacks); the cluster sim uses ``FULL``.
+    """
 
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -388,7 +400,12 @@ class Engine:
         del now
         if req.request_id in self._reqs:
             raise ValueError(f"duplicate request id {req.request_id!r}")
+        capacity = self.pool.num_blocks * self._bs
+        if req.n_prompt >= capacity:
+            raise ValueError(f"prompt of {req.n_prompt} tokens does not fit the KV cache ({capacity} tokens)")
         r = _Req(req)
+        if r.target > capacity - r.n_prompt:  # like vLLM's max_model_len: the sequence must fit
+            r.target, r.reason = capacity - r.n_prompt, FinishReason.LENGTH
         self._reqs[r.rid] = r
         self._waiting.append(r)
         self._idle = False
@@ -493,6 +510,10 @@ class Engine:
             heapq.heappop(heap)
         return None
 
+    def can_fast_forward(self) -> bool:
+        """Whether the next ``step`` could be a fast-forward run (so a horizon is worth computing)."""
+        return self._ff and bool(self._decoding) and not (self._prefilling or self._waiting or self._ready)
+
     @property
     def busy_until(self) -> float:
         return self._free_at
@@ -577,7 +598,7 @@ class Engine:
             kv_read_tokens=self._kv_read(),
         )
         decoded: tuple[str, ...] = tuple(self._decoding) if self._record else ()
-        prefills = tuple(PrefillChunk(r.rid, n, r.computed) for r, n in chunks)
+        prefills = tuple(PrefillChunk(r.rid, n, r.computed) for r, n in chunks) if self._record else ()
         finished: list[Finished] = []
         first: list[str] = []
         sampled: list[str] = list(decoded)
@@ -645,7 +666,9 @@ class Engine:
             if r.req.remote_prefill and r.out == 0 and r.computed == r.cached and r.state is _S.WAITING:
                 pull = self._start_pull(r)
                 if pull is None:
+                    self._undo_lookup(r)
                     break  # no room for its blocks yet
+                self._count_admission(r)
                 self._waiting.popleft()
                 if pull.n_tokens > 0:
                     pulls.append(pull)
@@ -654,12 +677,15 @@ class Engine:
                     self._ready.append(r)
                 continue
             if left <= 0:
+                self._undo_lookup(r)
                 break
             n = min(r.prefill_target - r.computed, left)
             extra = self._chunk_blocks(r, n)
             if not self.pool.allocate(extra):
+                self._undo_lookup(r)
                 break
             r.private += extra
+            self._count_admission(r)
             self._waiting.popleft()
             self._to_prefill(r)
             chunks.append((r, n))
@@ -802,8 +828,19 @@ class Engine:
             r.hashes = self.pool.acquire(r.content, hit)
         r.scan = hit
         r.computed = hit * self._bs
-        if r.out == 0:  # a new, non-preempted request
+        if r.out == 0:
             r.cached = r.computed
+
+    def _undo_lookup(self, r: _Req) -> None:
+        """The request could not be admitted: it must not hold cached blocks while it waits."""
+        self.pool.release(r.hashes)
+        r.hashes = []
+        r.scan = 0
+        r.computed = 0
+        r.looked_up = False
+
+    def _count_admission(self, r: _Req) -> None:
+        if r.out == 0:  # a new, non-preempted request (vLLM's prefix-cache query rule)
             self._q += r.n_prompt
             self._hits += r.computed
             self._tok_hit += r.computed

@@ -140,7 +140,7 @@ class BlockPool:
         if max_blocks <= 0:
             return 0
         hashes = content.block_hashes(0, max_blocks)
-        return sum(1 for _ in itertools.takewhile(self._ref.__contains__, hashes))
+        return len(list(itertools.takewhile(self._ref.__contains__, hashes)))
 
     def acquire(self, content: BlockContent, n_blocks: int) -> list[int]:
         """Take a reference on the first ``n_blocks`` cached blocks (a prefix hit); returns their hashes."""

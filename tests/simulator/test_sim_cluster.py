@@ -199,3 +199,17 @@ def test_ppd_mode_runs_the_decision_services_rule(profile: Profile) -> None:
     assert router.refused == 0
     # Turn 1 never asks the rule.
     assert all(r["path"] == "pd" for r in recs if r["turn"] == 1)
+
+
+@pytest.mark.parametrize("mode", ["pd", "local", "fraction:0.5"])
+def test_small_kv_pools_preempt_but_lose_nothing(profile: Profile, mode: str) -> None:
+    convs = turn_list_conversations(sharegpt_like(80, turns=3, seed=11), qps=10, duration_s=8, seed=11)
+    sent = sum(len(c.turns) for c in convs)
+    res = simulate(profile, cfg(mode, kv_capacity_tokens=6000, timeout_s=60.0), convs)
+    assert len(res.records) <= sent
+    assert all(r["ok"] for r in res.records)
+    assert len(res.records) == sent  # nothing timed out, so every turn was sent and answered
+    assert sum(s.num_preemptions for s in res.engine_stats.values()) > 0
+    for name, (free, total) in res.kv_free_blocks.items():
+        assert free == total, name
+        assert res.engine_stats[name].num_pinned == 0

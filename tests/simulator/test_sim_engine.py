@@ -279,3 +279,15 @@ def test_cascade_breaks_when_a_foreign_request_runs(profile: Profile) -> None:
     broken = e.step(e.busy_until)
     assert broken.num_decodes == 51
     assert broken.duration > with_cascade.duration * 1.1
+
+
+def test_a_sequence_longer_than_the_kv_cache_is_capped_or_refused(profile: Profile) -> None:
+    e = Engine(profile, EngineConfig(kv_capacity_tokens=640))
+    with pytest.raises(ValueError, match="does not fit"):
+        e.add_request(req("huge", 1, 640, 1), 0.0)
+    e.add_request(req("long", 2, 600, 120, ignore_eos=True), 0.0)
+    done = [f for s in drain(e) for f in s.finished]
+    assert [(f.request_id, f.num_output_tokens, f.reason) for f in done] == [
+        ("long", 40, FinishReason.LENGTH)
+    ]
+    assert e.pool.num_free == e.pool.num_blocks
