@@ -295,7 +295,7 @@ def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Pat
         "# PPD reproduction report",
         "",
         f"What was run: {caption}.",
-        f"Records: {', '.join(p.name for p in inputs.files)}.",
+        f"Records: {len(inputs.files)} JSONL files ({', '.join(sorted({p.parent.name for p in inputs.files}))}).",
     ]
     if inputs.manifest.notes:
         lines.append(inputs.manifest.notes)
@@ -312,8 +312,40 @@ def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Pat
     return path
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _run_simulation(args: argparse.Namespace) -> None:
+    from table_builder.reproduce import ReproduceSettings, reproduce
+
+    settings = ReproduceSettings(
+        seed=args.seed,
+        duration_s=args.duration,
+        workload=args.workload,
+        shapes=args.shapes,
+        qps_levels=args.qps,
+        tables=args.tables,
+        wtpot_values=args.wtpot,
+        link_duration_s=args.link_duration,
+    )
+    reproduce(settings, args.records, progress=not args.no_progress)
+
+
 def _report(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     del environ
+    if args.run:
+        _run_simulation(args)
     inputs = load_inputs(args.records)
     path = write_report(inputs, args.out, shape=args.shape)
     print(f"report: {path}")
@@ -336,4 +368,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--records", type=Path, required=True, help="folder of *.jsonl records")
     parser.add_argument("--out", type=Path, required=True, help="folder for report.md and the PNGs")
     parser.add_argument("--shape", default="1P3D", help="shape for the acceptance checks (default 1P3D)")
+    run = parser.add_argument_group(
+        "--run", "first produce the records on the virtual-time cluster simulation (into --records)"
+    )
+    run.add_argument("--run", action="store_true", help="run the QPS, w_tpot and link sweeps first")
+    run.add_argument("--seed", type=int, default=0, help="seed of arrivals and conversations (default 0)")
+    run.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
+    )
+    run.add_argument("--workload", default="sharegpt", help="sharegpt or a synthetic name (default sharegpt)")
+    run.add_argument("--shapes", type=_names, default=("1P3D", "2P2D", "3P1D"), help="default 1P3D,2P2D,3P1D")
+    run.add_argument(
+        "--qps", type=_floats, default=(0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0),
+        help="QPS levels (default the paper's ten)",
+    )  # fmt: skip
+    run.add_argument("--tables", type=Path, default=Path("tables"), help="tables for ppd (default tables/)")
+    run.add_argument(
+        "--wtpot", type=_floats, default=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0), help="w_tpot values of the sweep"
+    )
+    run.add_argument(
+        "--link-duration", type=float, default=60.0, help="seconds per link-sweep point (default 60)"
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=_report)
