@@ -295,7 +295,7 @@ def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Pat
         "# PPD reproduction report",
         "",
         f"What was run: {caption}.",
-        f"Records: {len(inputs.files)} JSONL files ({', '.join(sorted({p.parent.name for p in inputs.files}))}).",
+        f"Records: {len(inputs.files)} JSONL files in {', '.join(sorted({p.parent.name for p in inputs.files}))}.",
     ]
     if inputs.manifest.notes:
         lines.append(inputs.manifest.notes)
