@@ -291,11 +291,12 @@ def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Pat
     pts = points(inputs.records, inputs.manifest)
     wt = wtpot_points(inputs.records, inputs.manifest)
     links = bandwidth_points(inputs.records, inputs.manifest)
+    folders = ", ".join(sorted({f.parent.name for f in inputs.files}))
     lines = [
         "# PPD reproduction report",
         "",
         f"What was run: {caption}.",
-        f"Records: {len(inputs.files)} JSONL files in {', '.join(sorted({p.parent.name for p in inputs.files}))}.",
+        f"Records: {len(inputs.files)} JSONL files in {folders}.",
     ]
     if inputs.manifest.notes:
         lines.append(inputs.manifest.notes)
