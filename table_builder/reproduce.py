@@ -60,7 +60,8 @@ def find_table(tables: Path, shape: str, model: str) -> Path | None:
     from decision_service.table import Table, TableError
 
     wanted = f"{shape}/{model}"
-    for path in sorted(tables.rglob("*.ppdt")) if tables.is_dir() else ():
+    candidates = sorted(tables.rglob("*.ppdt"), key=lambda p: (len(p.parts), p)) if tables.is_dir() else []
+    for path in candidates:  # shallowest first: tables/X wins over tables/example/X
         try:
             table = Table.open(path)
         except (TableError, OSError) as exc:
