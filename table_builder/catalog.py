@@ -4,6 +4,10 @@ A workload is named ``<turn1>_<class>``: Turn 1 is ``small`` (128 in / 128 out) 
 (1024 / 1024), Turn 2 is one of nine classes with a fixed (n_in, n_out). So the context a Turn-2 request
 sees is n_ctx = Turn-1 input + Turn-1 output (256 or 2048 tokens), and the cell a workload measures is
 fixed by its name. Nothing here is a routing threshold: those live in the table header.
+
+Our extension: Turn 1 ``huge`` (4096 / 1024, so Turn 2 sees 5120 tokens of context) measures the
+context class above 4096 tokens, where the paper's prototype has no data. ``WORKLOADS`` stays the
+paper's 18; ``HUGE_WORKLOADS`` are the nine ``huge_*`` ones.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
+    "HUGE_WORKLOADS",
     "TURN1_SETTINGS",
     "TURN2_CLASSES",
     "WORKLOADS",
     "TokenShape",
     "Workload",
     "parse_workload",
+    "select_workloads",
 ]
 
 
@@ -32,7 +38,9 @@ class TokenShape:
 TURN1_SETTINGS: Final[dict[str, TokenShape]] = {
     "small": TokenShape(128, 128),
     "large": TokenShape(1024, 1024),
+    "huge": TokenShape(4096, 1024),
 }
+_PAPER_TURN1: Final = ("small", "large")
 
 TURN2_CLASSES: Final[dict[str, TokenShape]] = {
     "tiny": TokenShape(16, 32),
@@ -72,10 +80,12 @@ class Workload:
         return self.first.n_in + self.first.n_out
 
 
-#: The 18 workloads in a fixed order (Turn-1 setting, then class as listed above).
+#: The paper's 18 workloads in a fixed order (Turn-1 setting, then class as listed above).
 WORKLOADS: Final[tuple[Workload, ...]] = tuple(
-    Workload(turn1, turn2) for turn1 in TURN1_SETTINGS for turn2 in TURN2_CLASSES
+    Workload(turn1, turn2) for turn1 in _PAPER_TURN1 for turn2 in TURN2_CLASSES
 )
+#: The nine workloads with a ``huge`` Turn 1 (context above 4096 tokens at Turn 2).
+HUGE_WORKLOADS: Final[tuple[Workload, ...]] = tuple(Workload("huge", turn2) for turn2 in TURN2_CLASSES)
 
 
 def parse_workload(name: str) -> Workload:
@@ -87,3 +97,16 @@ def parse_workload(name: str) -> Workload:
             f"{'|'.join(TURN1_SETTINGS)} and class in {'|'.join(TURN2_CLASSES)}"
         )
     return Workload(turn1, turn2)
+
+
+def select_workloads(text: str) -> tuple[Workload, ...]:
+    """A comma list of names and groups (``all``: the paper's 18, ``huge``: the nine huge-context
+    ones) -> workloads in the order given, without repeats; ``ValueError`` for an unknown name."""
+    chosen: dict[Workload, None] = {}
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        group = {"all": WORKLOADS, "huge": HUGE_WORKLOADS}.get(item)
+        for w in group if group is not None else (parse_workload(item),):
+            chosen[w] = None
+    return tuple(chosen)

@@ -123,9 +123,16 @@ def options_from_args(
     )
 
 
-def resolve_out(out: Path, shape: str, model: str) -> Path:
-    """``--out`` may name the file or an existing folder (then the file is ``<shape>__<model>.ppdt``)."""
-    return out / table_file_name(shape, model) if out.is_dir() else out
+def _is_folder(raw: str) -> bool:
+    return raw.endswith(("/", os.sep)) or Path(raw).is_dir()
+
+
+def resolve_out(raw: str, shape: str, model: str) -> Path:
+    """The table path for ``--out``/``--publish``: a file, or a folder (an existing one, or any path
+    ending in '/') that gets ``<shape>__<model>.ppdt``. Missing parent folders are created."""
+    path = Path(raw) / table_file_name(shape, model) if _is_folder(raw) else Path(raw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def publish(result: BuildResult, out: Path, *, as_json: bool) -> int:
@@ -157,12 +164,26 @@ def publish(result: BuildResult, out: Path, *, as_json: bool) -> int:
     return 0
 
 
+def _record_paths(targets: Sequence[Path]) -> list[Path]:
+    """Files as given; a folder stands for every ``*.jsonl`` under it (sorted), e.g. a sweep's records/."""
+    paths: list[Path] = []
+    for target in targets:
+        if target.is_dir():
+            found = sorted(target.rglob("*.jsonl"))
+            if not found:
+                raise FileNotFoundError(f"{target}: no *.jsonl record files in this folder")
+            paths.extend(found)
+        else:
+            paths.append(target)
+    return paths
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     options = options_from_args(args, shape=args.shape)
     out = resolve_out(args.out, options.shape, options.model)
     try:
         if args.records:
-            records = read_records(args.records)
+            records = read_records(_record_paths(args.records))
             result = build_from_records(records, options)
         else:
             scan = read_artifact(args.artifact)
@@ -257,7 +278,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     from decision_service.axes import paper_axes
     from table_builder.analytic import parse_shape
-    from table_builder.catalog import WORKLOADS, parse_workload
+    from table_builder.catalog import select_workloads
     from table_builder.engines import EngineOptions, make_engine
     from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
 
@@ -270,9 +291,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--modes takes pd and/or local (the table compares static runs), got {args.modes!r}"
             )
-        workloads = (
-            WORKLOADS if args.workloads == "all" else tuple(parse_workload(w) for w in _csv(args.workloads))
-        )
+        workloads = select_workloads(args.workloads)
         levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
         if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
             raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")
@@ -281,14 +300,22 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         return 2
     engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
     plan = SweepPlan(shapes, args.model, modes, workloads, levels)
-    bar = tqdm(unit="point", desc=f"sweep ({engine.name})", disable=args.quiet, dynamic_ncols=True)
+    interactive = sys.stderr.isatty()
+    bar = tqdm(
+        unit="point",
+        desc=f"sweep ({engine.name})",
+        disable=args.quiet,
+        dynamic_ncols=True,
+        mininterval=0.2 if interactive else 15.0,
+    )
 
     def progress(done: int, total: int) -> None:
         bar.reset(total=total)
         bar.update(done)
 
     def advance(point: GridPoint) -> None:
-        bar.set_postfix_str(point.run_id, refresh=False)
+        if interactive:
+            bar.set_postfix_str(point.run_id, refresh=False)
         bar.update(1)
 
     try:
@@ -300,7 +327,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     if args.no_build:
         return 0
     labels = {"engine": engine.name, **{k: str(v) for k, v in sorted(engine.settings().items())}}
-    publish_to = args.publish if args.publish is not None else args.out
+    publish_to = args.publish if args.publish is not None else f"{args.out}{os.sep}"
     code = 0
     for shape, paths in files.items():
         options = options_from_args(args, shape=shape, labels=labels)
@@ -341,7 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="paper artifact folders holding 1P_3D/, 1P_3pD/, ...",
     )
     build.add_argument(
-        "--out", type=Path, required=True, help="table file, or a folder for <shape>__<model>.ppdt"
+        "--out",
+        required=True,
+        help="table file, or a folder (existing, or ending in /) for <shape>__<model>.ppdt",
     )
     build.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     build.add_argument("--shape", required=True, help="deployment shape, e.g. 1P3D")
@@ -397,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--seed", type=int, default=0, help="seed of every point's arrivals and noise")
     sweep.add_argument("--jobs", type=_positive_int, default=1, help="points run in parallel processes")
     sweep.add_argument("--out", type=Path, required=True, help="sweep folder: records/, sweep.json, tables")
-    sweep.add_argument("--publish", type=Path, help="table file or folder to publish into (default: --out)")
+    sweep.add_argument(
+        "--publish", help="table file, or folder (existing, or ending in /) to publish into (default: --out)"
+    )
     sweep.add_argument("--no-build", action="store_true", help="only run the points")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.add_argument("--json", action="store_true", help="print each table's summary as one JSON line")

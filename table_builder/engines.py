@@ -9,8 +9,9 @@ from table_builder.sweep import Engine
 
 __all__ = ["ENGINES", "EngineOptions", "make_engine"]
 
-#: ``analytic``: the closed-form model in ``analytic.py`` (fast, for pipelines and examples).
-ENGINES: Final = ("analytic",)
+#: ``analytic``: the closed-form model in ``analytic.py`` (fast, for pipelines and examples);
+#: ``sim``: the simulator's virtual-time P/D cluster (calibrated; the shipped tables; the default).
+ENGINES: Final = ("analytic", "sim")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,4 +26,8 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
         from table_builder.analytic import AnalyticEngine
 
         return AnalyticEngine(duration_s=options.duration_s, seed=options.seed)
+    if name == "sim":
+        from table_builder.sim_engine import SimEngine
+
+        return SimEngine(duration_s=options.duration_s, seed=options.seed)
     raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")

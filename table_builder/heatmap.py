@@ -37,7 +37,9 @@ def write_heatmap(grid: Grid, path: str | os.PathLike[str]) -> Path:
     axes = grid.axes
     nc = len(axes.context_classes)
     nw, nq = len(axes.workloads), len(axes.qps_levels)
-    fig, panels = plt.subplots(1, nc, figsize=(1.0 + 0.62 * nq * nc, 0.5 * nw + 2.2), squeeze=False)
+    fig, panels = plt.subplots(
+        1, nc, figsize=(1.0 + 0.62 * nq * nc, 0.5 * nw + 2.2), squeeze=False, layout="constrained"
+    )
     cmap = mpl.colormaps["RdBu"].with_extremes(bad="#d9d9d9")
     image = None
     for c, ax in enumerate(panels[0]):
@@ -66,7 +68,7 @@ def write_heatmap(grid: Grid, path: str | os.PathLike[str]) -> Path:
         f"({grid.weights_label})",
         fontsize=9,
     )
-    fig.text(0.01, 0.005, LEGEND, fontsize=5, wrap=True)
+    fig.supxlabel(LEGEND, fontsize=6)
     target = Path(path)
     fig.savefig(target, format="png", dpi=110, metadata={"Software": None})
     plt.close(fig)

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -265,34 +265,31 @@ def _check_numbers(r: Record) -> None:
         raise RecordError(f"start_time must be >= 0, got {r.start_time!r}")
 
 
-def _iter_lines(path: Path) -> Iterator[tuple[int, str, bool]]:
-    """(1-based line number, text without newline, whether the line ended with a newline)."""
-    with path.open("r", encoding="utf-8", newline="\n") as fh:
-        for number, raw in enumerate(fh, start=1):
-            complete = raw.endswith("\n")
-            yield number, raw.rstrip("\n").removesuffix("\r"), complete
-
-
 def scan_records(path: str | os.PathLike[str]) -> tuple[list[Record], list[BadRecord]]:
     """All good records of a JSONL file and every bad line, each with its 1-based line number."""
     p = Path(path)
     records: list[Record] = []
     problems: list[BadRecord] = []
-    try:
-        lines = list(_iter_lines(p))
-    except UnicodeDecodeError as exc:
-        return [], [BadRecord(str(p), 0, f"not UTF-8 text: {exc.reason} at byte {exc.start}")]
-    for number, text, complete in lines:
-        if not text.strip():
-            problems.append(BadRecord(str(p), number, "blank line (one JSON record per line expected)"))
-            continue
-        try:
-            records.append(Record.from_json(text))
-        except RecordError as exc:
-            reason = exc.reason
-            if not complete:
-                reason += " (last line has no newline: was the writer interrupted?)"
-            problems.append(BadRecord(str(p), number, reason))
+    with p.open("rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            complete = raw.endswith(b"\n")
+            try:
+                text = raw.decode("utf-8").rstrip("\n").removesuffix("\r")
+            except UnicodeDecodeError as exc:
+                problems.append(
+                    BadRecord(str(p), number, f"not UTF-8 text: {exc.reason} at byte {exc.start}")
+                )
+                continue
+            if not text.strip():
+                problems.append(BadRecord(str(p), number, "blank line (one JSON record per line expected)"))
+                continue
+            try:
+                records.append(Record.from_json(text))
+            except RecordError as exc:
+                reason = exc.reason
+                if not complete:
+                    reason += " (last line has no newline: was the writer interrupted?)"
+                problems.append(BadRecord(str(p), number, reason))
     return records, problems
 
 

@@ -165,6 +165,24 @@ def test_missing_inputs_fail_the_build(tmp_path: Path, caplog: pytest.LogCapture
     assert "cannot read inputs" in caplog.text
 
 
+def test_a_folder_without_records_fails_the_build(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    code = main(
+        [
+            "build",
+            "--records",
+            str(tmp_path),
+            "--shape",
+            "1P3D",
+            "--model",
+            "m",
+            "--out",
+            str(tmp_path / "t.ppdt"),
+        ]
+    )
+    assert code == 1
+    assert "no *.jsonl record files" in caplog.text
+
+
 def test_inputs_without_a_measured_cell_write_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -241,13 +259,20 @@ def test_show_png(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("args", [[], ["build"], ["check"], ["show"]])
-def test_help_everywhere(args: list[str]) -> None:
+def test_python_m_table_builder_help() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "table_builder", *args, "--help"], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "table_builder", "--help"], capture_output=True, text=True, check=False
     )
     assert done.returncode == 0
     assert "usage: ppd-table" in done.stdout
+
+
+@pytest.mark.parametrize("command", ["build", "check", "show", "sweep"])
+def test_help_on_every_command(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert f"usage: ppd-table {command}" in capsys.readouterr().out
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -140,9 +140,10 @@ def test_a_cut_short_last_line_is_reported_not_dropped(tmp_path: Path) -> None:
 
 def test_non_utf8_file_is_reported(tmp_path: Path) -> None:
     path = tmp_path / "latin1.jsonl"
-    path.write_bytes(b'{"run_id": "\xff"}\n')
-    _, problems = scan_records(path)
-    assert len(problems) == 1
+    path.write_bytes(json.dumps(good()).encode() + b'\n{"run_id": "\xff"}\n')
+    records, problems = scan_records(path)
+    assert len(records) == 1
+    assert [p.line for p in problems] == [2]
     assert "not UTF-8" in problems[0].reason
 
 

@@ -204,3 +204,14 @@ def test_analytic_engine_is_seeded_and_pd_fails_under_overload() -> None:
     assert all(r.ok for r in local)
     assert {r.path for r in local if r.turn == 2} == {"local"}
     assert {r.n_ctx for r in local if r.turn == 2} == {256}
+
+
+def test_workload_groups() -> None:
+    from table_builder.catalog import HUGE_WORKLOADS, WORKLOADS
+    from table_builder.catalog import select_workloads as _workloads
+
+    assert _workloads("all") == WORKLOADS
+    assert len(WORKLOADS) == 18
+    assert _workloads("all,huge,small_tiny") == (*WORKLOADS, *HUGE_WORKLOADS)
+    assert [w.name for w in _workloads("huge_tiny,small_tiny")] == ["huge_tiny", "small_tiny"]
+    assert HUGE_WORKLOADS[0].turn2_context == 5120

@@ -1,0 +1,66 @@
+"""The ``sim`` sweep engine over the simulator's virtual-time cluster, at a small size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from decision_service.table import Table
+from table_builder.catalog import parse_workload
+from table_builder.cli import main
+from table_builder.sim_engine import SimEngine
+from table_builder.sweep import GridPoint
+
+ENGINE = SimEngine(duration_s=2.0, seed=5)
+
+
+def _point(mode: str, workload: str = "large_mid_paste", qps: float = 4.0) -> GridPoint:
+    return GridPoint("1P3D", "llama-3.1-8b", mode, parse_workload(workload), qps)
+
+
+def test_records_follow_the_schema_and_the_point() -> None:
+    records = ENGINE.run(_point("local"))
+    assert records
+    assert {r.run_id for r in records} == {"1P3D_local_large_mid_paste_4"}
+    assert {(r.shape, r.model, r.mode, r.target_qps, r.workload) for r in records} == {
+        ("1P3D", "llama-3.1-8b", "local", 4.0, "large_mid_paste")
+    }
+    second = [r for r in records if r.turn == 2]
+    assert second
+    assert {r.path for r in second} == {"local"}
+    assert {(r.n_in, r.n_out, r.n_ctx) for r in second} == {(256, 64, 2048)}
+
+
+def test_pd_and_local_see_the_same_arrivals_and_runs_repeat() -> None:
+    pd, local = ENGINE.run(_point("pd")), ENGINE.run(_point("local"))
+    first_turns = sorted(r.start_time for r in pd if r.turn == 1)
+    assert first_turns == sorted(r.start_time for r in local if r.turn == 1)
+    assert ENGINE.run(_point("pd")) == pd
+    assert SimEngine(duration_s=2.0, seed=6).run(_point("pd")) != pd
+
+
+def test_cli_sweep_on_the_simulator(tmp_path: Path) -> None:
+    args = ["sweep", "--engine", "sim", "--shape", "1P3D", "--workloads", "small_mid_paste,large_huge_paste"]
+    args += ["--qps", "2,16", "--duration", "2", "--min-samples", "2", "--quiet", "--out", str(tmp_path)]
+    assert main(args) == 0
+    table = Table.open(tmp_path / "1P3D__llama-3.1-8b.ppdt")
+    try:
+        labels = table.header["provenance"]["labels"]
+        assert labels["engine"] == "sim"
+        assert labels["profile"] == "llama-3.1-8b-h100"
+        assert table.measured(0, 6, 2)  # small context, mid_paste, 2 QPS
+        assert table.measured(1, 8, 8)  # large context, huge_paste, 16 QPS
+    finally:
+        table.close()
+
+
+def test_huge_context_workloads_fill_the_huge_context_class(tmp_path: Path) -> None:
+    records = ENGINE.run(_point("pd", "huge_mid_paste", 1.0))
+    assert {r.n_ctx for r in records if r.turn == 2} == {5120}
+    args = ["sweep", "--engine", "sim", "--shape", "1P3D", "--workloads", "huge_big_paste", "--qps", "2"]
+    args += ["--duration", "2", "--min-samples", "2", "--quiet", "--out", str(tmp_path)]
+    assert main(args) == 0
+    table = Table.open(tmp_path / "1P3D__llama-3.1-8b.ppdt")
+    try:
+        assert table.measured(2, 7, 2)  # huge context, big_paste, 2 QPS
+    finally:
+        table.close()
