@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,10 +93,12 @@ class _Plots:
         self._caption = caption
 
     def save(self, name: str, title: str, draw: Callable[[Any], None], *, panels: int = 1) -> str:
-        fig = self._figure(figsize=(5.0 * panels, 4.2), layout="constrained")
+        width = max(7.5, 5.0 * panels)
+        fig = self._figure(figsize=(width, 4.6), layout="constrained")
         axes = fig.subplots(1, panels, squeeze=False)[0]
         draw(axes)
-        fig.suptitle(f"{title}\n{self._caption}", fontsize=9)
+        caption = "\n".join(textwrap.wrap(self._caption, width=int(width * 16)))
+        fig.suptitle(f"{title}\n{caption}", fontsize=9)
         fig.savefig(self._out / name, dpi=110)
         return name
 
@@ -233,14 +236,35 @@ def _section_wtpot(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
 
     def draw(axes: Any) -> None:
         ax = axes[0]
-        xs = [s.point.tpot2_mean_ms for s in sweep]
-        ys = [s.point.ttft2_mean_ms for s in sweep]
-        ax.plot(xs, ys, marker="o", color="tab:green")
-        for s, x, y in zip(sweep, xs, ys, strict=True):
-            share = "-" if s.point.local_share is None else f"{100 * s.point.local_share:.0f}%"
-            ax.annotate(f"{s.label} ({share} local)", (x, y), fontsize=7)
+        weighted = [s for s in sweep if s.value is not None]
+        static = [s for s in sweep if s.value is None]
+        ax.plot(
+            [s.point.tpot2_mean_ms for s in weighted],
+            [s.point.ttft2_mean_ms for s in weighted],
+            marker="o",
+            color="tab:green",
+            label="ppd, w_tpot sweep",
+        )
+        for s in static:
+            ax.scatter(
+                [s.point.tpot2_mean_ms],
+                [s.point.ttft2_mean_ms],
+                color=_COLOURS.get(s.mode, "tab:gray"),
+                marker="s",
+                label=f"static {s.mode}",
+                zorder=3,
+            )
+        spots: dict[tuple[float | None, float | None], list[SweepPoint]] = {}
+        for s in weighted:  # settings that land on the same point share one label
+            spots.setdefault((s.point.tpot2_mean_ms, s.point.ttft2_mean_ms), []).append(s)
+        for i, (xy, group) in enumerate(spots.items()):
+            share = group[0].point.local_share
+            text = "w_tpot=" + ", ".join(f"{s.value:g}" for s in group)
+            text += ": -" if share is None else f": {100 * share:.0f}% local"
+            ax.annotate(text, xy, fontsize=7, xytext=(6, -10 if i % 2 else 4), textcoords="offset points")
         ax.set_xlabel("mean Turn 2+ TPOT (ms)")
         ax.set_ylabel("mean Turn 2+ TTFT (ms)")
+        ax.legend(loc="upper right", fontsize=7)
 
     name = plots.save("figure6_wtpot.png", "w_tpot traces a TTFT/TPOT frontier", draw)
     return [*lines, f"![w_tpot sweep]({name})", ""]
@@ -385,7 +409,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )  # fmt: skip
     run.add_argument("--tables", type=Path, default=Path("tables"), help="tables for ppd (default tables/)")
     run.add_argument(
-        "--wtpot", type=_floats, default=(0.25, 0.5, 1.0, 2.0, 4.0, 8.0), help="w_tpot values of the sweep"
+        "--wtpot",
+        type=_floats,
+        default=(1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0),
+        help="w_tpot values of the sweep (default 1,4,16,...,4096)",
     )
     run.add_argument(
         "--link-duration", type=float, default=60.0, help="seconds per link-sweep point (default 60)"
