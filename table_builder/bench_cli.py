@@ -63,7 +63,8 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument(
         "--workload",
         required=True,
-        help=f"'{SHAREGPT_WORKLOAD}' or a synthetic <turn1>_<class> name: {', '.join(SYNTHETIC_WORKLOADS)}",
+        help=f"'{SHAREGPT_WORKLOAD}' or a synthetic <turn1>_<class> name: {', '.join(SYNTHETIC_WORKLOADS)} "
+        "(and the huge_<class> extension, Turn 1 = 4096/1024)",
     )
     run.add_argument("--qps", type=_positive, required=True, help="conversation arrival rate (per second)")
     run.add_argument("--duration", type=_positive, required=True, help="seconds of arrivals")

@@ -23,10 +23,13 @@ def test_there_are_the_papers_18_workloads() -> None:
     assert len(SYNTHETIC_WORKLOADS) == 18
     assert "large_mid_paste" in SYNTHETIC_WORKLOADS
     assert (TURN2_CLASSES["huge_paste"].n_in, TURN2_CLASSES["huge_paste"].n_out) == (1024, 32)
-    assert {k: (v.n_in, v.n_out) for k, v in TURN1_SETTINGS.items()} == {
-        "small": (128, 128),
-        "large": (1024, 1024),
-    }
+    assert (TURN1_SETTINGS["small"].n_in, TURN1_SETTINGS["small"].n_out) == (128, 128)
+    assert (TURN1_SETTINGS["large"].n_in, TURN1_SETTINGS["large"].n_out) == (1024, 1024)
+
+
+def test_the_huge_context_extension_is_accepted_too() -> None:
+    conv = SyntheticWorkload(name="huge_tiny", words=WORDS).conversation(0)
+    assert [(t.n_in, t.n_out) for t in conv.turns] == [(4096, 1024), (16, 32)]
 
 
 @pytest.mark.parametrize("name", SYNTHETIC_WORKLOADS)
