@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import timeit
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -97,6 +97,9 @@ class Figures:
     scaling: dict[str, float] = field(default_factory=dict)
     core_us: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
+    # The same measurements against an empty handler: what plain grpc.aio costs on this machine.
+    floor: dict[str, dict[str, float]] = field(default_factory=dict)
+    floor_latency_us: dict[str, float] = field(default_factory=dict)
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
@@ -160,13 +163,16 @@ class ServerProcess:
 
 @contextmanager
 def server_process(
-    tables: Path, *, workers: int = 1, reload_interval_s: float = 3600.0
+    tables: Path | None, *, workers: int = 1, reload_interval_s: float = 3600.0
 ) -> Iterator[ServerProcess]:
+    """`serve` over `tables`, or with `tables=None` the empty-handler floor server (see `_serve_floor`)."""
     command = [
         sys.executable, "-m", "decision_service", "serve", "--tables", str(tables),
         "--port", "0", "--metrics-port", "0", "--workers", str(workers),
         "--reload-interval", str(reload_interval_s), "--log-level", "WARNING",
     ]  # fmt: skip
+    if tables is None:
+        command = [sys.executable, "-m", "decision_service.bench", "--serve-floor"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -183,6 +189,41 @@ def server_process(
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+class _FloorServicer(pb_grpc.DecisionServiceServicer):
+    """The transport's floor: the same service answering a constant, with no table, rule or metrics."""
+
+    RouteBatch = pb_grpc.DecisionServiceServicer.RouteBatch
+    DescribeTable = pb_grpc.DecisionServiceServicer.DescribeTable
+
+    _answer = pb.RouteResponse(decision=pb.DECISION_LOCAL, reason=pb.REASON_TABLE, table_key="floor")
+
+    async def Route(  # noqa: N802
+        self, request: pb.RouteRequest, context: grpc.aio.ServicerContext[pb.RouteRequest, pb.RouteResponse]
+    ) -> pb.RouteResponse:
+        return self._answer
+
+    async def RouteStream(  # noqa: N802
+        self,
+        request_iterator: AsyncIterator[pb.RouteRequest],
+        context: grpc.aio.ServicerContext[pb.RouteRequest, pb.RouteResponse],
+    ) -> AsyncIterator[pb.RouteResponse]:
+        async for _ in request_iterator:
+            yield self._answer
+
+
+async def _serve_floor() -> None:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_DecisionServiceServicer_to_server(_FloorServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    sys.stdout.write(json.dumps({"grpc": port}) + "\n")
+    sys.stdout.flush()
+    await stop.wait()
+    await server.stop(None)
 
 
 # --- clients ------------------------------------------------------------------------------------
@@ -388,6 +429,21 @@ def run(config: BenchConfig, *, out: Any = None) -> Figures:
                     f"{name:>6} at saturation: {sat['decisions_per_s']:,.0f} decisions/s, "
                     f"server CPU {sat['server_cpu_us_per_decision']:.1f} us/decision"
                 )
+        with server_process(None) as floor:
+            figures.floor_latency_us = measure_latency(floor.target, config.latency_calls)
+            unary = _saturate(
+                floor, config.saturate_calls, _unary(floor.target, config.saturate_calls, config.concurrency)
+            )
+            streamed = (config.stream_messages // config.streams) * config.streams
+            stream = _saturate(floor, streamed, _stream(floor.target, config.stream_messages, config.streams))
+            figures.floor = {"unary": unary, "stream": stream}
+            lat = figures.floor_latency_us
+            say(
+                f"floor (empty grpc.aio handler, same clients): p50 {lat['p50']:.0f} us, "
+                f"p99 {lat['p99']:.0f} us; "
+                f"unary {unary['server_cpu_us_per_decision']:.1f} us/call, "
+                f"stream {stream['server_cpu_us_per_decision']:.1f} us/message"
+            )
         for workers in range(1, config.max_workers + 1):
             with server_process(tables, workers=workers) as server:
                 channels = max(4, 2 * workers)
@@ -417,10 +473,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Measure the decision service over loopback and print the figures.",
     )
     parser.add_argument("--small", action="store_true", help="a quick run at test-suite size")
+    parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--rss-calls", type=int, help="Route calls in the memory run (default 1,000,000)")
     parser.add_argument("--max-workers", type=int, help="largest number of server processes to scale to")
     args = parser.parse_args(argv)
+    if args.serve_floor:
+        uvloop.run(_serve_floor())
+        return 0
     config = BenchConfig.small() if args.small else BenchConfig()
     overrides: dict[str, int] = {}
     if args.rss_calls is not None:

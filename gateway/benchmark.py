@@ -212,7 +212,7 @@ async def _proxied(url: str, total: int, concurrency: int) -> None:
                     {
                         "model": MODEL,
                         "messages": [{"role": "user", "content": sid}],
-                        "max_tokens": 4,
+                        "max_tokens": 2,
                         "stream": True,
                     }
                 ).encode()

@@ -14,10 +14,6 @@ import signal
 import sys
 from collections.abc import Sequence
 
-import uvloop
-from aiohttp import web
-
-from gateway.app import create_app
 from gateway.settings import Settings, SettingsError
 
 __all__ = ["main"]
@@ -60,6 +56,10 @@ def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
 
 
 async def _serve(settings: Settings, port: int) -> None:
+    from aiohttp import web
+
+    from gateway.app import create_app
+
     app = create_app(settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -102,5 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         sys.stderr.write(f"ppd-gateway: {exc}\n")
         return 2
+    import uvloop  # the server's imports stay off the --help and check-config path
+
     uvloop.run(_serve(settings, args.port))
     return 0

@@ -141,6 +141,9 @@ class Forwarder:
         except GatewayError as exc:
             turn.error = exc.message
             raise
+        except asyncio.CancelledError:
+            turn.error = turn.error or "client disconnected"
+            raise
         finally:
             d.metrics.inflight.dec()
             self._finish(turn)
@@ -333,6 +336,7 @@ class Forwarder:
                 d.pool.release(call.worker)
                 turn.prefill_wait += time.perf_counter() - sent
             turn.prefill_worker = call.worker
+            d.pool.note_success(call.worker)
             d.pool.note_pick(call.worker)
             params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
             return p, params if isinstance(params, Mapping) else None
@@ -356,6 +360,7 @@ class Forwarder:
             raise
         finally:
             d.pool.release(call.worker)
+        d.pool.note_success(call.worker)
         try:
             body = reply.json()
         except ValueError:
@@ -377,6 +382,7 @@ class Forwarder:
             try:
                 turn.decode_sent = time.perf_counter()
                 upstream = await d.upstream.open_stream(call)
+                d.pool.note_success(call.worker)
             except UpstreamStatusError:
                 self._upstream_error(call.worker, _ROLE_OF[turn.path], "status")
                 raise
@@ -415,8 +421,7 @@ class Forwarder:
                 self._d.metrics.stream_errors.labels("worker_error_event").inc()
                 turn.error = relay.error
             else:
-                turn.ok = True
-                self._remember(turn, relay.answer, relay.usage, completion_chunks=relay.chunks)
+                self._complete(turn, relay)
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             upstream.close()
@@ -453,6 +458,9 @@ class Forwarder:
                 if turn.ttft is None:
                     turn.ttft = received - turn.start
                 turn.last_token = received
+            if relay.done and relay.error is None:
+                # Before the client can see [DONE] and send its next turn, which must find this one.
+                self._complete(turn, relay)
             if out:
                 await response.write(out)
                 if turn.overhead is None and turn.decode_sent is not None:
@@ -468,6 +476,11 @@ class Forwarder:
         return None
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def _complete(self, turn: _Turn, relay: StreamRelay) -> None:
+        if not turn.ok:
+            turn.ok = True
+            self._remember(turn, relay.answer, relay.usage, completion_chunks=relay.chunks)
 
     def _remember(
         self, turn: _Turn, answer: str, usage: Usage | None, *, completion_chunks: int | None

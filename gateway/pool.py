@@ -4,7 +4,9 @@ Rule 1: workers come from the static config or from authenticated registration; 
 request can add an address. Registered workers expire when no heartbeat arrived for
 `heartbeat_expiry_s` (paper: heartbeat every 10 s, removed after 30 s); static ones never expire.
 Rule 2: a worker is *live* until `unhealthy_after` health checks in a row failed, or a request could
-not connect to it (that marks it down at once); the next passing health check brings it back.
+not connect to it (that marks it down at once); the next passing health check brings it back. A
+failed check does not count while real requests to the worker keep succeeding (a slow probe on a
+busy machine is not a dead worker).
 Rule 3: planning reads an immutable `PoolView` snapshot, never this mutable object, so the planner
 stays pure and one request sees one consistent pool.
 Concurrency: owned by one event loop; no locks.
@@ -90,6 +92,7 @@ class _State:
         "healthy",
         "inflight",
         "last_heartbeat",
+        "last_ok",
         "last_pick",
         "load",
         "spec",
@@ -101,6 +104,7 @@ class _State:
         self.static = static
         self.healthy = True
         self.failed_checks = 0
+        self.last_ok = float("-inf")
         self.load = Load()
         self.inflight = 0
         self.last_pick = 0
@@ -156,14 +160,25 @@ class WorkerPool:
         if state is not None:
             state.healthy = healthy
 
-    def record_check(self, worker_id: str, ok: bool, *, unhealthy_after: int = 1) -> None:
-        """One active health check's result."""
+    def note_success(self, worker_id: str) -> None:
+        """A request to the worker was answered."""
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.last_ok = self._clock()
+
+    def record_check(
+        self, worker_id: str, ok: bool, *, unhealthy_after: int = 1, served_within_s: float = 0.0
+    ) -> None:
+        """One active health check's result; a failure is forgiven when the worker answered a
+        request within the last `served_within_s` seconds."""
         state = self._workers.get(worker_id)
         if state is None:
             return
         if ok:
             state.failed_checks = 0
             state.healthy = True
+        elif state.healthy and self._clock() - state.last_ok < served_within_s:
+            return
         else:
             state.failed_checks += 1
             if state.failed_checks >= unhealthy_after:

@@ -85,7 +85,12 @@ class PoolMonitor:
         except UpstreamError:
             healthy = False
         was = self._pool.is_live(spec.id)
-        self._pool.record_check(spec.id, healthy, unhealthy_after=self._s.unhealthy_after)
+        self._pool.record_check(
+            spec.id,
+            healthy,
+            unhealthy_after=self._s.unhealthy_after,
+            served_within_s=self._s.health_interval_s * self._s.unhealthy_after,
+        )
         healthy = self._pool.is_live(spec.id)
         if was != healthy:
             log.warning("worker %s (%s) is now %s", spec.id, spec.url, "up" if healthy else "down")

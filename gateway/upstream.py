@@ -18,7 +18,7 @@ from gateway.errors import UpstreamError, UpstreamStatusError, UpstreamTimeoutEr
 from gateway.plan import UpstreamCall
 from gateway.settings import TimeoutSettings
 
-__all__ = ["JsonReply", "Upstream", "dumps"]
+__all__ = ["JsonReply", "Upstream", "dumps", "map_exception"]
 
 
 def dumps(body: Any) -> bytes:

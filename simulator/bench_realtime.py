@@ -1,10 +1,11 @@
 """Benchmark of the real-time mode: step timing error of a 1P3D cluster process under streaming load.
 
 This process hosts the cluster (one event loop, uvloop); a separate client process keeps `--streams`
-streaming completions open, spread round-robin over the decode workers, for `--seconds`. After a
-warm-up, every engine step's lateness (wake-up minus its absolute deadline) is recorded. Printed:
-lateness p50/p99/p99.9/max, steps, mean step length, tokens streamed, and the CPU the cluster process
-used (its own user+system time / wall time; the client's CPU is not counted).
+streaming completions open, spread round-robin over the decode workers. Once all streams are open and
+a warm-up has passed, for `--seconds` every engine step's lateness (wake-up minus its absolute
+deadline) is recorded. Printed: lateness p50/p99/p99.9/max, steps, mean step length, tokens
+streamed, and the CPU the cluster process used (its own user+system time / wall time; the client's
+CPU is not counted).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
 from typing import Any, TextIO
 
 import aiohttp
@@ -53,10 +55,9 @@ class BenchResult:
         return dataclasses.asdict(self)
 
 
-async def _client(urls: list[str], streams: int, seconds: float, max_tokens: int) -> int:
-    """Keep `streams` streaming completions open until `seconds` pass; returns tokens received."""
-    deadline = time.monotonic() + seconds
-    tokens = 0  # SSE events received (the client's count, all phases)
+async def _client(urls: list[str], streams: int, max_tokens: int, stop: Event) -> int:
+    """Keep `streams` streaming completions open until `stop` is set; returns the chunks received."""
+    tokens = 0
     body = {"prompt": "Tell me a long story about the sea.", "max_tokens": max_tokens, "ignore_eos": True}
     body |= {"stream": True}
     connector = aiohttp.TCPConnector(limit=0)
@@ -65,20 +66,32 @@ async def _client(urls: list[str], streams: int, seconds: float, max_tokens: int
         async def one_stream(i: int) -> None:
             nonlocal tokens
             url = urls[i % len(urls)]
-            while time.monotonic() < deadline:
+            while not stop.is_set():
                 async with http.post(f"{url}/v1/completions", json=body) as response:
                     async for line in response.content:
                         if line.startswith(b"data: {"):
                             tokens += 1
-                        if time.monotonic() >= deadline:
-                            return
+                            if tokens % 64 == 0 and stop.is_set():
+                                return
 
         await asyncio.gather(*(one_stream(i) for i in range(streams)))
     return tokens
 
 
-def _client_process(urls: list[str], streams: int, seconds: float, max_tokens: int, out: Queue[int]) -> None:
-    out.put(uvloop.run(_client(urls, streams, seconds, max_tokens)))
+def _client_process(urls: list[str], streams: int, max_tokens: int, stop: Event, out: Queue[int]) -> None:
+    out.put(uvloop.run(_client(urls, streams, max_tokens, stop)))
+
+
+async def _wait_for_streams(group: WorkerGroup, streams: int, limit_s: float = 120.0) -> None:
+    """Readiness: every stream of the client has reached a decode worker."""
+    deadline = time.monotonic() + limit_s
+    for _ in range(int(limit_s / 0.05) + 1):
+        if sum(w.driver.num_active for w in group.workers) >= streams:
+            return
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"the client did not open {streams} streams within {limit_s:.0f} s")
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -100,21 +113,27 @@ async def run_bench(
         urls = [w.url for w in group.workers if w.settings.role == "decode"]
         context = multiprocessing.get_context("spawn")
         results: Queue[int] = context.Queue()
+        stop = context.Event()
         client = context.Process(
-            target=_client_process, args=(urls, streams, warmup_s + seconds, max_tokens, results), daemon=True
+            target=_client_process, args=(urls, streams, max_tokens, stop, results), daemon=True
         )
         client.start()
-        await asyncio.sleep(warmup_s)
-        timing.max_samples = 10_000_000
-        cpu0, wall0 = time.process_time(), time.monotonic()
-        steps0 = sum(w.engine.stats().num_steps for w in group.workers)
-        await asyncio.sleep(seconds)
-        cpu1, wall1 = time.process_time(), time.monotonic()
-        steps1 = sum(w.engine.stats().num_steps for w in group.workers)
-        timing.max_samples = 0
+        try:
+            await _wait_for_streams(group, streams)
+            await asyncio.sleep(warmup_s)
+            timing.max_samples = 10_000_000
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            steps0 = sum(w.engine.stats().num_steps for w in group.workers)
+            await asyncio.sleep(seconds)
+            cpu1, wall1 = time.process_time(), time.monotonic()
+            steps1 = sum(w.engine.stats().num_steps for w in group.workers)
+            timing.max_samples = 0
+        finally:
+            stop.set()
         loop = asyncio.get_running_loop()
-        tokens = await loop.run_in_executor(None, results.get)
+        tokens = await loop.run_in_executor(None, results.get, True, 60)
         await loop.run_in_executor(None, client.join, 30)
+        results.close()
     finally:
         await group.stop()
     late = sorted(x * 1e3 for x in timing.lateness)

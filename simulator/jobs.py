@@ -29,6 +29,7 @@ class JobHandle:
     request_id: str
     submitted_at: float
     queue: asyncio.Queue[Emission] = field(default_factory=asyncio.Queue)
+    scheduled_at: float | None = None  # start of the first step that computed part of its prompt
     first_token_at: float | None = None
     preemptions: int = 0
     cached_tokens: int = 0

@@ -172,6 +172,7 @@ class RealtimeDriver:
         if self._on_step is not None:
             self._on_step(result)
         handles = self._handles
+        self._mark_scheduled(result)
         done = {f.request_id: f for f in result.finished}
         if result.n_steps > 1:
             raise RuntimeError("the real-time driver runs without fast-forward")
@@ -197,6 +198,12 @@ class RealtimeDriver:
         if result.kv_pulls and self._on_pull is not None:
             for pull in result.kv_pulls:
                 self._on_pull(pull, end)
+
+    def _mark_scheduled(self, result: StepResult) -> None:
+        for chunk in result.prefills:
+            handle = self._handles.get(chunk.request_id)
+            if handle is not None and handle.scheduled_at is None:
+                handle.scheduled_at = result.start
 
     def _deliver_tokenless(self, done: dict[str, Finished], end: float) -> None:
         """Requests that finished without a token in this step (an aborted or failed one)."""

@@ -119,7 +119,11 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
     async def main() -> int:
         return await serve_group(WorkerGroup(settings, profile), sys.stdout, single=single)
 
-    return uvloop.run(main())
+    try:
+        return uvloop.run(main())
+    except OSError as exc:  # the port is taken, the address is not ours, ...
+        print(f"ppd-sim: cannot serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -161,10 +161,11 @@ class Worker:
             self.port = int(addresses[0][1])
 
     async def stop(self) -> None:
-        if self._restore_task is not None:
-            self._restore_task.cancel()
-        for task in list(self._tasks):
+        pending = [*self._tasks, *([self._restore_task] if self._restore_task is not None else [])]
+        for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self._restore_task = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -347,7 +348,9 @@ class Worker:
         if faults.down:
             await response.prepare(request)
             await response.write_eof()
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._go_down()))
+            task = asyncio.create_task(self._go_down())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return response
 
     def _sync_metrics(self) -> None:
@@ -607,6 +610,7 @@ class Worker:
     def finish_metrics(self, req: GenerationRequest, handle: JobHandle, produced: int, reason: str) -> None:
         now = self.driver.now()
         first = handle.first_token_at if handle.first_token_at is not None else now
+        scheduled = handle.scheduled_at if handle.scheduled_at is not None else first
         ttft = max(0.0, first - handle.submitted_at)
         self.metrics.on_finished(
             FinishedRequest(
@@ -614,9 +618,9 @@ class Worker:
                 prompt_tokens=len(req.prompt_ids),
                 generation_tokens=produced,
                 max_tokens=req.max_tokens,
-                queue_s=0.0,
+                queue_s=max(0.0, scheduled - handle.submitted_at),
                 ttft_s=ttft,
-                prefill_s=ttft,
+                prefill_s=max(0.0, first - scheduled),
                 decode_s=max(0.0, now - first),
                 e2e_s=max(0.0, now - handle.submitted_at),
                 preemptions=handle.preemptions,

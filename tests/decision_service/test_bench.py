@@ -16,8 +16,17 @@ def test_small_run_prints_and_writes_every_figure(tmp_path: Path, capsys: pytest
     out = tmp_path / "figures.json"
     assert main(["--small", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for phrase in ("in-process: route", "p99", "unary at saturation", "batch at saturation",
-                   "stream at saturation", "2 server process(es) on one port", "memory: RSS"):  # fmt: skip
+    phrases = [
+        "in-process: route",
+        "p99",
+        "unary at saturation",
+        "batch at saturation",
+        "stream at saturation",
+        "2 server process(es) on one port",
+        "memory: RSS",
+        "floor (empty grpc.aio handler",
+    ]
+    for phrase in phrases:
         assert phrase in text
     figures = json.loads(out.read_text())
     assert set(figures["saturation"]) == {"unary", "batch", "stream"}

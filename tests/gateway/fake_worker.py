@@ -30,6 +30,7 @@ class Knobs:
     no_done: bool = False  # streaming: end cleanly but without data: [DONE]
     error_event: bool = False  # streaming: send vLLM's error event mid-stream
     healthy: bool = True
+    linger_after_done_s: float = 0.0  # streaming: keep the response open a while after [DONE]
 
 
 @dataclass
@@ -101,7 +102,12 @@ class FakeWorker:
         chat = request.path.endswith("chat/completions")
         k = self.knobs
         if k.hang:
-            await asyncio.sleep(3600)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.aborted += 1
+                self.aborted_event.set()
+                raise
         if k.status is not None:
             err = {
                 "error": {
@@ -200,6 +206,8 @@ class FakeWorker:
                 )
             if not k.no_done:
                 await resp.write(b"data: [DONE]\n\n")
+            if k.linger_after_done_s:
+                await asyncio.sleep(k.linger_after_done_s)
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             self.aborted += 1

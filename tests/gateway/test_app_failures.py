@@ -280,7 +280,8 @@ async def test_client_disconnect_while_waiting_for_p_cancels_p(make_stack: Stack
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    # The gateway's handler is cancelled; its P request is closed, so nothing reaches D.
+    # The gateway's handler is cancelled and closes its P request: P sees the abort, D sees nothing.
+    await asyncio.wait_for(stack.workers["P0"].aborted_event.wait(), timeout=30)
     for _ in range(200):
         if stack.deps.metrics.inflight._value.get() == 0:
             break

@@ -248,3 +248,39 @@ async def test_request_log_writes_benchmark_records(make_stack: StackFactory, tm
     assert (two["path"], two["workload"], two["ttft_ms"]) == ("local", "small_tiny", None)
     assert two["n_ctx"] == (1 + 5) + 5  # the fake worker's usage: prompt words + template, completion
     assert one["conversation_id"] == two["conversation_id"]
+
+
+async def test_unknown_models_are_counted_by_the_workers_tokenizer_in_ppd_mode(
+    make_stack: StackFactory, decision: FakeDecision
+) -> None:
+    stack = await make_stack(mode="ppd", decision={"address": decision.address, "deadline_ms": 2000.0})
+    body: dict[str, Any] = {"model": "acme/unknown", "max_tokens": 3}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "one two three"}]
+    first = await stack.post("/v1/chat/completions", body | {"messages": messages})
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "four five"}]
+    second = await stack.post("/v1/chat/completions", body | {"messages": messages})
+    assert second.status == 200
+    d = stack.workers[second.headers["X-PPD-Decode-Worker"]]
+    tokenized = [s for s in d.seen if s.path == "/tokenize"]
+    assert tokenized
+    assert tokenized[-1].body["messages"] == [{"role": "user", "content": "four five"}]
+    assert decision.seen[-1].new_input_tokens == len(json.dumps(tokenized[-1].body["messages"]).split())
+    text = await (await stack.http.get(stack.url + "/metrics")).text()
+    assert 'ppd_gateway_token_counts_total{source="worker"} 1.0' in text
+    assert 'ppd_gateway_token_counts_total{source="estimate"} 1.0' in text
+
+
+async def test_replica_mode_keeps_the_session_on_its_replica(make_stack: StackFactory) -> None:
+    stack = await make_stack({"R0": "replica", "R1": "replica"}, mode="replica")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages, stream=True)
+    assert (first.path, first.reason) == ("replica", "mode_replica")
+    r = first.headers["X-PPD-Decode-Worker"]
+    await _follow_up(stack, messages, first, "again")
+    second = await stack.chat(messages)
+    assert (second.path, second.headers["X-PPD-Decode-Worker"], second.headers["X-PPD-Turn"]) == (
+        "replica",
+        r,
+        "2",
+    )
+    assert "kv_transfer_params" not in stack.workers[r].completions()[-1].body

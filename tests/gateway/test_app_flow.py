@@ -38,3 +38,28 @@ async def test_streaming_turns(make_stack: StackFactory) -> None:
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and?"}]
     second = await stack.chat(messages, stream=True)
     assert (second.path, second.headers["X-PPD-Turn"]) == ("local", "2")
+
+
+async def test_turn_is_remembered_before_the_client_sees_done(make_stack: StackFactory) -> None:
+    """A client may send its next turn the instant it reads [DONE]; that turn must find this one."""
+    import json
+
+    from gateway.sessions import content_key
+    from tests.gateway.conftest import MODEL
+
+    stack = await make_stack(mode="local")
+    for worker in stack.workers.values():
+        worker.knobs.linger_after_done_s = 0.5  # the worker closes its response a little later
+    messages = [{"role": "user", "content": "quick"}]
+    body = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": 3}
+    text = ""
+    async with stack.http.post(stack.url + "/v1/chat/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: [DONE]"):
+                key = content_key(MODEL, [*messages, {"role": "assistant", "content": text}])
+                assert stack.deps.sessions.get(key) is not None
+                break
+            if line.startswith(b"data: "):
+                for choice in json.loads(line[6:])["choices"]:
+                    text += choice["delta"].get("content", "")
+    assert text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_benchmark_prints_every_figure() -> None:
     )
     sys.stdout.write(out.stdout)  # the figures, visible with pytest -s
     figures = [json.loads(line) for line in out.stdout.splitlines()]
-    by_name = {}
+    by_name: dict[str, list[dict[str, Any]]] = {}
     for f in figures:
         by_name.setdefault(f["figure"], []).append(f)
     assert [f["streams"] for f in by_name["ttft"]] == [4, 8]

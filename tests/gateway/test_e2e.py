@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,13 +30,16 @@ TABLE_REASONS = {
 }
 
 
-def _config(workers: list[dict[str, str]], tmp: Path, *, decision: str = "", extra: str = "") -> Path:
+def _config(
+    workers: list[dict[str, str]], tmp: Path, *, decision: str = "", extra: str = "", stream: bool = False
+) -> Path:
     lines = [f'mode = "ppd"\nadmin_token = "tok"\n{extra}']
     for w in workers:
         lines.append(f'[[workers]]\nid = "{w["id"]}"\nrole = "{w["role"]}"\nurl = "{w["url"]}"\n')
-    lines.append(f'[decision]\naddress = "{decision}"\ndeadline_ms = 250.0\nfallback = "pd"\n')
+    lines.append(f'[decision]\naddress = "{decision}"\ndeadline_ms = 10000.0\nfallback = "pd"\n')
+    lines.append(f"stream = {str(stream).lower()}\n")
     lines.append("[pool]\nhealth_interval_s = 0.5\n")
-    path = tmp / "gateway.toml"
+    path = tmp / ("gateway-stream.toml" if stream else "gateway.toml")
     path.write_text("\n".join(lines))
     return path
 
@@ -137,6 +141,20 @@ def test_models_tokenize_and_health_pass_through(gateway: Process) -> None:
     assert _http(url + "/health")[0] == 200
 
 
+def test_route_stream_form(cluster: Process, decision: Process, tmp: Path) -> None:
+    config = _config(
+        cluster.ready["workers"], tmp, decision=f"127.0.0.1:{decision.ready['grpc']}", stream=True
+    )
+    gw = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway-stream")
+    try:
+        client = openai.OpenAI(base_url=_url(gw) + "/v1", api_key="unused", max_retries=0)
+        headers = _converse(client, turns=3, stream=True, first="stream form")
+        assert [h["x-ppd-turn"] for h in headers] == ["1", "2", "3"]
+        assert all(h["x-ppd-reason"] in TABLE_REASONS for h in headers[1:])
+    finally:
+        assert gw.stop() == 0
+
+
 def test_prefill_errors_retry_on_the_other_p(gateway: Process, cluster: Process) -> None:
     _faults(cluster, "P0", error_rate=1.0)
     try:
@@ -171,6 +189,41 @@ def test_decision_service_stopped_falls_back(cluster: Process, tmp: Path) -> Non
     finally:
         svc.stop()
         gw.stop()
+
+
+def test_client_disconnect_aborts_the_workers_request(gateway: Process, cluster: Process) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "long"}],
+        "stream": True,
+        "max_tokens": 4000,
+    }
+    req = urllib.request.Request(
+        _url(gateway) + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-PPD-Mode": "local"},
+    )
+    resp = urllib.request.urlopen(req, timeout=30)
+    d_url = _worker(cluster, resp.headers["X-PPD-Decode-Worker"])
+    assert resp.readline().startswith(b"data: ")
+    running = _running(d_url)
+    assert running >= 1
+    resp.close()  # the client goes away mid-stream
+    for _ in range(300):
+        running = _running(d_url)
+        if running == 0:
+            break
+        time.sleep(0.05)
+    assert running == 0
+
+
+def _running(worker_url: str) -> float:
+    text = _http(worker_url + "/metrics")[1].decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running")
+    )
 
 
 def test_dead_decode_worker_rebinds_the_session(gateway: Process, cluster: Process) -> None:

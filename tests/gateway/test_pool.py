@@ -125,3 +125,16 @@ def test_health_checks_need_consecutive_failures() -> None:
     pool.record_check("D0", True, unhealthy_after=2)
     assert pool.is_live("D0")
     pool.record_check("nope", True)
+
+
+def test_failed_checks_are_forgiven_while_requests_succeed() -> None:
+    clock = FakeClock()
+    pool = WorkerPool(STATIC, heartbeat_expiry_s=30, clock=clock)
+    pool.note_success("D0")
+    for _ in range(3):
+        pool.record_check("D0", False, unhealthy_after=2, served_within_s=4.0)
+    assert pool.is_live("D0")
+    clock.now = 5.0  # no request answered for a while: the checks count again
+    pool.record_check("D0", False, unhealthy_after=2, served_within_s=4.0)
+    pool.record_check("D0", False, unhealthy_after=2, served_within_s=4.0)
+    assert not pool.is_live("D0")

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.bench, pytest.mark.integration]
 
 
 async def test_realtime_bench_small() -> None:
-    result = await run_bench(streams=6, seconds=1.0, warmup_s=0.5, spin_us=0.0)
+    result = await run_bench(streams=6, seconds=0.8, warmup_s=0.2, spin_us=0.0)
     assert result.steps > 0
     assert result.tokens > 0
     assert result.lateness_p50_ms <= result.lateness_p99_ms <= result.lateness_max_ms

@@ -180,3 +180,22 @@ def test_bad_topology_is_a_usage_error() -> None:
     )
     assert result.returncode == 2
     assert "bad topology" in result.stderr
+
+
+def test_a_taken_port_is_a_clean_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "simulator", "worker", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert "cannot serve" in result.stderr
+    assert "Traceback" not in result.stderr

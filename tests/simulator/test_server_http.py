@@ -320,6 +320,8 @@ async def test_pd_pair_like_a_proxy(group: WorkerGroup, http: aiohttp.ClientSess
     assert external == params["remote_num_tokens"] - 1
     transferred = await metric(http, d.url, "vllm:nixl_xfer_time_seconds_count")
     assert transferred == 1
+    assert await metric(http, d.url, "vllm:request_queue_time_seconds_count") == 1
+    assert await metric(http, d.url, "vllm:request_queue_time_seconds_sum") > 0  # it waited for the KV
 
 
 async def test_pd_streaming_decode_leg(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
