@@ -88,6 +88,10 @@ class Fabric:
             self._links[pair] = link
         return link
 
+    def link_pairs(self) -> list[tuple[str, str]]:
+        """The (source node, destination node) pairs that have a link so far."""
+        return sorted(self._links)
+
     def transfer(self, src: str, dst: str, n_bytes: int, now: float, on_done: DoneCallback) -> None:
         pair = (src, dst)
         link = self._link(pair)

@@ -68,6 +68,7 @@ class RealtimeDriver:
         self._handles: dict[str, JobHandle] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.dead = False
 
     # ------------------------------------------------------------------ control
     def now(self) -> float:
@@ -96,7 +97,10 @@ class RealtimeDriver:
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: EngineRequest, handle: JobHandle) -> None:
-        """Queue a request now; its emissions arrive on `handle.queue`."""
+        """Queue a request now; its emissions arrive on `handle.queue` (at once an error if `dead`)."""
+        if self.dead:
+            handle.queue.put_nowait(Emission(tokens=0, at=self.now(), finished=True, error="engine dead"))
+            return
         self.engine.add_request(request, self.now())
         self._handles[request.request_id] = handle
         self.wake()
@@ -135,6 +139,20 @@ class RealtimeDriver:
             await asyncio.wait_for(self._wake.wait(), limit_s)
 
     async def run(self) -> None:
+        """The driver task. If the engine raises, the driver is dead (`dead` is set, every request
+        fails with an error emission, new ones are refused) instead of leaving requests hanging."""
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("engine failed; this worker stops serving generation requests")
+            self.dead = True
+            for handle in self._handles.values():
+                handle.queue.put_nowait(Emission(tokens=0, at=self.now(), finished=True, error="engine dead"))
+            self._handles.clear()
+
+    async def _run(self) -> None:
         engine = self.engine
         continuing = False  # the previous step ended at its deadline and more work was due then
         while True:

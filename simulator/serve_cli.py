@@ -8,6 +8,7 @@ import sys
 
 import uvloop
 
+from simulator.api_error import ApiError
 from simulator.fabric import FabricSettings
 from simulator.faults import Faults
 from simulator.link import TransferMode
@@ -104,7 +105,13 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
         for item in getattr(args, "worker_faults", None) or []:
             worker_id, _, raw = item.partition("=")
             worker_faults[worker_id] = worker.faults.updated(json.loads(raw))
-    except (ProfileError, ValueError) as exc:
+        nodes: dict[str, str] = {}
+        for item in getattr(args, "node", None) or []:
+            worker_id, _, node = item.partition("=")
+            if not node:
+                raise ValueError(f"--node {item!r}: expected ID=NODE")
+            nodes[worker_id] = node
+    except (ProfileError, ValueError, ApiError) as exc:
         print(f"ppd-sim: {exc}", file=sys.stderr)
         return 2
     settings = GroupSettings(
@@ -113,6 +120,7 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
         worker=worker,
         fabric=fabric,
         worker_faults=worker_faults,
+        nodes=nodes,
         spin_s=args.spin_us / 1e6,
     )
 
@@ -157,6 +165,13 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--topology", default="1P3D", help="groups of <count><P|D|R>, e.g. 1P3D or 4R")
     p.add_argument(
         "--base-port", type=int, default=8100, help="first port; workers take consecutive ones (0 = free)"
+    )
+    p.add_argument(
+        "--node",
+        action="append",
+        metavar="ID=NODE",
+        help="place a worker on a named node (repeatable); workers on one node pair share one KV link. "
+        "Default: every worker is its own node",
     )
     p.add_argument(
         "--worker-faults",

@@ -1,7 +1,8 @@
 """One simulated vLLM 0.33 worker: aiohttp routes over a real-time driven engine (the thin transport).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /version,
-/metrics, /load, and /admin/faults (GET, POST). See simulator/README.md.
+/metrics, /load, /admin/faults (GET, POST), and /_nixl/claim, /_nixl/release (the side channel a decode
+worker in another process uses to read this worker's leases). See simulator/README.md.
 
 Invariants:
 - Rule 1: no exception escapes a handler as a traceback: `ApiError` becomes vLLM's error body, anything
@@ -12,6 +13,9 @@ Invariants:
   event once the stream has started, as vLLM does).
 - Rule 3: "down" behaves like a crashed process: the port closes, open connections are cut, requests in
   flight fail and the engine (prefix cache, pinned blocks) is lost; `down_for_s` brings up a fresh one.
+- Rule 4: concurrency is one event loop: handlers, the driver task and the fabric's timer task share
+  state without locks; anything that outlives a request (side-channel calls, going down) is a task held
+  in `_tasks` and cancelled by `stop()`.
 """
 
 from __future__ import annotations
@@ -249,15 +253,13 @@ class Worker:
             return await handler(request)
         faults = self.faults
         if self._down or faults.refuse_connections:
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("connection refused by fault injection")
+            return self._cut(request)
         if request.path in _GENERATION_ROUTES:
             self._generation_requests += 1
             after = faults.down_after_requests
             if after is not None and self._generation_requests > after:
                 await self._go_down()
-                raise ConnectionResetError("worker went down by fault injection")
+                return self._cut(request)
         if faults.added_latency_ms > 0 and request.path.startswith(_MODEL_ROUTES):
             await asyncio.sleep(faults.added_latency_ms / 1000.0)
         if (
@@ -268,6 +270,13 @@ class Worker:
             raise ApiError(500, _INTERNAL_ERROR)
         return await handler(request)
 
+    @staticmethod
+    def _cut(request: web.Request) -> web.Response:
+        """Reset the connection without a reply (aiohttp quietly drops the response returned here)."""
+        if request.transport is not None:
+            request.transport.abort()
+        return web.Response(status=503)
+
     # ------------------------------------------------------------------ small routes
     async def _read_json(self, request: web.Request) -> Any:
         raw = await request.read()
@@ -277,8 +286,9 @@ class Worker:
             raise ApiError(400, f"Invalid JSON body: {exc}") from exc
 
     async def _health(self, request: web.Request) -> web.Response:
+        """200 with an empty body; 503 once the engine died (vLLM's `/health` contract)."""
         del request
-        return web.Response(status=200)
+        return web.Response(status=503 if self.driver.dead else 200)
 
     async def _version(self, request: web.Request) -> web.Response:
         del request
@@ -516,12 +526,41 @@ class Worker:
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        try:
+            req = parse_completion(body, self.tokenizer, self.limits)
+        except ApiError:
+            self._release_rejected(body)
+            raise
         return await self._generate(request, req)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        try:
+            req = parse_chat(body, self.tokenizer, self.limits)
+        except ApiError:
+            self._release_rejected(body)
+            raise
         return await self._generate(request, req)
+
+    def _release_rejected(self, body: object) -> None:
+        """A D leg rejected before the engine still frees P's pinned blocks (vLLM's rejection cleanup)."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return
+        engine_id, rrid = params.get("remote_engine_id"), params.get("remote_request_id")
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(engine_id, str) or not isinstance(rrid, str):
+            return
+        remote = _Remote(
+            engine_id=engine_id,
+            remote_request_id=rrid,
+            host=host if isinstance(host, str) else None,
+            port=port if isinstance(port, int) and not isinstance(port, bool) else None,
+        )
+        key = f"rejected-{rrid}"
+        self._remote[key] = remote
+        self.release_unpulled(key, self.driver.now())
 
     def _ids(self, request: web.Request, req: GenerationRequest) -> tuple[str, str]:
         base = request.headers.get("X-Request-Id") or req.request_id or uuid.uuid4().hex
@@ -588,7 +627,11 @@ class Worker:
         """P's `kv_transfer_params` (vllm-protocol.md 1.3) once its blocks are pinned."""
         if not handle.kv_pinned:
             return None
-        self._pinned[internal_id] = _Pinned(pinned_at=self.driver.now())
+        now = self.driver.now()
+        if len(self._pinned) >= 256:  # forget leases the engine already expired (never read)
+            for rid in [r for r in self._pinned if not self.engine.lease_alive(r, now)]:
+                del self._pinned[rid]
+        self._pinned[internal_id] = _Pinned(pinned_at=now)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -712,6 +755,7 @@ class _Run:
         req = self.req
         continuous = req.include_usage and req.continuous_usage_stats
         fast = not continuous and not req.return_token_ids
+        echo = self.w.tokenizer.decode(req.prompt_ids) if req.echo else None  # sent with the first tokens
         try:
             if req.kind == "chat":
                 await response.write(
@@ -724,7 +768,7 @@ class _Run:
                     await response.write(sse_event(ApiError(500, _INTERNAL_ERROR).body()))
                     break
                 ids = self._take(emission)
-                if fast and not emission.finished:
+                if fast and not emission.finished and echo is None:
                     text = "".join(map(self.w.tokenizer.token_text, ids))
                     await response.write(self.renderer.delta_event(text))
                     continue
@@ -733,8 +777,11 @@ class _Run:
                 if emission.finished:
                     self.w.finish_metrics(req, self.handle, self.produced, reason or "length")
                     kv_params = self.w.kv_params_for(self.internal_id, self.handle, len(req.prompt_ids))
+                text = self.w.tokenizer.decode(ids)
+                if echo is not None:
+                    text, echo = echo + text, None
                 chunk = self.renderer.delta_chunk(
-                    text=self.w.tokenizer.decode(ids),
+                    text=text,
                     token_ids=ids,
                     finish_reason=reason,
                     usage=self._usage() if continuous else None,

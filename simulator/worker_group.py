@@ -41,6 +41,7 @@ class GroupSettings:
     worker: WorkerSettings
     fabric: FabricSettings = field(default_factory=FabricSettings)
     worker_faults: Mapping[str, Faults] = field(default_factory=dict)
+    nodes: Mapping[str, str] = field(default_factory=dict)  # worker id -> node (default: its own)
     spin_s: float = 0.0005
 
 
@@ -61,7 +62,13 @@ class WorkerGroup:
             port = settings.base_port + i if settings.base_port else 0
             faults = settings.worker_faults.get(spec.id, settings.worker.faults)
             worker_settings = replace(
-                settings.worker, worker_id=spec.id, role=spec.role, port=port, faults=faults, fault_seed=i
+                settings.worker,
+                worker_id=spec.id,
+                role=spec.role,
+                port=port,
+                faults=faults,
+                fault_seed=i,
+                node=settings.nodes.get(spec.id, ""),
             )
             self.workers.append(
                 Worker(

@@ -248,3 +248,22 @@ async def test_an_unexpected_error_is_a_500_and_the_worker_lives_on(
     }
     monkeypatch.undo()
     assert (await complete(url))[0] == 200
+
+
+async def test_a_dead_engine_fails_requests_and_health(
+    group: WorkerGroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = group.worker("D0")
+
+    def broken(now: float, horizon: float = 0.0) -> None:
+        raise RuntimeError("engine bug")
+
+    monkeypatch.setattr(d.engine, "step", broken)
+    status, body = await complete(d.url)
+    assert status == 500
+    assert body["error"]["code"] == 500
+    async with fresh() as http, http.get(f"{d.url}/health") as r:
+        assert r.status == 503
+    status, _ = await complete(d.url)  # refused at once, no hang
+    assert status == 500
+    assert (await complete(group.worker("P0").url))[0] == 200  # the other workers live on

@@ -184,7 +184,7 @@ async def test_chat_stream_with_usage(group: WorkerGroup, http: aiohttp.ClientSe
 
 
 async def test_completion_stream_without_usage(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
-    body = {"prompt": "hello", "max_tokens": 3, "stream": True}
+    body = {"prompt": "hello", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": False}}
     events = await sse(http, f"{group.worker('D1').url}/v1/completions", body)
     assert events[-1] == "[DONE]"
     assert len(events) == 4
@@ -460,3 +460,78 @@ async def test_side_channel_to_a_dead_prefill_worker_fails_cleanly(http: aiohttp
         assert body["error"]["code"] == 500
     finally:
         await decode.stop()
+
+
+async def test_rejected_decode_leg_frees_the_prefill_blocks(
+    group: WorkerGroup, http: aiohttp.ClientSession
+) -> None:
+    p, d = group.worker("P0"), group.worker("D0")
+    client, p_body = _pd_bodies()
+    _, p_resp = await post(http, f"{p.url}/v1/completions", p_body)
+    assert p.engine.stats().num_pinned == 1
+    bad = client | {"min_tokens": 99, "kv_transfer_params": p_resp["kv_transfer_params"]}
+    status, body = await post(http, f"{d.url}/v1/completions", bad)
+    assert status == 400
+    assert "min_tokens" in body["error"]["message"]
+    assert p.engine.stats().num_pinned == 0
+
+
+async def test_workers_on_one_node_pair_share_a_link(http: aiohttp.ClientSession) -> None:
+    base = WorkerSettings(worker_id="W", role="replica")
+    nodes = {"P0": "prefill-node", "D0": "decode-node", "D1": "decode-node"}
+    settings = GroupSettings(
+        topology=Topology.parse("1P2D"), base_port=0, worker=base, nodes=nodes, spin_s=0.0
+    )
+    g = WorkerGroup(settings, load_profile())
+    await g.start()
+    try:
+        for i, d in enumerate(("D0", "D1")):
+            client, p_body = _pd_bodies()
+            client["prompt"] = p_body["prompt"] = f"{i} {LONG_PROMPT}"
+            _, p_resp = await post(http, f"{g.worker('P0').url}/v1/completions", p_body)
+            status, _ = await post(
+                http,
+                f"{g.worker(d).url}/v1/completions",
+                client | {"kv_transfer_params": p_resp["kv_transfer_params"]},
+            )
+            assert status == 200
+        assert g.fabric.link_pairs() == [("prefill-node", "decode-node")]
+    finally:
+        await g.stop()
+
+
+async def test_echo_with_and_without_streaming(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
+    url = f"{group.worker('D0').url}/v1/completions"
+    _, full = await post(http, url, {"prompt": "Once upon a time", "max_tokens": 3, "echo": True, "seed": 1})
+    assert "<|begin_of_text|>" not in full["choices"][0]["text"]
+    assert full["choices"][0]["text"].startswith("Once upon a time")
+    events = await sse(
+        http, url, {"prompt": "Once upon a time", "max_tokens": 3, "echo": True, "seed": 1, "stream": True}
+    )
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert streamed == full["choices"][0]["text"]
+
+
+async def test_many_concurrent_pd_pairs_leave_nothing_behind(
+    group: WorkerGroup, http: aiohttp.ClientSession
+) -> None:
+    async def pair(i: int) -> int:
+        client, p_body = _pd_bodies(stream=i % 2 == 0)
+        client["prompt"] = p_body["prompt"] = f"conversation {i}: {LONG_PROMPT}"
+        rid = {"X-Request-Id": f"many-{i}"}
+        _, p_resp = await post(http, f"{group.worker('P0').url}/v1/completions", p_body, **rid)
+        d_url = f"{group.worker(f'D{i % 2}').url}/v1/completions"
+        d_body = client | {"kv_transfer_params": p_resp["kv_transfer_params"]}
+        if client.get("stream"):
+            events = await sse(http, d_url, d_body, **rid)
+            return int(events[-2]["usage"]["completion_tokens"])
+        status, d_resp = await post(http, d_url, d_body, **rid)
+        assert status == 200
+        return int(d_resp["usage"]["completion_tokens"])
+
+    counts = await asyncio.gather(*(pair(i) for i in range(24)))
+    assert counts == [6] * 24
+    for w in group.workers:
+        assert w.engine.load() == 0
+        assert w.engine.stats().num_pinned == 0
+        assert w.driver.num_active == 0
