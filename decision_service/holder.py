@@ -109,7 +109,7 @@ class TableHolder:
         self._configured_default = default_key
         self._listener = listener
         self._loaded: dict[Path, _Loaded] = {}
-        self._rejected: dict[Path, _Signature] = {}
+        self._rejected: dict[Path, tuple[_Signature, str]] = {}
         self._missing_dir_logged = False
         self._lock = asyncio.Lock()
         self._subscribers: list[Callable[[TableSet], Awaitable[None]]] = []
@@ -162,25 +162,24 @@ class TableHolder:
             previous = self._loaded.get(path)
             if previous is not None and previous.signature == signature:
                 continue
-            if self._rejected.get(path) == signature:
+            if path in self._rejected and self._rejected[path][0] == signature:
                 continue
             outcome = self._load(path, signature)
             if isinstance(outcome, str):
-                self._rejected[path] = signature
+                self._rejected[path] = (signature, outcome)
                 rejected.append((path, outcome))
                 self._report(outcome)
                 continue
-            self._rejected.pop(path, None)
-            self._loaded[path] = outcome
+            self._accept(outcome, previous)
             loaded.append(path)
-            self._report("loaded")
-            logger.info(
-                "serving table %s version %s from %s%s",
-                outcome.table.key,
-                outcome.table.version,
-                path,
-                f" (replaces version {previous.table.version})" if previous else "",
-            )
+        if removed or loaded:
+            # A key freed by this scan may let a file rejected as a duplicate in; it is retried quietly.
+            for path, (signature, reason) in sorted(self._rejected.items()):
+                if reason == "duplicate_key" and present.get(path) == signature:
+                    retried = self._load(path, signature, quiet=True)
+                    if isinstance(retried, _Loaded):
+                        self._accept(retried, self._loaded.get(path))
+                        loaded.append(path)
 
         report = ScanReport(loaded=tuple(loaded), rejected=tuple(rejected), removed=removed)
         if report.changed:
@@ -209,8 +208,20 @@ class TableHolder:
                 continue  # vanished between listing and stat: the next scan sees the truth
         return files
 
-    def _load(self, path: Path, signature: _Signature) -> _Loaded | str:
-        """The validated table, or the reason it was rejected (already logged)."""
+    def _accept(self, entry: _Loaded, previous: _Loaded | None) -> None:
+        self._rejected.pop(entry.path, None)
+        self._loaded[entry.path] = entry
+        self._report("loaded")
+        logger.info(
+            "serving table %s version %s from %s%s",
+            entry.table.key,
+            entry.table.version,
+            entry.path,
+            f" (replaces version {previous.table.version})" if previous else "",
+        )
+
+    def _load(self, path: Path, signature: _Signature, *, quiet: bool = False) -> _Loaded | str:
+        """The validated table, or the reason it was rejected (already logged unless `quiet`)."""
         try:
             table = Table.open(path)
             router = Router(table)
@@ -224,6 +235,8 @@ class TableHolder:
             return "unreadable"
         for other_path, other in self._loaded.items():
             if other_path != path and other.table.key == table.key:
+                if quiet:
+                    return "duplicate_key"
                 logger.error(
                     "rejected table file %s: key %s is already served from %s (reason=duplicate_key)",
                     path,
@@ -241,6 +254,8 @@ class TableHolder:
         if default_key is None and routers:
             default_key = min(routers)
         default = None if default_key is None else routers.get(default_key)
+        if default_key != self.current.default_key and default is not None:
+            logger.info("requests without a table_key now go to %s", default_key)
         self.current = TableSet(routers=routers, files=files, default_key=default_key, default=default)
         if self._listener is not None:
             self._listener.tables_changed((e.table.key, e.table.version, e.path) for e in entries)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -105,11 +106,14 @@ async def test_sigint_also_stops_cleanly(loaded_dir: Path) -> None:
     assert "Traceback" not in log
 
 
-def test_busy_port_is_one_clear_error_line(loaded_dir: Path) -> None:
+@pytest.mark.parametrize("which", ["--port", "--metrics-port"])
+def test_busy_port_is_one_clear_error_line(loaded_dir: Path, which: str) -> None:
     with serve_process(loaded_dir) as first:
+        busy = first.ports["grpc" if which == "--port" else "metrics"]
+        ports = {"--port": "0", "--metrics-port": "0", which: str(busy)}
         result = subprocess.run(
             [sys.executable, "-m", "decision_service", "serve", "--tables", str(loaded_dir),
-             "--port", str(first.ports["grpc"]), "--metrics-port", "0"],
+             *(item for pair in ports.items() for item in pair)],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         first.stop()
@@ -117,6 +121,18 @@ def test_busy_port_is_one_clear_error_line(loaded_dir: Path) -> None:
     assert result.stdout == ""
     assert "Traceback" not in result.stderr
     assert "cannot serve" in result.stderr
+
+
+def test_workers_parent_stops_all_when_one_dies(loaded_dir: Path) -> None:
+    with serve_process(loaded_dir, "--workers", "2") as served:
+        victim, survivor = (worker["pid"] for worker in served.ports["workers"])
+        os.kill(victim, signal.SIGKILL)
+        status = served.process.wait(timeout=60)
+        _, log = served.process.communicate(timeout=60)
+    assert status == 1
+    assert f"worker {victim} exited unexpectedly" in log
+    with pytest.raises(ProcessLookupError):
+        os.kill(survivor, 0)
 
 
 def test_workers_share_one_port(loaded_dir: Path) -> None:

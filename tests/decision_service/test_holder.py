@@ -10,6 +10,7 @@ import pytest
 
 from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
+from decision_service.table import Table
 from tests.decision_service.harness import eventually
 from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, version_of, write_table_file
 from tests.support.tables import bad_fixtures
@@ -170,7 +171,7 @@ def test_duplicate_key_in_a_second_file_is_rejected(tables_dir: Path, metrics: D
     assert reloads(metrics, "duplicate_key") == 1
 
 
-def test_unreadable_file_is_rejected(tables_dir: Path, metrics: DecisionMetrics) -> None:
+def test_directories_and_dangling_links_are_skipped(tables_dir: Path, metrics: DecisionMetrics) -> None:
     path = tables_dir / "a.ppdt"
     path.mkdir()  # a directory with a table's name: not a file, skipped
     (tables_dir / "b.ppdt").symlink_to(tables_dir / "missing-target")  # dangling: skipped
@@ -180,18 +181,22 @@ def test_unreadable_file_is_rejected(tables_dir: Path, metrics: DecisionMetrics)
     assert not holder.current.ready
 
 
-def test_unreadable_permissions_are_rejected(tables_dir: Path, metrics: DecisionMetrics) -> None:
+def test_unreadable_file_is_rejected_as_unreadable(
+    tables_dir: Path, metrics: DecisionMetrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tables_dir / "a.ppdt"
     write_table_file(path)
-    path.chmod(0)
+
+    def denied(cls: type[Table], target: object) -> Table:
+        raise PermissionError(13, "Permission denied", str(target))
+
+    # chmod cannot stop root (CI runs as root), so the reader's OSError is provoked directly.
+    monkeypatch.setattr(Table, "open", classmethod(denied))
     holder = TableHolder(tables_dir, listener=metrics)
-    try:
-        with open(path, "rb"):
-            pytest.skip("running as a user who can read any file (root)")
-    except PermissionError:
-        pass
     report = holder.scan()
     assert report.rejected == ((path, "unreadable"),)
+    assert reloads(metrics, "unreadable") == 1
+    assert not holder.current.ready
 
 
 def test_temporary_hidden_and_foreign_files_are_ignored(tables_dir: Path) -> None:
@@ -252,3 +257,30 @@ async def test_watch_survives_a_failing_scan(
     stop.set()
     await watcher
     assert "will retry" in caplog.text
+
+
+def test_a_duplicate_gets_in_once_the_key_is_free(tables_dir: Path, metrics: DecisionMetrics) -> None:
+    write_table_file(tables_dir / "a.ppdt", key=DEFAULT_KEY, seed=1)
+    holder = TableHolder(tables_dir, listener=metrics)
+    holder.scan()
+    second = write_table_file(tables_dir / "b.ppdt", key=DEFAULT_KEY, seed=2)
+    assert holder.scan().rejected == ((tables_dir / "b.ppdt", "duplicate_key"),)
+    (tables_dir / "a.ppdt").unlink()
+    report = holder.scan()
+    assert report.loaded == (tables_dir / "b.ppdt",)
+    assert version(holder.current) == second
+    assert reloads(metrics, "duplicate_key") == 1
+
+
+def test_the_default_follows_the_smallest_key_and_says_so(
+    tables_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_table_file(tables_dir / "b.ppdt", key=OTHER_KEY)
+    holder = TableHolder(tables_dir)
+    with caplog.at_level(logging.INFO, logger="decision_service.holder"):
+        holder.scan()
+        write_table_file(tables_dir / "a.ppdt", key=DEFAULT_KEY)
+        holder.scan()
+    assert holder.current.default_key == DEFAULT_KEY
+    assert f"requests without a table_key now go to {OTHER_KEY}" in caplog.text
+    assert f"requests without a table_key now go to {DEFAULT_KEY}" in caplog.text

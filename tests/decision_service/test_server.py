@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
-import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from decision_service.server import SERVICE_NAME
+from decision_service.metrics import DecisionMetrics
+from decision_service.server import SERVICE_NAME, build_server
+from decision_service.settings import Settings
 from tests.decision_service.harness import Running, eventually
 from tests.decision_service.tables import DEFAULT_KEY, write_table_file
 
@@ -67,14 +68,10 @@ async def test_reflection_lists_the_services(running: Running) -> None:
     assert {SERVICE_NAME, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= names
 
 
-async def test_a_second_server_on_a_busy_port_fails(running: Running, tables_dir: Path) -> None:
-    del tables_dir
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    try:
-        port = server.add_insecure_port(running.target)
-    except RuntimeError:
-        port = 0
-    assert port == 0
+async def test_a_second_server_on_a_busy_port_fails(running: Running) -> None:
+    settings = Settings(tables_dir=running.tables_dir, port=running.server.port)
+    with pytest.raises(OSError, match=f"cannot bind gRPC to 127.0.0.1:{running.server.port}"):
+        build_server(settings, running.holder, DecisionMetrics())
 
 
 async def test_watch_loop_and_health_follow_a_new_file(empty_server: Running) -> None:
