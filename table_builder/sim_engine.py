@@ -5,22 +5,40 @@ simulated cluster of the point's shape, in the point's static mode, with the cal
 profile (default Llama-3.1-8B on H100), and returns one record per request sent. Records are checked
 against the schema here (``Record.from_dict``), so a simulator bug cannot slip a bad record into a table.
 
-Rule: the arrivals of a point depend on (seed, workload, QPS) only, not on the mode: pd and local runs
+Rule 1: the arrivals of a point depend on (seed, workload, QPS) only, not on the mode: pd and local runs
 of a cell see the very same conversations (common random numbers), so their difference is the mode's,
 not the draw's.
+Rule 2: the settings carry a fingerprint of the simulator's code and profiles, so a sweep folder made
+by another simulator is never resumed into the same table, and each table names the simulator it
+came from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from table_builder.records import Record
 from table_builder.sweep import GridPoint
 
-__all__ = ["SimEngine"]
+__all__ = ["SimEngine", "simulator_fingerprint"]
+
+
+def simulator_fingerprint() -> str:
+    """SHA-256 (16 hex digits) over the simulator package's Python files and profile/calibration JSON."""
+    import simulator
+
+    root = Path(simulator.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".py", ".json") and path.is_file() and "__pycache__" not in path.parts:
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +48,7 @@ class SimEngine:
     profile: str = "llama-3.1-8b-h100"
     link: str = "nvlink"
     timeout_s: float = 30.0
+    simulator: str = field(default_factory=simulator_fingerprint)
 
     @property
     def name(self) -> str:
@@ -41,6 +60,7 @@ class SimEngine:
             "link": self.link,
             "profile": self.profile,
             "seed": self.seed,
+            "simulator": self.simulator,
             "timeout_s": self.timeout_s,
         }
 

@@ -1,8 +1,8 @@
 """The shipped default tables (tables/*.ppdt): present, valid, named by key, with provenance.
 
 They are produced by one command (README, "Table files and the table builder"); a full rebuild takes
-minutes, so CI checks what can be checked cheaply: the server's reader accepts them and they say how
-they were made.
+minutes, so CI checks what can be checked cheaply: the server's reader accepts them, they say how they
+were made, and a few of their cells equal a rebuild of those cells on the current simulator.
 """
 
 from __future__ import annotations
@@ -12,8 +12,17 @@ from pathlib import Path
 import pytest
 
 from decision_service.table import Table
-from table_builder.build import BUILDER_VERSION, table_file_name
+from table_builder.build import (
+    BUILDER_VERSION,
+    BuildOptions,
+    axes_locator,
+    build_from_records,
+    table_file_name,
+)
+from table_builder.catalog import parse_workload
 from table_builder.cli import main
+from table_builder.sim_engine import SimEngine
+from table_builder.sweep import GridPoint
 
 TABLES = Path(__file__).resolve().parents[2] / "tables"
 DEFAULT_SHAPES = ("1P3D", "2P2D", "3P1D")
@@ -33,8 +42,8 @@ def test_default_table_is_shipped_valid_and_documented(shape: str) -> None:
         assert p["labels"]["profile"] == "llama-3.1-8b-h100"
         assert p["labels"]["hardware"] == "H100"
         assert len(p["inputs_sha256"]) == 64
-        # The full paper grid: 18 workloads x 10 QPS levels x 2 modes.
-        assert len(p["runs"]) == 360
+        # The full paper grid (18 workloads) and the nine huge-context ones, x 10 QPS levels x 2 modes.
+        assert len(p["runs"]) == 540
         assert p["cells"]["filled"] + p["cells"]["low_sample"] >= 100
     finally:
         table.close()
@@ -42,3 +51,43 @@ def test_default_table_is_shipped_valid_and_documented(shape: str) -> None:
 
 def test_check_accepts_the_whole_folder() -> None:
     assert main(["check", str(TABLES)]) == 0
+
+
+# Cells that only their own workload fills (tiny's benchmark shape lands in small_bal, so avoid those).
+SPOT_CELLS = (("small_mid_paste", 8.0), ("huge_big_paste", 20.0))
+
+
+@pytest.mark.parametrize("shape", DEFAULT_SHAPES)
+def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str) -> None:
+    """A full rebuild takes minutes, so rebuild a few cells: if this fails, the simulator or the build
+    rules changed since the tables were made; rerun the README's command and commit the tables."""
+    table = Table.open(TABLES / table_file_name(shape, MODEL))
+    try:
+        labels = table.header["provenance"]["labels"]
+        engine = SimEngine(
+            duration_s=float(labels["duration_s"]),
+            seed=int(labels["seed"]),
+            profile=labels["profile"],
+            link=labels["link"],
+            timeout_s=float(labels["timeout_s"]),
+        )
+        records = [
+            record
+            for name, qps in SPOT_CELLS
+            for mode in ("pd", "local")
+            for record in engine.run(GridPoint(shape, MODEL, mode, parse_workload(name), qps))
+        ]
+        rebuilt = build_from_records(records, BuildOptions(shape=shape, model=MODEL)).spec.figures
+        axes = table.axes
+        locate = axes_locator(axes)
+        for name, qps in SPOT_CELLS:
+            w = parse_workload(name)
+            cell = locate(n_ctx=w.turn2_context, n_in=w.second.n_in, n_out=w.second.n_out, qps=qps)
+            index = (cell.context, cell.workload, cell.qps)
+            assert table.measured(*index)
+            assert list(table.figures[index]) == list(rebuilt[index]), (
+                f"{shape} {name}@{qps:g} differs from a rebuild: the table came from simulator "
+                f"{labels.get('simulator')}, this is {engine.simulator}; rerun the README's sweep command"
+            )
+    finally:
+        table.close()

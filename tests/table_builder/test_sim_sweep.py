@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from decision_service.table import Table
 from table_builder.catalog import parse_workload
 from table_builder.cli import main
@@ -64,3 +66,13 @@ def test_huge_context_workloads_fill_the_huge_context_class(tmp_path: Path) -> N
         assert table.measured(2, 7, 2)  # huge context, big_paste, 2 QPS
     finally:
         table.close()
+
+
+def test_a_sweep_folder_of_another_simulator_is_not_resumed(tmp_path: Path) -> None:
+    from table_builder.sweep import SweepError, SweepPlan, run_sweep
+
+    empty = SweepPlan(("1P3D",), "llama-3.1-8b", ("pd",), (), (1.0,))
+    run_sweep(empty, SimEngine(simulator="0123456789abcdef"), tmp_path)
+    with pytest.raises(SweepError, match="other settings"):
+        run_sweep(empty, SimEngine(), tmp_path)
+    assert len(SimEngine().simulator) == 16
