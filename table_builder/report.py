@@ -20,6 +20,8 @@ from table_builder.comparison import (
     BANDS,
     HIGH_QPS,
     MODE_ORDER,
+    PAPER_TABLE1,
+    PAPER_TABLE5,
     Acceptance,
     Manifest,
     Point,
@@ -134,6 +136,8 @@ def _section_table1(pts: Sequence[Point], plots: _Plots) -> list[str]:
             for m in modes
             if m != "pd"
         ]
+        if bands and shape in PAPER_TABLE1:
+            bands.append(["paper, x=1 (Table 1)", *[_pct(v) for v in PAPER_TABLE1[shape]]])
         if bands:
             header = ["vs PD", *[f"{name} ({lo:g}-{hi:g})" for name, lo, hi in BANDS]]
             lines += [f"{shape}: change in mean Turn 2+ TTFT versus PD (negative = better)", ""]
@@ -201,7 +205,13 @@ def _section_failures(pts: Sequence[Point]) -> list[str]:
         [f"{shape} ({mode})", *[f"{100 * r[q]:.0f}%" if q in r else "-" for q in levels]]
         for (shape, mode), r in rates.items()
     ]
-    return [*lines, *_table(["config", *[f"QPS={q:g}" for q in levels]], rows)]
+    lines += _table(["config", *[f"QPS={q:g}" for q in levels]], rows)
+    paper = [
+        [f"{shape} ({mode})", *[f"{100 * v:.0f}%" for v in values]]
+        for (shape, mode), values in PAPER_TABLE5.items()
+    ]
+    lines += ["The paper's Table 5 (real H100 runs), for comparison:", ""]
+    return [*lines, *_table(["config", *[f"QPS={q:g}" for q in HIGH_QPS]], paper)]
 
 
 def _section_winners(pts: Sequence[Point]) -> list[str]:

@@ -193,7 +193,9 @@ def reproduce(settings: ReproduceSettings, out: Path, *, progress: bool = False)
         "relative ones, so its values are not comparable with the paper's 1-6.",
     ]
     for shape, path in sorted(tables.items()):
-        notes.append(f"{shape}: " + (f"ppd routes with {path}" if path else "no table found, so no ppd runs"))
+        notes.append(
+            f"{shape}: " + (f"ppd routes with {path}." if path else "no table found, so no ppd runs.")
+        )
     lists = _turn_lists(settings)
     plan = _plan(settings, tables)
     runs: dict[str, RunInfo] = {}

@@ -94,6 +94,8 @@ def test_report_writes_markdown_and_every_plot(tmp_path: Path) -> None:
     for heading in ("Table 1", "Figure 1", "Table 5", "Table 3", "Figure 6", "Figure 5", "Acceptance"):
         assert heading in text
     assert "test factory, seed 5" in text
+    assert "| paper, x=1 (Table 1) | -57.8% | -65.2% | -73.3% |" in text
+    assert "The paper's Table 5" in text
     assert "FAIL" not in text
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert pngs == ["figure1_pareto.png", "figure5_links.png", "figure6_wtpot.png", "table1_ttft_by_qps.png"]
