@@ -371,6 +371,7 @@ def _run_simulation(args: argparse.Namespace) -> None:
         shapes=args.shapes,
         qps_levels=args.qps,
         tables=args.tables,
+        stress_qps=args.stress_qps,
         wtpot_values=args.wtpot,
         link_duration_s=args.link_duration,
     )
@@ -417,6 +418,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--qps", type=_floats, default=(0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0),
         help="QPS levels (default the paper's ten)",
     )  # fmt: skip
+    run.add_argument(
+        "--stress-qps",
+        type=_floats,
+        default=(),
+        help="extra QPS levels on 1P3D beyond the grid, e.g. 144,160,176",
+    )
     run.add_argument("--tables", type=Path, default=Path("tables"), help="tables for ppd (default tables/)")
     run.add_argument(
         "--wtpot",

@@ -2,7 +2,8 @@
 
 Three experiments, all on the same seeded arrivals so modes are compared on identical traffic:
 
-1. the QPS sweep: every shape x mode (pd, local, ppd) x QPS level, for the chosen workload;
+1. the QPS sweep: every shape x mode (pd, local, ppd) x QPS level, for the chosen workload (plus the
+   optional ``stress_qps`` levels on 1P3D, where PD's success rate starts to drop in the simulation);
 2. the w_tpot sweep (Figure 6): 1P3D, ``ppd`` with weights (w_ttft=1, w_tpot=w) for each w, plus the
    static PD baseline, at one QPS;
 3. the link sweep (Figure 5): 1P3D, ``pd`` and ``ppd`` over each interconnect of the profile, at one QPS.
@@ -43,6 +44,8 @@ class ReproduceSettings:
     shapes: tuple[str, ...] = ("1P3D", "2P2D", "3P1D")
     modes: tuple[str, ...] = ("pd", "local", "ppd")
     qps_levels: tuple[float, ...] = PAPER_QPS
+    #: Extra QPS levels for ``wtpot_shape`` only, beyond the paper's grid: where PD starts to fail.
+    stress_qps: tuple[float, ...] = ()
     tables: Path = Path("tables")
     profile: str = "llama-3.1-8b-h100"
     model: str = "llama-3.1-8b"
@@ -105,17 +108,11 @@ def _plan(settings: ReproduceSettings, tables: dict[str, Path | None]) -> list[_
         for mode in settings.modes:
             if mode == "ppd" and tables.get(shape) is None:
                 continue
+            levels = settings.qps_levels + (settings.stress_qps if shape == settings.wtpot_shape else ())
+            table = tables.get(shape)
             runs += [
-                _Run(
-                    "qps",
-                    f"qps-{shape}-{mode}-{q:g}",
-                    shape,
-                    mode,
-                    q,
-                    settings.duration_s,
-                    table=tables.get(shape),
-                )
-                for q in settings.qps_levels
+                _Run("qps", f"qps-{shape}-{mode}-{q:g}", shape, mode, q, settings.duration_s, table=table)
+                for q in levels
             ]
     shape = settings.wtpot_shape
     if settings.wtpot_values and tables.get(shape) is not None:

@@ -33,6 +33,7 @@ def test_reproduce_runs_every_experiment_with_the_same_seeded_traffic(tmp_path: 
     settings = ReproduceSettings(
         seed=2, duration_s=2.0, workload="large_mid_paste", shapes=("1P3D", "2P2D"), qps_levels=(1.0, 4.0),
         tables=_tables(tmp_path), wtpot_values=(1.0, 8.0), links=("nvlink", "100gbe"), link_duration_s=2.0,
+        stress_qps=(30.0,),
     )  # fmt: skip
     out = tmp_path / "records"
     manifest = reproduce(settings, out)
@@ -46,6 +47,8 @@ def test_reproduce_runs_every_experiment_with_the_same_seeded_traffic(tmp_path: 
                for m in ("pd", "local", "ppd")}  # fmt: skip
     assert by_mode["pd"] == by_mode["local"] == by_mode["ppd"]  # identical arrivals for every mode
     assert {r.path for r in qps if r.mode == "local" and r.turn == 2} == {"local"}
+    assert {r.target_qps for r in qps if r.shape == "1P3D"} == {4.0, 30.0}  # stress level on 1P3D only
+    assert {r.target_qps for r in qps if r.shape == "2P2D"} == {4.0}  # (2 s at QPS 1: no arrival, seed 2)
     assert manifest.runs["wtpot-8"].w_tpot == 8.0
     assert manifest.runs["link-100gbe-pd"].link_gb_s == 10.0
     assert len(list((out / "bandwidth").glob("*.jsonl"))) == 4
