@@ -8,6 +8,7 @@ from table_builder.bench_cli import main
 from table_builder.comparison import (
     Manifest,
     ManifestError,
+    Point,
     acceptance,
     band_changes,
     bandwidth_points,
@@ -121,3 +122,21 @@ def test_a_report_without_sweeps_says_so(tmp_path: Path) -> None:
     assert "No w_tpot sweep in these records." in text
     assert "No link-bandwidth sweep in these records." in text
     assert "unknown engine, seed unrecorded" in text
+
+
+def _pt(mode: str, qps: float, ttft: float, ok: int) -> Point:
+    return Point(shape="1P3D", mode=mode, qps=qps, sent=100, ok=ok, ttft2_mean_ms=ttft, ttft2_p99_ms=ttft,
+                 ttft_p99_ms=ttft, tpot2_mean_ms=8.0, e2e_mean_ms=1000.0, tokens_per_s=1.0, local_share=None,
+                 workloads=("sharegpt",))  # fmt: skip
+
+
+def test_stress_levels_count_for_success_but_not_for_the_latency_means() -> None:
+    pts = [_pt("pd", 4.0, 100.0, 100), _pt("ppd", 4.0, 30.0, 100), _pt("pd", 160.0, 9000.0, 80),
+           _pt("ppd", 160.0, 50.0, 99)]  # fmt: skip
+    checks = {c.name: c for c in acceptance(pts, [], []).checks}
+    ttft = checks["PPD cuts mean Turn 2+ TTFT vs PD by >= 50%"]
+    assert ttft.passed is True
+    assert "100.0 -> 30.0 ms" in ttft.detail
+    success = checks["where PD's success rate < 95%, PPD stays at 100%"]
+    assert success.passed is False
+    assert success.detail == "QPS 160: PD 80% / PPD 99%"
