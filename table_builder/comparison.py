@@ -222,12 +222,12 @@ def band_changes(pts: Sequence[Point], shape: str, mode: str) -> dict[str, float
 
 
 def failure_rates(
-    pts: Sequence[Point], levels: Sequence[float] = HIGH_QPS
+    pts: Sequence[Point], min_qps: float = HIGH_QPS[0]
 ) -> dict[tuple[str, str], dict[float, float]]:
-    """(shape, mode) -> {QPS: failure rate} at the given QPS levels (where measured)."""
+    """(shape, mode) -> {QPS: failure rate} at every measured QPS level from ``min_qps`` up (stress too)."""
     out: dict[tuple[str, str], dict[float, float]] = defaultdict(dict)
     for p in pts:
-        if p.qps in levels:
+        if p.qps >= min_qps:
             out[(p.shape, p.mode)][p.qps] = 1.0 - p.success_rate
     return dict(out)
 
