@@ -47,7 +47,7 @@ class DecisionMetrics:
         )
         self.route_latency = Histogram(
             "ppd_route_latency_seconds",
-            "Time spent inside the Route handler, from request message to response message.",
+            "Time inside the unary Route handler for answered calls, request message to response message.",
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )

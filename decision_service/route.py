@@ -23,7 +23,17 @@ from typing import NamedTuple
 from decision_service.classify import CompiledClassifier
 from decision_service.table import Table, Weights
 
-__all__ = ["MAX_TOKENS", "Query", "QueryError", "Reason", "Router", "Verdict", "check_query", "route"]
+__all__ = [
+    "MAX_TOKENS",
+    "CellRule",
+    "Query",
+    "QueryError",
+    "Reason",
+    "Router",
+    "Verdict",
+    "check_query",
+    "route",
+]
 
 # Larger token counts are a caller bug, not a workload (no model has a 100M-token context).
 MAX_TOKENS = 100_000_000
@@ -74,7 +84,9 @@ class Verdict(NamedTuple):
     detail: str
 
 
-class _Cell(NamedTuple):
+class CellRule(NamedTuple):
+    """One compiled cell: its deltas (from the nearest measured level) and default-weight verdict."""
+
     context: str
     workload: str
     qps_level: float
@@ -130,7 +142,7 @@ class Router:
         self._turn_one = Verdict(
             False, Reason.TURN_ONE, None, None, None, 0.0, False, "turn 1 always takes PD"
         )
-        cells: list[_Cell] = []
+        cells: list[CellRule] = []
         for c in range(nc):
             for w in range(nw):
                 measured_q = [q for q in range(nq) if table.measured(c, w, q)]
@@ -138,7 +150,7 @@ class Router:
                     cells.append(self._compile_cell(c, w, q, measured_q, default_local))
         self._cells = tuple(cells)
 
-    def _compile_cell(self, c: int, w: int, q: int, measured_q: list[int], default_local: bool) -> _Cell:
+    def _compile_cell(self, c: int, w: int, q: int, measured_q: list[int], default_local: bool) -> CellRule:
         t = self.table
         axes = t.axes
         ctx, wl = axes.context_classes[c], axes.workloads[w].name
@@ -154,7 +166,7 @@ class Router:
                 default_local,
                 f"no measurements for ({ctx}, {wl}) at any QPS; table default {t.default_decision}",
             )
-            return _Cell(ctx, wl, level, 0.0, 0.0, (default_local, Reason.DEFAULT), v)
+            return CellRule(ctx, wl, level, 0.0, 0.0, (default_local, Reason.DEFAULT), v)
         # Nearest measured level; on a tie the lower one (its figures are the less optimistic for PD).
         src = min(measured_q, key=lambda m: (abs(axes.qps_levels[m] - level), m))
         pd_ttft, pd_tpot, lo_ttft, lo_tpot, pd_ok, lo_ok, _, _ = (float(x) for x in t.figures[c, w, src])
@@ -183,7 +195,12 @@ class Router:
                 reason = Reason.NEAREST_CELL
             forced = (local, reason) if forced is not None else None
         v = Verdict(local, reason, ctx, wl, used, score, local, detail)
-        return _Cell(ctx, wl, used, d_ttft, d_tpot, forced, v)
+        return CellRule(ctx, wl, used, d_ttft, d_tpot, forced, v)
+
+    def cell(self, c: int, w: int, q: int) -> CellRule:
+        """The compiled rule of cell (context c, workload w, QPS level q)."""
+        _, nw, nq = self.table.axes.shape
+        return self._cells[(c * nw + w) * nq + q]
 
     def route(self, q: Query) -> Verdict:
         """Decide ``q``. Assumes ``check_query`` passed; total over every such query."""

@@ -240,8 +240,6 @@ def _cell_figures(router: Router) -> list[pb.CellFigures]:
     table = router.table
     axes = table.axes
     nc, nw, nq = axes.shape
-    # Router compiles one cell per (c, w, q) in that nesting order (route.Router.__init__).
-    compiled = router._cells
     cells: list[pb.CellFigures] = []
     for c in range(nc):
         for w in range(nw):
@@ -249,7 +247,7 @@ def _cell_figures(router: Router) -> list[pb.CellFigures]:
                 pd_ttft, pd_tpot, lo_ttft, lo_tpot, pd_ok, lo_ok, pd_n, lo_n = (
                     float(x) for x in table.figures[c, w, q]
                 )
-                own = compiled[(c * nw + w) * nq + q]
+                own = router.cell(c, w, q)
                 cells.append(
                     pb.CellFigures(
                         cell=pb.Cell(

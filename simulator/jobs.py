@@ -1,12 +1,14 @@
 """What the real-time driver hands back to the HTTP layer for one request: a queue of step emissions.
 
-Invariant: a `JobHandle` receives `Emission`s in step order; the last one has `finished=True` (with
-`error` set when the request failed, e.g. a KV load after the lease expired), and nothing follows it.
+Invariant: a `JobHandle` receives `Emission`s in step order, through its `sink` (mid-stream tokens, when
+one is set and accepts them) or its queue; the last one always comes through the queue with
+`finished=True` (with `error` set when the request failed, e.g. a KV load after the lease expired).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Emission", "JobHandle"]
@@ -34,3 +36,6 @@ class JobHandle:
     preemptions: int = 0
     cached_tokens: int = 0
     kv_pinned: bool = False
+    # Optional fast path for mid-stream tokens: called by the driver instead of queueing the emission;
+    # returns False to decline (the emission is then queued as usual). It must not raise.
+    sink: Callable[[Emission], bool] | None = None

@@ -207,7 +207,10 @@ class RealtimeDriver:
                 handle.cached_tokens = fin.num_cached_tokens
                 handle.kv_pinned = fin.kv_pinned
                 error = "KV load failed" if fin.reason is FinishReason.ERROR else None
-            handle.queue.put_nowait(Emission(tokens=1, at=end, finished=fin is not None, error=error))
+            emission = Emission(tokens=1, at=end, finished=fin is not None, error=error)
+            if fin is None and handle.sink is not None and handle.sink(emission):
+                continue  # written straight to the client's socket
+            handle.queue.put_nowait(emission)
         self._deliver_tokenless(done, end)
         for rid in result.preempted:
             handle = handles.get(rid)

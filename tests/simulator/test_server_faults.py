@@ -114,12 +114,22 @@ async def test_added_latency(group: WorkerGroup) -> None:
     assert time.monotonic() - started >= 0.15  # a lower bound only: the delay was really applied
 
 
-async def test_down_closes_the_port_and_comes_back(group: WorkerGroup) -> None:
+async def test_down_closes_the_port(group: WorkerGroup) -> None:
     url = group.worker("D0").url
-    await set_faults(url, {"down": True, "down_for_s": 0.3})
+    await set_faults(url, {"down": True})
     with pytest.raises(aiohttp.ClientConnectionError):
         await complete(url)
-    await wait_until_up(url)
+    with pytest.raises(aiohttp.ClientConnectorError):  # nothing listens any more
+        await complete(url)
+
+
+async def test_down_for_a_while_comes_back_fresh(group: WorkerGroup) -> None:
+    d = group.worker("D0")
+    url = d.url
+    old_engine = d.engine_id
+    await set_faults(url, {"down": True, "down_for_s": 0.3})
+    await wait_until_up(url)  # (whether or not we saw it down: that is the test above)
+    assert d.engine_id != old_engine  # a restarted worker has a new engine (empty prefix cache)
     assert (await complete(url))[0] == 200
     async with fresh() as http, http.get(f"{url}/admin/faults") as r:
         assert (await r.json())["down"] is False

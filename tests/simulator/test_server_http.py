@@ -535,3 +535,24 @@ async def test_many_concurrent_pd_pairs_leave_nothing_behind(
         assert w.engine.load() == 0
         assert w.engine.stats().num_pinned == 0
         assert w.driver.num_active == 0
+
+
+async def test_http10_stream_is_not_chunk_framed(group: WorkerGroup) -> None:
+    """The direct-write fast path frames chunks itself; it must stay off when aiohttp does not chunk."""
+    d = group.worker("D0")
+    body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", d.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    raw = await reader.read()  # HTTP/1.0: the server closes the connection at the end
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    assert b"chunked" not in head.lower()
+    events = [e for e in payload.split(b"\n\n") if e]
+    assert all(e.startswith(b"data: ") for e in events)
+    assert events[-1] == b"data: [DONE]"
+    assert len(events) == 5
