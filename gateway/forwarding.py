@@ -408,9 +408,9 @@ class Forwarder:
         headers["Content-Type"] = "text/event-stream"
         headers["Cache-Control"] = "no-cache"
         response = web.StreamResponse(status=200, headers=headers)
-        await response.prepare(request)
         relay = StreamRelay(strip_usage=p.strip_usage)
         try:
+            await response.prepare(request)
             failure = await self._pump(turn, call, upstream, relay, response)
             if failure is not None:
                 self._d.metrics.stream_errors.labels("upstream").inc()

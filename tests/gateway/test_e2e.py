@@ -196,33 +196,33 @@ def test_client_disconnect_aborts_the_workers_request(gateway: Process, cluster:
         "model": MODEL,
         "messages": [{"role": "user", "content": "long"}],
         "stream": True,
-        "max_tokens": 4000,
+        "max_tokens": 20000,
     }
     req = urllib.request.Request(
         _url(gateway) + "/v1/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "X-PPD-Mode": "local"},
+        headers={"Content-Type": "application/json"},
     )
     resp = urllib.request.urlopen(req, timeout=30)
     d_url = _worker(cluster, resp.headers["X-PPD-Decode-Worker"])
+    generated = _metric(d_url, "vllm:generation_tokens_total")
     assert resp.readline().startswith(b"data: ")
-    running = _running(d_url)
-    assert running >= 1
+    assert _metric(d_url, "vllm:num_requests_running") == 1
     resp.close()  # the client goes away mid-stream
-    for _ in range(300):
-        running = _running(d_url)
-        if running == 0:
+    for _ in range(1200):  # the worker would need minutes to finish 20000 tokens by itself
+        if _metric(d_url, "vllm:num_requests_running") == 0:
             break
         time.sleep(0.05)
-    assert running == 0
+    assert _metric(d_url, "vllm:num_requests_running") == 0
+    assert _metric(d_url, "vllm:generation_tokens_total") - generated < 20000
 
 
-def _running(worker_url: str) -> float:
+def _metric(worker_url: str, prefix: str, contains: str = "") -> float:
     text = _http(worker_url + "/metrics")[1].decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:num_requests_running")
+        if line.startswith(prefix) and contains in line
     )
 
 
