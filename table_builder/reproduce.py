@@ -188,7 +188,8 @@ def reproduce(settings: ReproduceSettings, out: Path, *, progress: bool = False)
         f"Workload {settings.workload}; {settings.duration_s:g} s of Poisson arrivals per point "
         f"({settings.link_duration_s:g} s for the link sweep); 30 s request timeout; "
         f"profile {settings.profile}. w_tpot weighs relative deltas as in the paper, but the simulated "
-        "TPOT cost of a local append-prefill is far below 1%, so the crossing lies far above the paper's 1-6.",
+        "TPOT cost of a local append-prefill is far below 1%, "
+        "so the crossing lies far above the paper's 1-6.",
     ]
     for shape, path in sorted(tables.items()):
         notes.append(
