@@ -14,10 +14,11 @@ import sys
 import time
 from typing import Any
 
-from simulator.cluster import ClusterConfig, Topology, simulate
+from simulator.cluster import ClusterConfig, simulate
 from simulator.link import TransferMode
 from simulator.profile import load_profile
 from simulator.routing import TableRouter
+from simulator.topology import Topology
 from simulator.workload import Conversation, sharegpt_like, synthetic_conversations, turn_list_conversations
 
 __all__ = ["add_arguments", "main", "run_bench", "summarise"]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-import re
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -49,40 +48,16 @@ from simulator.engine import (
 from simulator.kv_cache import StreamBlocks
 from simulator.link import Link, TransferMode
 from simulator.profile import Profile
+from simulator.topology import Topology
 from simulator.workload import Conversation
 
 __all__ = [
     "ClusterConfig",
     "ClusterResult",
     "LocalPolicy",
-    "Topology",
     "parse_mode",
     "simulate",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Topology:
-    prefill: int
-    decode: int
-    replica: int
-
-    @classmethod
-    def parse(cls, text: str) -> Topology:
-        """``1P3D``, ``2P2D``, ``3P1D`` or ``4R``."""
-        m = re.fullmatch(r"(\d+)P(\d+)D|(\d+)R", text.strip().upper())
-        if not m:
-            raise ValueError(f"bad topology {text!r}: expected e.g. 1P3D or 4R")
-        if m.group(3):
-            return cls(0, 0, int(m.group(3)))
-        topo = cls(int(m.group(1)), int(m.group(2)), 0)
-        if topo.prefill <= 0 or topo.decode <= 0:
-            raise ValueError(f"bad topology {text!r}: needs at least one P and one D")
-        return topo
-
-    @property
-    def label(self) -> str:
-        return f"{self.replica}R" if self.replica else f"{self.prefill}P{self.decode}D"
 
 
 class LocalPolicy(Protocol):
@@ -239,6 +214,8 @@ class _Sim:
             kv_capacity_tokens=config.kv_capacity_tokens,
         )
         topo = config.topology
+        if topo.replica and (topo.prefill or topo.decode):
+            raise ValueError(f"bad topology {topo.name!r}: replica workers do not mix with P/D workers")
         self.replica_mode = self.kind == "replica" or topo.replica > 0
         if topo.replica and self.kind not in ("replica",):
             raise ValueError("a replica topology runs only in mode replica")

@@ -52,3 +52,23 @@ class Topology:
             for i in range(counts[letter])
         )
         return cls(name=name, workers=workers)
+
+    def count(self, role: Role) -> int:
+        return sum(1 for w in self.workers if w.role == role)
+
+    @property
+    def prefill(self) -> int:
+        return self.count("prefill")
+
+    @property
+    def decode(self) -> int:
+        return self.count("decode")
+
+    @property
+    def replica(self) -> int:
+        return self.count("replica")
+
+    @property
+    def label(self) -> str:
+        """The canonical name: groups in P, D, R order, empty groups left out (``3d1p`` -> ``1P3D``)."""
+        return "".join(f"{n}{letter}" for letter, role in ROLE_LETTERS.items() if (n := self.count(role)))

@@ -148,9 +148,10 @@ def _simulate(
     run: _Run, settings: ReproduceSettings, lists: Sequence[Sequence[tuple[int, int]]]
 ) -> list[Record]:
     from decision_service.table import Weights
-    from simulator.cluster import ClusterConfig, Topology, simulate
+    from simulator.cluster import ClusterConfig, simulate
     from simulator.profile import load_profile
     from simulator.routing import TableRouter
+    from simulator.topology import Topology
     from simulator.workload import turn_list_conversations
 
     conversations = turn_list_conversations(

@@ -68,8 +68,9 @@ class SimEngine:
         return zlib.crc32(f"{self.seed}/{point.workload.name}/{point.qps:g}".encode())
 
     def run(self, point: GridPoint) -> list[Record]:
-        from simulator.cluster import ClusterConfig, Topology, simulate
+        from simulator.cluster import ClusterConfig, simulate
         from simulator.profile import load_profile
+        from simulator.topology import Topology
         from simulator.workload import turn_list_conversations
 
         first, second = point.workload.first, point.workload.second

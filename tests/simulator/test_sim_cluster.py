@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.cluster import ClusterConfig, Topology, parse_mode, simulate
+from simulator.cluster import ClusterConfig, parse_mode, simulate
 from simulator.link import TransferMode
 from simulator.profile import Profile, load_profile
+from simulator.topology import Topology
 from simulator.workload import (
     Conversation,
     Turn,
@@ -56,7 +57,8 @@ def turn2(records: list[dict[str, object]], key: str) -> float:
 
 
 def test_topology_and_mode_parsing() -> None:
-    assert Topology.parse("1P3D") == Topology(1, 3, 0)
+    topo = Topology.parse("1P3D")
+    assert (topo.prefill, topo.decode, topo.replica) == (1, 3, 0)
     assert Topology.parse("4r").label == "4R"
     assert parse_mode("fraction:0.25") == ("fraction", 0.25)
     for bad in ("1P0D", "P3D", "x"):
