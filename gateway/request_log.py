@@ -11,6 +11,8 @@ from typing import IO
 __all__ = ["RequestLog", "RequestRecord"]
 
 
+# Same schema as table_builder/records.py (FIELDS, Record): change both together (the gateway may not
+# import table_builder); tests/table_builder/test_gateway_request_log.py checks that they agree.
 @dataclass(frozen=True, slots=True)
 class RequestRecord:
     run_id: str

@@ -54,6 +54,8 @@ _BOOL = "bool"
 _OPT_STR = "str|null"
 
 #: Field name -> JSON type, in the order records are written.
+# gateway/request_log.py (RequestRecord) writes this schema too: change both together;
+# tests/table_builder/test_gateway_request_log.py checks that they agree.
 FIELDS: Final[Mapping[str, str]] = {
     "run_id": _STR,
     "shape": _STR,
