@@ -75,6 +75,15 @@ class _Samples:
     ok: int = 0
     sent: int = 0
 
+    def add_latencies(self, ttft_ms: float | None, tpot_ms: float | None, weight: float) -> None:
+        """Count each figure that was measured, with the number of requests it stands for."""
+        if ttft_ms is not None:
+            self.ttft.append(ttft_ms)
+            self.ttft_weight.append(weight)
+        if tpot_ms is not None:
+            self.tpot.append(tpot_ms)
+            self.tpot_weight.append(weight)
+
     def figures(self) -> ModeFigures:
         return ModeFigures(
             ttft_ms=_weighted_mean(self.ttft, self.ttft_weight),
@@ -142,12 +151,7 @@ def aggregate_records(
         used += 1
         if r.ok:
             acc.ok += 1
-            if r.ttft_ms is not None:
-                acc.ttft.append(r.ttft_ms)
-                acc.ttft_weight.append(1.0)
-            if r.tpot_ms is not None:
-                acc.tpot.append(r.tpot_ms)
-                acc.tpot_weight.append(1.0)
+            acc.add_latencies(r.ttft_ms, r.tpot_ms, 1.0)
     return _finish(samples, Tally(used, dict(sorted(left_out.items())), tuple(sorted(snapped))))
 
 
@@ -177,12 +181,8 @@ def aggregate_points(
         acc.sent += p.sent
         # The artifact gives a rate over all requests sent; keep it exact when it is one point.
         acc.ok += round(p.success_rate * p.sent)
-        if p.ttft_ms is not None and p.samples:
-            acc.ttft.append(p.ttft_ms)
-            acc.ttft_weight.append(float(p.samples))
-        if p.tpot_ms is not None and p.samples:
-            acc.tpot.append(p.tpot_ms)
-            acc.tpot_weight.append(float(p.samples))
+        if p.samples:
+            acc.add_latencies(p.ttft_ms, p.tpot_ms, float(p.samples))
     return _finish(samples, Tally(used, dict(sorted(left_out.items())), tuple(sorted(snapped))))
 
 
