@@ -138,15 +138,21 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         self._decision_counter[verdict.local, verdict.reason].inc()
         return _response(verdict, table, request.request_id)
 
-    def _decide_item(self, request: pb.RouteRequest) -> pb.RouteResponse:
-        """For batch and stream: failures become a response with `error` set."""
+    def _decide_counted(self, request: pb.RouteRequest, what: str) -> pb.RouteResponse | _Failure:
+        """`_decide`, with an unexpected exception logged and turned into INTERNAL, failures counted."""
         try:
             outcome = self._decide(request)
         except Exception:
-            logger.exception("Route item %r failed unexpectedly", request.request_id)
+            logger.exception("%s %r failed unexpectedly", what, request.request_id)
             outcome = _Failure(_INTERNAL, "internal error while routing; see the decision service log")
         if isinstance(outcome, _Failure):
             self._metrics.count_error(outcome.code.name)
+        return outcome
+
+    def _decide_item(self, request: pb.RouteRequest) -> pb.RouteResponse:
+        """For batch and stream: failures become a response with `error` set."""
+        outcome = self._decide_counted(request, "Route item")
+        if isinstance(outcome, _Failure):
             return pb.RouteResponse(
                 request_id=request.request_id,
                 table_key=request.table_key,
@@ -160,13 +166,8 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         self, request: pb.RouteRequest, context: _Context[pb.RouteRequest, pb.RouteResponse]
     ) -> pb.RouteResponse:
         start = self._clock()
-        try:
-            outcome = self._decide(request)
-        except Exception:
-            logger.exception("Route %r failed unexpectedly", request.request_id)
-            outcome = _Failure(_INTERNAL, "internal error while routing; see the decision service log")
+        outcome = self._decide_counted(request, "Route")
         if isinstance(outcome, _Failure):
-            self._metrics.count_error(outcome.code.name)
             await context.abort(outcome.code, outcome.message)
         self._latency.observe(self._clock() - start)
         return outcome
