@@ -18,6 +18,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.support.nixl import prefill_kv_params
+
 pytestmark = pytest.mark.integration
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -101,14 +103,7 @@ def test_pd_pair_then_local_follow_up(cluster: dict[str, Any]) -> None:
         "stream": False,
         "max_tokens": 1,
         "max_completion_tokens": 1,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        "kv_transfer_params": prefill_kv_params(),
     }
     headers = {"Authorization": "Bearer sk-test", "X-Request-Id": request_id}
     status, p_resp = post_json(f"{p_url}/v1/chat/completions", p_body, headers)

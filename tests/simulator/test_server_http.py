@@ -17,6 +17,7 @@ from simulator.sampler import SamplerSettings
 from simulator.topology import Role, Topology, WorkerSpec
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
 
@@ -269,14 +270,7 @@ def _pd_bodies(stream: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     p_body |= {
         "stream": False,
         "max_tokens": 1,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        "kv_transfer_params": prefill_kv_params(),
     }
     return client, p_body
 
