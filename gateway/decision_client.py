@@ -5,7 +5,11 @@ Rule 1: `route()` never raises and never waits longer than the deadline; a failu
 configured fallback with `fallback=True` and a reason naming the cause (`fallback_timeout`,
 `fallback_unavailable`, `fallback_not_serving`, `fallback_error`, `fallback_no_service`).
 Rule 2: the standard gRPC health service is watched in the background; while it says NOT_SERVING no
-RPC is attempted (no deadline is spent on a known-bad answer).
+RPC is attempted (no deadline is spent on a known-bad answer). A Watch stream lives on one replica
+(behind Envoy, or one subchannel of a `round_robin` channel), so a NOT_SERVING or SERVICE_UNKNOWN on it
+may speak for that replica only (it is draining): the client closes that Watch and opens a new one
+after `decision.health_reopen_s`, doubling up to `decision.health_reopen_max_s` while the answer stays
+not serving. The new Watch lands on a replica that still serves, and calls resume at its first SERVING.
 Rule 3 (stream form): requests are written to one RouteStream in order and answers matched to them
 first-in-first-out; a late answer resolves a future nobody waits for any more. A broken stream fails
 every waiter and is reopened by the next call, at most once a second.
@@ -19,6 +23,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -29,12 +34,33 @@ from gateway.routing import Decision
 from gateway.settings import DecisionSettings
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 
-__all__ = ["DecisionClient", "LiveSignals", "RouteQuery", "decision_from_response", "request_from_query"]
+__all__ = [
+    "DecisionClient",
+    "LiveSignals",
+    "RouteQuery",
+    "decision_from_response",
+    "reopen_delays",
+    "request_from_query",
+]
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = decision_pb2.DESCRIPTOR.services_by_name["DecisionService"].full_name
 _REASONS = {v: k.removeprefix("REASON_").lower() for k, v in decision_pb2.Reason.items()}
 _STREAM_RETRY_S = 1.0
+_WATCH_RETRY_S = 1.0  # after the Watch itself failed (service down); calls are tried meanwhile
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+_HealthWatch = grpc.aio.UnaryStreamMultiCallable[
+    health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+]
+
+
+def reopen_delays(first_s: float, most_s: float) -> Iterator[float]:
+    """Pauses before successive Watch re-opens: first_s, doubling, never above most_s."""
+    delay = first_s
+    while True:
+        yield min(delay, most_s)
+        delay = min(delay * 2.0, most_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +160,9 @@ class DecisionClient:
         self._channel = grpc.aio.insecure_channel(
             self._s.address,
             options=[
+                # round_robin spreads calls over every address a name resolves to (one per pod of a
+                # headless Service); pick_first keeps to one and fails over.
+                ("grpc.lb_policy_name", self._s.lb_policy),
                 ("grpc.keepalive_time_ms", 10_000),
                 ("grpc.keepalive_timeout_ms", 5_000),
                 ("grpc.http2.max_pings_without_data", 0),
@@ -234,23 +263,53 @@ class DecisionClient:
 
     async def _watch_health(self) -> None:
         assert self._channel is not None
-        watch = self._channel.unary_stream(
+        watch: _HealthWatch = self._channel.unary_stream(
             "/grpc.health.v1.Health/Watch",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
-        serving = health_pb2.HealthCheckResponse.SERVING
+        delays = reopen_delays(self._s.health_reopen_s, self._s.health_reopen_max_s)
         while True:
             try:
-                async for resp in watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME)):
-                    if resp.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
-                        self._serving = None
-                    else:
-                        self._serving = resp.status == serving
+                saw_serving, not_serving = await self._follow_watch(watch)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self._serving = None
                     return
-                # Down: let calls try (and fail fast) so recovery is seen at once.
+                saw_serving, not_serving = False, False
+            if saw_serving:
+                delays = reopen_delays(self._s.health_reopen_s, self._s.health_reopen_max_s)
+            if not_serving:
+                # This stream's replica may be draining while others serve. The state stays as
+                # reported (calls keep falling back, rule 2) until the new Watch answers.
+                await asyncio.sleep(next(delays))
+            else:
+                # Down, or the server ended the stream: let calls try (and fail fast) so recovery is
+                # seen at once.
                 self._serving = None
-            await asyncio.sleep(1.0)
+                await asyncio.sleep(_WATCH_RETRY_S)
+
+    async def _follow_watch(self, watch: _HealthWatch) -> tuple[bool, bool]:
+        """Follows one Watch stream while it says SERVING and closes it at the first other status.
+        Returns (it said SERVING at least once, it ended on a not-serving status); an RPC error
+        propagates."""
+        saw_serving = False
+        call = watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        try:
+            async for resp in call:
+                if resp.status == _SERVING:
+                    if self._serving is not True:
+                        log.info("DecisionService is SERVING")
+                    self._serving = saw_serving = True
+                    continue
+                if self._serving is True:
+                    log.warning(
+                        "DecisionService health says %s on this Watch; falling back and re-opening "
+                        "the Watch (another replica may serve)",
+                        health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status),
+                    )
+                self._serving = None if resp.status == _SERVICE_UNKNOWN else False
+                return saw_serving, True
+            return saw_serving, False
+        finally:
+            call.cancel()

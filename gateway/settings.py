@@ -44,6 +44,15 @@ class DecisionSettings:
     weights_profile: str = ""
     # Attach live load (P queue depth, D running, D KV usage) to each Route call.
     send_live_signals: bool = True
+    # gRPC load balancing over the addresses the name resolves to: "round_robin" (every call to the
+    # next ready address, e.g. each pod of dns:///ppd-decision-headless:50051) or "pick_first" (one
+    # address at a time, failing over to the next). Passed as the channel option grpc.lb_policy_name.
+    lb_policy: Literal["round_robin", "pick_first"] = "round_robin"
+    # After the health Watch reports NOT_SERVING (or SERVICE_UNKNOWN), close it and open a new one
+    # after this pause (it may land on another replica), doubling up to health_reopen_max_s while the
+    # answer stays not serving.
+    health_reopen_s: float = 0.2
+    health_reopen_max_s: float = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +185,10 @@ class Settings:
             raise SettingsError("policy.prefill_attempts must be >= 1")
         if self.decision.deadline_ms <= 0:
             raise SettingsError("decision.deadline_ms must be positive")
+        if self.decision.lb_policy not in ("round_robin", "pick_first"):
+            raise SettingsError("decision.lb_policy must be 'round_robin' or 'pick_first'")
+        if not 0 < self.decision.health_reopen_s <= self.decision.health_reopen_max_s:
+            raise SettingsError("need 0 < decision.health_reopen_s <= decision.health_reopen_max_s")
         if self.sessions.ttl_s <= 0 or self.sessions.max_entries <= 0:
             raise SettingsError("sessions.ttl_s and sessions.max_entries must be positive")
         if self.max_body_bytes <= 0:

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.decision_client import (
     DecisionClient,
     LiveSignals,
     RouteQuery,
     decision_from_response,
+    reopen_delays,
     request_from_query,
 )
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Decision
-from gateway.settings import DecisionSettings
-from ppd.decision.v1 import decision_pb2
+from gateway.settings import DecisionSettings, Settings, SettingsError
+from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from tests.gateway.fake_decision import FakeDecision
 
 QUERY = RouteQuery("r1", 2, 40, 100, 900, 3.0, LiveSignals(decode_kv_usage=0.4))
@@ -165,3 +169,102 @@ async def test_stream_break_fails_over_to_fallback_and_recovers() -> None:
             await svc2.stop()
     finally:
         await client.close()
+
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+_SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+
+class DrainingReplicas(health_pb2_grpc.HealthServicer):  # type: ignore[misc]  # untyped base
+    """The health service as a client sees it through Envoy in front of several replicas: each Watch
+    lands on one replica. Watch 1 says SERVING until `drain` is set, then `drain_status`, and stays
+    open (a draining replica keeps its streams until its grace period ends). Watch 2 lands on the
+    draining replica again (Envoy has not noticed yet); Watch 3 and later land on a healthy one."""
+
+    def __init__(self, drain_status: int) -> None:
+        self.opened = 0
+        self.drain = asyncio.Event()
+        self.drain_status = drain_status
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        self.opened += 1
+        number = self.opened
+        if number == 1:
+            yield health_pb2.HealthCheckResponse(status=_SERVING)
+            await self.drain.wait()
+        if number <= 2:
+            yield health_pb2.HealthCheckResponse(status=self.drain_status)
+        else:
+            yield health_pb2.HealthCheckResponse(status=_SERVING)
+        await asyncio.Event().wait()  # open until the client closes it
+
+
+@pytest.mark.parametrize(("drain_status", "meanwhile"), [(_NOT_SERVING, False), (_SERVICE_UNKNOWN, None)])
+async def test_watch_on_a_draining_replica_is_reopened_elsewhere(drain_status: int, meanwhile: bool) -> None:
+    replicas = DrainingReplicas(drain_status)
+    routes = FakeDecision()
+    server = grpc.aio.server()
+    decision_pb2_grpc.add_DecisionServiceServicer_to_server(routes, server)
+    health_pb2_grpc.add_HealthServicer_to_server(replicas, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = await _client(f"127.0.0.1:{port}", deadline_ms=2000.0, health_reopen_s=0.05)
+    try:
+        await _until(lambda: client.serving is True, "serving")
+        assert (await client.route(QUERY, FALLBACK)).reason == "table"
+        replicas.drain.set()
+        await _until(lambda: client.serving is meanwhile, "the draining replica's answer")
+        if meanwhile is False:  # rule 2 holds while the latest answer is NOT_SERVING: no call spent
+            before = len(routes.seen)
+            assert (await client.route(QUERY, FALLBACK)).reason == "fallback_not_serving"
+            assert len(routes.seen) == before
+        # The old Watch still says not serving, forever; only a re-opened one can see SERVING.
+        await _until(lambda: client.serving is True, "serving again through a re-opened Watch")
+        assert replicas.opened >= 3
+        assert (await client.route(QUERY, FALLBACK)).reason == "table"
+    finally:
+        await client.close()
+        await server.stop(grace=None)
+
+
+def test_watch_reopen_backoff_doubles_up_to_its_bound() -> None:
+    assert list(itertools.islice(reopen_delays(0.2, 3.0), 6)) == [0.2, 0.4, 0.8, 1.6, 3.0, 3.0]
+    assert list(itertools.islice(reopen_delays(5.0, 3.0), 2)) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "pick_first"])
+async def test_lb_policy_reaches_the_channel(policy: str) -> None:
+    a, b = await FakeDecision().start(), await FakeDecision().start()
+    client = await _client(
+        f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}", deadline_ms=2000.0, lb_policy=policy
+    )
+    try:
+        if policy == "round_robin":  # every call to the next ready address: both get calls
+            for _ in range(500):
+                assert (await client.route(QUERY, FALLBACK)).reason == "table"
+                if a.seen and b.seen:
+                    break
+                await asyncio.sleep(0.01)
+            assert a.seen
+            assert b.seen
+        else:  # one address at a time: every call to the same one
+            for _ in range(20):
+                assert (await client.route(QUERY, FALLBACK)).reason == "table"
+            assert sorted([len(a.seen), len(b.seen)]) == [0, 20]
+    finally:
+        await client.close()
+        await a.stop()
+        await b.stop()
+
+
+def test_lb_policy_and_reopen_settings_are_checked() -> None:
+    s = Settings.from_mapping({"decision": {"lb_policy": "pick_first", "health_reopen_s": 0.5}})
+    assert (s.decision.lb_policy, s.decision.health_reopen_s) == ("pick_first", 0.5)
+    assert Settings.from_mapping({}).decision.lb_policy == "round_robin"
+    with pytest.raises(SettingsError, match="lb_policy"):
+        Settings.from_mapping({"decision": {"lb_policy": "ring_hash"}})
+    with pytest.raises(SettingsError, match="health_reopen"):
+        Settings.from_mapping({"decision": {"health_reopen_s": 5.0, "health_reopen_max_s": 1.0}})
