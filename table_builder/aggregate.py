@@ -143,6 +143,9 @@ def aggregate_records(
         if r.turn < 2:
             left_out["turn 1 (always PD; not part of the decision)"] += 1
             continue
+        if r.target_qps <= 0:
+            left_out["target_qps 0 (no load level to file it under)"] += 1
+            continue
         if r.target_qps not in levels:
             snapped.add(r.target_qps)
         key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=r.target_qps)

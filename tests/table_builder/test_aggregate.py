@@ -64,6 +64,7 @@ def test_what_is_left_out_is_counted_by_reason() -> None:
         record(mode="fraction:0.5"),
         record(shape="2P2D"),
         record(model="qwen"),
+        record(target_qps=0.0),
     ]
     m = aggregate_records(
         records, shape="1P3D", model="llama-3.1-8b", locate=LOCATE, qps_levels=AXES.qps_levels
@@ -74,6 +75,7 @@ def test_what_is_left_out_is_counted_by_reason() -> None:
         "mode ppd (only static pd and local runs are compared)": 1,
         "other shape/model (1P3D/qwen)": 1,
         "other shape/model (2P2D/llama-3.1-8b)": 1,
+        "target_qps 0 (no load level to file it under)": 1,
         "turn 1 (always PD; not part of the decision)": 1,
     }
 

@@ -63,10 +63,18 @@ def test_table_builder_reads_what_the_gateway_logs(tmp_path: Path) -> None:
     assert [r.to_dict() for r in read] == [dataclasses.asdict(r) for r in written]
 
 
-@pytest.mark.xfail(strict=True, raises=RecordsError, reason="known gap: the reader wants ttft_ms on ok")
 def test_a_successful_non_streamed_request_logged_without_ttft_is_readable(tmp_path: Path) -> None:
-    # The gateway measures no TTFT for a non-streamed request and logs ttft_ms=null with ok=true; the
-    # table builder refuses such a line. Remove the xfail once one side changes.
+    # The gateway measures no TTFT for a non-streamed request and logs ttft_ms=null with ok=true.
     path = tmp_path / "requests.jsonl"
     _write(path, [_record(ttft_ms=None, tpot_ms=None)])
     assert len(read_records([path])) == 1
+
+
+def test_a_log_with_the_default_target_qps_is_readable(tmp_path: Path) -> None:
+    # gateway/settings.py leaves [log] target_qps at 0 (production traffic has no fixed rate).
+    path = tmp_path / "requests.jsonl"
+    _write(path, [_record(target_qps=0.0)])
+    assert read_records([path])[0].target_qps == 0.0
+    _write(tmp_path / "bad.jsonl", [_record(target_qps=-1.0)])
+    with pytest.raises(RecordsError, match="target_qps"):
+        read_records([tmp_path / "bad.jsonl"])

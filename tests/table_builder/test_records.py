@@ -97,7 +97,7 @@ BAD_LINES: list[tuple[str, str, str]] = [
     ("bad_fraction", json.dumps(good(mode="fraction:1.5")), "fraction must lie in [0, 1]"),
     ("nan_fraction", json.dumps(good(mode="fraction:abc")), "fraction is not a number"),
     ("unknown_path", json.dumps(good(path="ppd")), "path 'ppd' is not one of"),
-    ("zero_qps", json.dumps(good(target_qps=0.0)), "target_qps must be > 0"),
+    ("negative_qps", json.dumps(good(target_qps=-1.0)), "target_qps must be >= 0"),
     ("turn_zero", json.dumps(good(turn=0)), "turn must be >= 1"),
     ("negative_tokens", json.dumps(good(n_in=-1)), "n_in must lie in [0,"),
     ("absurd_tokens", json.dumps(good(n_ctx=10**9)), "n_ctx must lie in [0,"),
@@ -105,7 +105,7 @@ BAD_LINES: list[tuple[str, str, str]] = [
     ("negative_latency", json.dumps(good(tpot_ms=-1.0)), "tpot_ms must be >= 0"),
     ("negative_start", json.dumps(good(start_time=-1.0)), "start_time must be >= 0"),
     ("ok_with_error", json.dumps(good(error="boom")), "ok is true but error is set"),
-    ("ok_without_ttft", json.dumps(good(ttft_ms=None)), "ok is true but ttft_ms or e2e_ms is null"),
+    ("ok_without_e2e", json.dumps(good(e2e_ms=None)), "ok is true but e2e_ms is null"),
     ("failed_without_error", json.dumps(good(ok=False)), "ok is false but error is null or empty"),
     ("blank_line", "   ", "blank line"),
 ]
