@@ -28,12 +28,19 @@ async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, 
 async def test_ppd_up_serves_a_multi_turn_conversation_and_stops_everything_on_sigterm() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "table_builder.stack", "--port", "0", "--tables", str(TABLES),
-        "--log-level", "WARNING", cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        "--log-level", "WARNING", "--ready-timeout", "110",
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     try:
-        async with asyncio.timeout(120):
+        # A busy CI machine can be slow to start three services: wait generously, and if ppd-up gave
+        # up, fail with what it said instead of a JSON error on an empty line.
+        async with asyncio.timeout(150):
             line = await proc.stdout.readline()
+        if not line:
+            assert proc.stderr is not None
+            err = await proc.stderr.read()
+            pytest.fail(f"ppd-up exited before it was ready: {err.decode()[-2000:]}")
         ready = json.loads(line)
         url = ready["gateway"]
         assert [w["role"] for w in ready["workers"]] == ["prefill", "decode", "decode", "decode"]
