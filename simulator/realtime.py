@@ -95,6 +95,11 @@ class RealtimeDriver:
     def num_active(self) -> int:
         return len(self._handles)
 
+    @property
+    def num_direct(self) -> int:
+        """Active requests whose mid-stream tokens are written straight to the socket (`JobHandle.sink`)."""
+        return sum(1 for handle in self._handles.values() if handle.sink is not None)
+
     # ------------------------------------------------------------------ requests
     def submit(self, request: EngineRequest, handle: JobHandle) -> None:
         """Queue a request now; its emissions arrive on `handle.queue` (at once an error if `dead`)."""

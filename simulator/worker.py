@@ -791,7 +791,11 @@ class _Run:
                 await response.write(
                     sse_event(self.renderer.role_chunk(self._usage() if continuous else None))
                 )
-            direct = response.chunked and not response.compression  # our framing must match aiohttp's
+            # Our framing must match aiohttp's. `response.chunked` only reports an explicit
+            # enable_chunked_encoding(); aiohttp chunks HTTP/1.1 streams implicitly and then says so in
+            # the Transfer-Encoding header it sent at prepare().
+            chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
+            direct = chunked and not response.compression
             if fast and echo is None and direct and hasattr(request.transport, "write"):
                 self._transport = cast(_Writable, request.transport)  # uvloop's is no WriteTransport
                 self.handle.sink = self._sink

@@ -550,3 +550,27 @@ async def test_http10_stream_is_not_chunk_framed(group: WorkerGroup) -> None:
     assert all(e.startswith(b"data: ") for e in events)
     assert events[-1] == b"data: [DONE]"
     assert len(events) == 5
+
+
+async def test_http11_stream_takes_the_direct_write_path(
+    group: WorkerGroup, http: aiohttp.ClientSession
+) -> None:
+    """aiohttp chunks an HTTP/1.1 stream without `response.chunked` saying so; the direct-write path must
+    still be taken (it was silently off once), and its framing must parse as aiohttp's would."""
+    d = group.worker("D0")
+    body = {"prompt": "hi", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    seen = 0
+    async with http.post(f"{d.url}/v1/completions", json=body) as response:
+        assert response.headers["Transfer-Encoding"] == "chunked"
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                json.loads(line[len(b"data: ") :])
+                seen += 1
+                if seen == 3:
+                    assert d.driver.num_direct == 1
+                    break
+    for _ in range(500):  # the client went away: the request is aborted and its handle dropped
+        if d.driver.num_active == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert d.driver.num_active == 0
