@@ -39,3 +39,7 @@ class JobHandle:
     # Optional fast path for mid-stream tokens: called by the driver instead of queueing the emission;
     # returns False to decline (the emission is then queued as usual). It must not raise.
     sink: Callable[[Emission], bool] | None = None
+    # Optional companion of `sink`: called once a step that samples this request's next token has been
+    # computed, before its deadline, so the sink's work at the deadline is little more than the write.
+    # It must have no effect the client or the engine can observe. It must not raise.
+    prepare: Callable[[], None] | None = None

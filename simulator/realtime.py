@@ -10,8 +10,11 @@ Invariants:
 - Rule 3: only the driver task calls `engine.step`; other coroutines add, abort or complete KV loads
   and then `wake()` it. Everything runs on one event loop, so no locks are needed.
 
-Timing: sleep on the event loop until `spin_s` before the deadline, then spin on `time.monotonic()`
-(uvloop's timers have millisecond resolution). `lateness` records wake-up minus deadline per step.
+Timing: the step's chunks are rendered right after `engine.step` (`JobHandle.prepare`), before the
+deadline; sleep on the event loop until `spin_s` before the deadline, then spin on `time.monotonic()`
+(uvloop's timers have millisecond resolution), yielding to the loop on every turn so that the other
+drivers of a cluster process (one loop hosts them all) are not held up by our spin. `lateness` records
+wake-up minus deadline per step.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class RealtimeDriver:
             await asyncio.sleep(delay)
         now = self._clock()
         while now < deadline:
+            await asyncio.sleep(0)  # spin through the loop: another driver's deadline may fall in ours
             now = self._clock()
         return now
 
@@ -176,6 +180,7 @@ class RealtimeDriver:
             start = due if continuing else max(due, now)
             result = engine.step(start)
             if result.duration > 0:
+                self._prepare(result)
                 woke = await self._sleep_until(result.end)
                 timing = self.timing
                 if len(timing.lateness) < timing.max_samples:
@@ -186,6 +191,16 @@ class RealtimeDriver:
                 continuing = False
             self._deliver(result)
             await asyncio.sleep(0)  # let handlers write this step's tokens before the next step
+
+    def _prepare(self, result: StepResult) -> None:
+        """Before the deadline: let the sinks render this step's tokens, so that the pass at the deadline
+        (which delays any other driver of this event loop whose deadline falls in it) is mostly writes."""
+        handles = self._handles
+        done = {f.request_id for f in result.finished} if result.finished else ()
+        for rid in result.sampled:
+            handle = handles.get(rid)
+            if handle is not None and handle.prepare is not None and rid not in done:
+                handle.prepare()
 
     def _deliver(self, result: StepResult) -> None:
         end = result.end

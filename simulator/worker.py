@@ -706,6 +706,7 @@ class _Run:
         self.produced = 0
         self.last_at: float | None = None
         self._transport: _Writable | None = None
+        self._ready: tuple[int, list[int], bytes] | None = None  # (produced, ids, frame) from _prepare
 
     def _usage(self) -> Usage:
         cached: int | None = None
@@ -721,6 +722,10 @@ class _Run:
 
     def _take(self, emission: Emission) -> list[int]:
         ids = self.output.ids(self.produced, self.produced + emission.tokens)
+        self._commit(ids, emission)
+        return ids
+
+    def _commit(self, ids: list[int], emission: Emission) -> None:
         self.produced += len(ids)
         if self.produced == len(ids) and ids:
             self.w.release_unpulled(self.internal_id, emission.at)
@@ -728,7 +733,20 @@ class _Run:
             self.w.metrics.on_token_gap(emission.at - self.last_at)
         if ids:
             self.last_at = emission.at
-        return ids
+
+    def _frame(self, ids: list[int]) -> bytes:
+        """One mid-stream SSE event in HTTP/1.1 chunked framing."""
+        data = self.renderer.delta_event("".join(map(self.w.tokenizer.token_text, ids)))
+        return b"%x\r\n%b\r\n" % (len(data), data)
+
+    def _prepare(self) -> None:
+        """Render the next token's chunk ahead of its deadline (pure: nothing is counted or sent)."""
+        try:
+            ids = self.output.ids(self.produced, self.produced + 1)
+            self._ready = (self.produced, ids, self._frame(ids))
+        except Exception:  # never let a client problem reach the driver; the sink renders it again
+            logger.exception("stream %s: rendering ahead failed", self.renderer.response_id)
+            self._ready = None
 
     def _sink(self, emission: Emission) -> bool:
         """Write one mid-stream chunk straight to the socket, in HTTP/1.1 chunked framing as aiohttp's
@@ -738,9 +756,14 @@ class _Run:
         if transport is None or transport.is_closing():
             return False  # the handler finds out on its next write and aborts the request
         try:
-            ids = self._take(emission)
-            data = self.renderer.delta_event("".join(map(self.w.tokenizer.token_text, ids)))
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            ready, self._ready = self._ready, None
+            if ready is not None and ready[0] == self.produced and len(ready[1]) == emission.tokens:
+                ids, frame = ready[1], ready[2]
+                self._commit(ids, emission)
+            else:
+                ids = self._take(emission)
+                frame = self._frame(ids)
+            transport.write(frame)
         except Exception:  # never let a client problem reach the driver
             logger.exception("stream %s: direct write failed", self.renderer.response_id)
             self._transport = None
@@ -799,6 +822,7 @@ class _Run:
             if fast and echo is None and direct and hasattr(request.transport, "write"):
                 self._transport = cast(_Writable, request.transport)  # uvloop's is no WriteTransport
                 self.handle.sink = self._sink
+                self.handle.prepare = self._prepare
             while True:
                 emission = await self.handle.queue.get()
                 if emission.error is not None:
