@@ -3,9 +3,10 @@
 This process hosts the cluster (one event loop, uvloop); a separate client process keeps `--streams`
 streaming completions open, spread round-robin over the decode workers. Once all streams are open and
 a warm-up has passed, for `--seconds` every engine step's lateness (wake-up minus its absolute
-deadline) is recorded. Printed: lateness p50/p99/p99.9/max, steps, mean step length, tokens
-streamed, and the CPU the cluster process used (its own user+system time / wall time; the client's
-CPU is not counted).
+deadline) is recorded, and how long after its deadline the step's last token was written (the end of
+its delivery pass). Printed: lateness p50/p99/p99.9/max, the last-token delay p50/p99, steps, mean
+step length, tokens streamed, and the CPU the cluster process used (its own user+system time / wall
+time; the client's CPU is not counted).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class BenchResult:
     lateness_p99_ms: float
     lateness_p999_ms: float
     lateness_max_ms: float
+    delivered_p50_ms: float
+    delivered_p99_ms: float
     cluster_cpu_share: float
     tokens: int
     tokens_per_s: float
@@ -137,6 +140,7 @@ async def run_bench(
     finally:
         await group.stop()
     late = sorted(x * 1e3 for x in timing.lateness)
+    delivered = sorted(x * 1e3 for x in timing.delivered)
     steps = steps1 - steps0
     decode_workers = 3
     return BenchResult(
@@ -148,6 +152,8 @@ async def run_bench(
         lateness_p99_ms=_percentile(late, 0.99),
         lateness_p999_ms=_percentile(late, 0.999),
         lateness_max_ms=late[-1] if late else 0.0,
+        delivered_p50_ms=_percentile(delivered, 0.5),
+        delivered_p99_ms=_percentile(delivered, 0.99),
         cluster_cpu_share=(cpu1 - cpu0) / (wall1 - wall0),
         tokens=tokens,
         tokens_per_s=timing.tokens / (wall1 - wall0),
@@ -174,6 +180,8 @@ def print_result(result: BenchResult, out: TextIO, *, as_json: bool) -> None:
         f"  steps {result.steps}, mean step {result.mean_step_ms:.2f} ms, tokens streamed {result.tokens}\n"
         f"  step lateness p50 {result.lateness_p50_ms:.3f} ms, p99 {result.lateness_p99_ms:.3f} ms, "
         f"p99.9 {result.lateness_p999_ms:.3f} ms, max {result.lateness_max_ms:.3f} ms\n"
+        f"  step's last token written after its deadline p50 {result.delivered_p50_ms:.3f} ms, "
+        f"p99 {result.delivered_p99_ms:.3f} ms\n"
         f"  cluster process CPU {100 * result.cluster_cpu_share:.0f}% of one core, "
         f"{result.tokens_per_s:.0f} tokens/s generated, {result.cpu_us_per_token:.1f} us CPU per token\n"
     )

@@ -43,6 +43,9 @@ class StepTiming:
     """Per-step lateness (seconds) and an optional copy of the step log, for benchmarks and tests."""
 
     lateness: list[float] = field(default_factory=list)
+    # Per recorded step: its deadline to the end of its delivery pass (the last token written straight
+    # to a socket, or queued for its handler), i.e. the timing error of the step's last token.
+    delivered: list[float] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
     record_log: bool = False
     max_samples: int = 1_000_000
@@ -179,6 +182,7 @@ class RealtimeDriver:
                 continue
             start = due if continuing else max(due, now)
             result = engine.step(start)
+            recorded = False
             if result.duration > 0:
                 self._prepare(result)
                 woke = await self._sleep_until(result.end)
@@ -186,10 +190,13 @@ class RealtimeDriver:
                 if len(timing.lateness) < timing.max_samples:
                     timing.lateness.append(woke - result.end)
                     timing.tokens += len(result.sampled)
+                    recorded = True
                 continuing = True
             else:
                 continuing = False
             self._deliver(result)
+            if recorded:
+                self.timing.delivered.append(self._clock() - result.end)
             await asyncio.sleep(0)  # let handlers write this step's tokens before the next step
 
     def _prepare(self, result: StepResult) -> None:

@@ -16,6 +16,7 @@ async def test_realtime_bench_small() -> None:
     assert result.steps > 0
     assert result.tokens > 0
     assert result.lateness_p50_ms <= result.lateness_p99_ms <= result.lateness_max_ms
+    assert 0 <= result.delivered_p50_ms <= result.delivered_p99_ms
     assert result.cpu_us_per_token > 0
     out = io.StringIO()
     print_result(result, out, as_json=False)
