@@ -16,6 +16,8 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from decision_service.axes import paper_axes
+
 __all__ = [
     "TURN1",
     "TURN2_CLASSES",
@@ -30,17 +32,8 @@ __all__ = [
 
 # The paper's prototype (github.com/freelulul/vllm-ppd), as recorded in architecture.md.
 TURN1: dict[str, tuple[int, int]] = {"small": (128, 128), "large": (1024, 1024)}
-TURN2_CLASSES: dict[str, tuple[int, int]] = {
-    "tiny": (16, 32),
-    "short_gen": (32, 256),
-    "long_gen": (32, 512),
-    "very_long_gen": (64, 1024),
-    "small_bal": (64, 64),
-    "mid_bal": (128, 128),
-    "mid_paste": (256, 64),
-    "big_paste": (512, 64),
-    "huge_paste": (1024, 32),
-}
+# The nine Turn-2 classes have one definition: the table builder's default axes.
+TURN2_CLASSES: dict[str, tuple[int, int]] = {w.name: (w.n_in, w.n_out) for w in paper_axes().workloads}
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from decision_service.axes import paper_axes
+
 __all__ = [
     "HUGE_WORKLOADS",
     "TURN1_SETTINGS",
@@ -42,16 +44,9 @@ TURN1_SETTINGS: Final[dict[str, TokenShape]] = {
 }
 _PAPER_TURN1: Final = ("small", "large")
 
+# One definition of the nine classes: the default axes the tables are built on.
 TURN2_CLASSES: Final[dict[str, TokenShape]] = {
-    "tiny": TokenShape(16, 32),
-    "short_gen": TokenShape(32, 256),
-    "long_gen": TokenShape(32, 512),
-    "very_long_gen": TokenShape(64, 1024),
-    "small_bal": TokenShape(64, 64),
-    "mid_bal": TokenShape(128, 128),
-    "mid_paste": TokenShape(256, 64),
-    "big_paste": TokenShape(512, 64),
-    "huge_paste": TokenShape(1024, 32),
+    w.name: TokenShape(w.n_in, w.n_out) for w in paper_axes().workloads
 }
 
 
