@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from simulator.api_error import ApiError
 from simulator.tokenizer import ChatMessage, Llama3Tokenizer
@@ -260,44 +260,91 @@ def _prompt_ids(raw: object, tokenizer: Llama3Tokenizer, *, add_special_tokens: 
     raise _bad("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
 
 
+class _Options(NamedTuple):
+    """The fields both generation endpoints read the same way."""
+
+    stream: bool
+    include_usage: bool
+    continuous: bool
+    ignore_eos: bool
+    return_token_ids: bool
+    seed: int | None
+    request_id: str | None
+    kv: KvTransferRequest | None
+    model: str
+
+
+def _options(body: Mapping[str, Any], limits: ServingLimits) -> _Options:
+    stream, include_usage, continuous = _stream_flags(body)
+    _check_common_fields(body)
+    return _Options(
+        stream,
+        include_usage,
+        continuous,
+        ignore_eos=_opt_bool(body, "ignore_eos", False),
+        return_token_ids=_opt_bool(body, "return_token_ids", False),
+        seed=_seed(body),
+        request_id=_request_id(body),
+        kv=_kv_transfer(body),
+        model=_model(body, limits),
+    )
+
+
+def _generation_request(
+    kind: Kind,
+    body: Mapping[str, Any],
+    o: _Options,
+    *,
+    prompt: list[int],
+    requested: int | None,
+    echo: bool,
+    limits: ServingLimits,
+    max_tokens_given: bool,
+) -> GenerationRequest:
+    max_tokens, min_tokens = _token_limits(body, requested=requested, prompt_len=len(prompt), limits=limits)
+    return GenerationRequest(
+        kind=kind,
+        model=o.model,
+        prompt_ids=tuple(prompt),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=o.ignore_eos,
+        stream=o.stream,
+        include_usage=o.include_usage,
+        continuous_usage_stats=o.continuous,
+        seed=o.seed,
+        return_token_ids=o.return_token_ids,
+        echo=echo,
+        request_id=o.request_id,
+        kv_transfer=o.kv,
+        max_tokens_given=max_tokens_given,
+    )
+
+
 def parse_completion(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) -> GenerationRequest:
     """Validate a `/v1/completions` body."""
     if not isinstance(body, Mapping):
         raise _bad("Request body must be a JSON object")
-    stream, include_usage, continuous = _stream_flags(body)
-    _check_common_fields(body)
+    options = _options(body, limits)
     requested = _opt_int(body, "max_tokens")
     if requested is None and "max_tokens" not in body:
         requested = 16
-    ignore_eos = _opt_bool(body, "ignore_eos", False)
     echo = _opt_bool(body, "echo", False)
-    return_token_ids = _opt_bool(body, "return_token_ids", False)
     add_special = _opt_bool(body, "add_special_tokens", True)
-    seed = _seed(body)
-    request_id = _request_id(body)
-    kv = _kv_transfer(body)
-    model = _model(body, limits)
     if "prompt" not in body:
         raise _bad("prompt: Field required", "prompt")
     prompt = _prompt_ids(body["prompt"], tokenizer, add_special_tokens=add_special)
     if not prompt:
         raise _bad("Prompt cannot be empty", "prompt")
-    max_tokens, min_tokens = _token_limits(body, requested=requested, prompt_len=len(prompt), limits=limits)
-    return GenerationRequest(
-        kind="completion",
-        model=model,
-        prompt_ids=tuple(prompt),
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        ignore_eos=ignore_eos,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage_stats=continuous,
-        seed=seed,
-        return_token_ids=return_token_ids,
+    return _generation_request(
+        "completion",
+        body,
+        options,
+        prompt=prompt,
+        requested=requested,
         echo=echo,
-        request_id=request_id,
-        kv_transfer=kv,
+        limits=limits,
+        max_tokens_given=True,
     )
 
 
@@ -335,41 +382,26 @@ def parse_chat(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) 
     """Validate a `/v1/chat/completions` body (`max_completion_tokens` wins over `max_tokens`)."""
     if not isinstance(body, Mapping):
         raise _bad("Request body must be a JSON object")
-    stream, include_usage, continuous = _stream_flags(body)
-    _check_common_fields(body)
+    options = _options(body, limits)
     requested = _opt_int(body, "max_completion_tokens")
     if requested is None:
         requested = _opt_int(body, "max_tokens")
-    ignore_eos = _opt_bool(body, "ignore_eos", False)
-    return_token_ids = _opt_bool(body, "return_token_ids", False)
     add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
     add_special = _opt_bool(body, "add_special_tokens", False)
-    seed = _seed(body)
-    request_id = _request_id(body)
-    kv = _kv_transfer(body)
-    model = _model(body, limits)
     if "messages" not in body:
         raise _bad("messages: Field required", "messages")
     messages = chat_messages(body["messages"])
     prompt = tokenizer.encode_chat(
         messages, add_generation_prompt=add_generation_prompt, add_special_tokens=add_special
     )
-    max_tokens, min_tokens = _token_limits(body, requested=requested, prompt_len=len(prompt), limits=limits)
-    return GenerationRequest(
-        kind="chat",
-        model=model,
-        prompt_ids=tuple(prompt),
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        ignore_eos=ignore_eos,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage_stats=continuous,
-        seed=seed,
-        return_token_ids=return_token_ids,
+    return _generation_request(
+        "chat",
+        body,
+        options,
+        prompt=list(prompt),
+        requested=requested,
         echo=False,
-        request_id=request_id,
-        kv_transfer=kv,
+        limits=limits,
         max_tokens_given=requested is not None,
     )
 
