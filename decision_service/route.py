@@ -9,6 +9,12 @@ Rule 2: a mode that missed the success SLO in a cell loses to one that met it, w
 Rule 3: a cell without data is never silently LOCAL: the nearest measured QPS level of the same
 (context, workload) answers (NEAREST_CELL), else the table's default decision (DEFAULT).
 Rule 4: a live decode KV usage above the table's limit turns LOCAL into PD (LIVE_SIGNAL).
+Rule 5 (decode-load guard): more running requests on the session's decode worker than the table's
+        ``max_decode_running`` turn LOCAL into PD (LIVE_SIGNAL), unless the prefill queue is deeper than
+        ``max_prefill_queue_depth`` (then P is the scarcer side and LOCAL stays). An append-prefill's
+        TPOT cost grows with the decode batch it joins (the paper's micro-benchmark: +21% at batch 200),
+        and a saturated decode worker times out long answers; moving the prefill to an idle P relieves
+        it. A signal the caller did not send, or a limit the table does not set, never fires.
 
 ``Router`` precomputes, once per table, every cell's default-weight verdict, so the common call
 (no explicit weights) is a classification plus one tuple index and allocates nothing.
@@ -229,6 +235,21 @@ class Router:
                 f"decode KV usage {q.decode_kv_usage:.2f} above the table's limit "
                 f"{self.table.max_decode_kv_usage}",
             )
+        limit = self.table.max_decode_running
+        if v.local and limit is not None and q.decode_running is not None and q.decode_running > limit:
+            queue_limit = self.table.max_prefill_queue_depth
+            queue = q.prefill_queue_depth
+            if queue_limit is None or queue is None or queue <= queue_limit:
+                v = Verdict(
+                    False,
+                    Reason.LIVE_SIGNAL,
+                    v.context,
+                    v.workload,
+                    v.qps_level,
+                    v.score,
+                    v.default_local,
+                    f"decode worker runs {q.decode_running} requests, above the table's limit {limit}",
+                )
         return v
 
 

@@ -118,6 +118,10 @@ class TableSpec:
     min_success: float = 0.95
     default_decision: str = "pd"
     max_decode_kv_usage: float = 0.95
+    # Decode-load guard (route.py rule 5): above this many running requests on the session's decode
+    # worker, LOCAL turns PD unless the prefill queue is deeper than max_prefill_queue_depth. None: off.
+    max_decode_running: int | None = None
+    max_prefill_queue_depth: int | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -141,7 +145,11 @@ def encode_table(spec: TableSpec) -> bytes:
         },
         "slo": {"min_success": spec.min_success},
         "default_decision": spec.default_decision,
-        "live": {"max_decode_kv_usage": spec.max_decode_kv_usage},
+        "live": {
+            "max_decode_kv_usage": spec.max_decode_kv_usage,
+            "max_decode_running": spec.max_decode_running,
+            "max_prefill_queue_depth": spec.max_prefill_queue_depth,
+        },
         "provenance": dict(spec.provenance),
     }
     data = figures.tobytes()
@@ -194,6 +202,8 @@ class Table:
         "header",
         "key",
         "max_decode_kv_usage",
+        "max_decode_running",
+        "max_prefill_queue_depth",
         "min_success",
         "model",
         "path",
@@ -218,6 +228,8 @@ class Table:
         self.min_success: float = h["slo"]["min_success"]
         self.default_decision: str = h["default_decision"]
         self.max_decode_kv_usage: float = h["live"]["max_decode_kv_usage"]
+        self.max_decode_running: int | None = parsed.max_decode_running
+        self.max_prefill_queue_depth: int | None = parsed.max_prefill_queue_depth
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Table:
@@ -266,6 +278,8 @@ class _Parsed:
     figures: Figures
     default_weights: Weights
     profiles: dict[str, Weights]
+    max_decode_running: int | None
+    max_prefill_queue_depth: int | None
 
 
 def _decode(buf: memoryview) -> _Parsed:
@@ -323,6 +337,9 @@ def _interpret(header: dict[str, Any], body: memoryview) -> _Parsed:
     kv_limit = float(header["live"]["max_decode_kv_usage"])
     if not (0.0 <= min_success <= 1.0) or not (0.0 <= kv_limit <= 1.0):
         raise TableError("header", "slo.min_success and live.max_decode_kv_usage must be within 0..1")
+    # Absent in tables written before the decode-load guard existed: the guard is off for them.
+    running_limit = _optional_count(header["live"], "max_decode_running")
+    queue_limit = _optional_count(header["live"], "max_prefill_queue_depth")
     arrays = header["arrays"]
     if len(arrays) != 1 or arrays[0]["name"] != "figures" or arrays[0]["dtype"] != _DTYPE:
         raise TableError("header", f"expected one {_DTYPE} array 'figures', got {arrays}")
@@ -340,7 +357,16 @@ def _interpret(header: dict[str, Any], body: memoryview) -> _Parsed:
         )
     figures = np.frombuffer(body, dtype=_DTYPE, count=int(np.prod(shape)), offset=offset).reshape(shape)
     _check_figures(figures)
-    return _Parsed(header, axes, figures, default_weights, profiles)
+    return _Parsed(header, axes, figures, default_weights, profiles, running_limit, queue_limit)
+
+
+def _optional_count(section: dict[str, Any], key: str) -> int | None:
+    value = section.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TableError("header", f"live.{key} must be a whole number >= 0 or null, got {value!r}")
+    return value
 
 
 def _check_figures(figures: Figures) -> None:

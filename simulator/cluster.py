@@ -64,8 +64,20 @@ class LocalPolicy(Protocol):
     """Per-request choice for turns 2+: True = local (append-prefill on the session's D)."""
 
     def local(
-        self, *, conversation_id: str, turn: int, n_in: int, n_out: int, n_ctx: int, qps: float
-    ) -> bool: ...
+        self,
+        *,
+        conversation_id: str,
+        turn: int,
+        n_in: int,
+        n_out: int,
+        n_ctx: int,
+        qps: float,
+        decode_running: int,
+        prefill_queue_depth: int,
+    ) -> bool:
+        """``decode_running``/``prefill_queue_depth``: the live signals a gateway scrapes (the
+        session's D's running batch, the queue of the P a PD turn would take)."""
+        ...
 
 
 class _Mode(enum.Enum):
@@ -349,6 +361,7 @@ class _Sim:
             h = zlib.crc32(req.conv.conversation_id.encode()) / 2**32
             return h < self.fraction
         assert self.router is not None
+        assert req.d is not None
         return self.router.local(
             conversation_id=req.conv.conversation_id,
             turn=req.idx + 1,
@@ -356,6 +369,8 @@ class _Sim:
             n_out=req.n_out,
             n_ctx=req.n_ctx,
             qps=self.cfg.target_qps,
+            decode_running=req.d.engine.running_count(),
+            prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
         )
 
     def on_dispatch(self, req: _Req, t: float) -> None:

@@ -531,6 +531,14 @@ class Engine:
         """Requests this engine holds that are not finished (running, waiting, pulling)."""
         return len(self._reqs) - len(self._pinned)
 
+    def running_count(self) -> int:
+        """Requests in the running batch (vLLM's ``num_requests_running``), in O(1)."""
+        return len(self._running)
+
+    def queue_depth(self) -> int:
+        """Requests waiting for a batch slot or KV blocks (not those waiting for a KV pull), in O(1)."""
+        return len(self._waiting) + len(self._ready)
+
     def stats(self) -> EngineStats:
         deferred = sum(1 for r in self._reqs.values() if r.state is _S.PULLING)
         return EngineStats(

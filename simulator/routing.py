@@ -2,8 +2,9 @@
 
 The same code decides in simulation and in production: :class:`TableRouter` wraps
 ``decision_service.route.Router`` (one compiled table) behind the cluster's :class:`LocalPolicy`
-protocol. A query the rule refuses (``QueryError``) takes PD, as the gateway's fallback would, and
-is counted.
+protocol, with the live signals a gateway would attach (the session's decode worker's running batch,
+the chosen prefill worker's queue), so the table's decode-load guard acts here as it does live.
+A query the rule refuses (``QueryError``) takes PD, as the gateway's fallback would, and is counted.
 """
 
 from __future__ import annotations
@@ -31,10 +32,28 @@ class TableRouter:
         return cls(Table.open(path), weights)
 
     def local(
-        self, *, conversation_id: str, turn: int, n_in: int, n_out: int, n_ctx: int, qps: float
+        self,
+        *,
+        conversation_id: str,
+        turn: int,
+        n_in: int,
+        n_out: int,
+        n_ctx: int,
+        qps: float,
+        decode_running: int,
+        prefill_queue_depth: int,
     ) -> bool:
         del conversation_id
-        query = Query(turn=turn, n_in=n_in, n_out=n_out, n_ctx=n_ctx, qps=qps, weights=self._weights)
+        query = Query(
+            turn=turn,
+            n_in=n_in,
+            n_out=n_out,
+            n_ctx=n_ctx,
+            qps=qps,
+            weights=self._weights,
+            decode_running=decode_running,
+            prefill_queue_depth=prefill_queue_depth,
+        )
         try:
             check_query(query, self._table)
         except QueryError:

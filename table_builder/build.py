@@ -87,6 +87,12 @@ class BuildOptions:
     min_success: float = 0.95
     default_decision: str = "pd"
     max_decode_kv_usage: float = 0.95
+    #: The decode-load guard (decision_service.route rule 5); None turns it off. 192 running requests is
+    #: where, on the simulated H100 1P3D/3P1D clusters, keeping append-prefills on a loaded decode
+    #: worker starts to cost more (long answers timing out) than sending them through an idle P
+    #: (README, "Overload").
+    max_decode_running: int | None = 192
+    max_prefill_queue_depth: int | None = 8
     #: A cell whose modes sent fewer Turn-2+ requests than this is flagged low-sample (still used).
     min_samples: int = 20
     #: Censored TTFT of a mode that completed nothing in a cell (the benchmark's request timeout).
@@ -278,6 +284,8 @@ def spec_from_measurements(
         min_success=options.min_success,
         default_decision=options.default_decision,
         max_decode_kv_usage=options.max_decode_kv_usage,
+        max_decode_running=options.max_decode_running,
+        max_prefill_queue_depth=options.max_prefill_queue_depth,
         provenance=full_provenance,
     )
     return BuildResult(spec=spec, summary=summary)

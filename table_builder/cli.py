@@ -70,6 +70,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _limit(text: str) -> int | None:
+    if text == "off":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 or 'off', got {text}")
+    return value
+
+
 def add_build_options(p: argparse.ArgumentParser) -> None:
     """Flags shared by ``build`` and ``sweep``: everything that lands in the table header."""
     p.add_argument(
@@ -89,6 +98,21 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-kv-usage", type=_fraction, default=0.95, help="live decode KV usage above which local turns pd"
+    )
+    p.add_argument(
+        "--max-decode-running",
+        type=_limit,
+        default=192,
+        metavar="N|off",
+        help="decode-load guard: above N running requests on the session's decode worker, local turns pd "
+        "(default 192)",
+    )
+    p.add_argument(
+        "--max-prefill-queue",
+        type=_limit,
+        default=8,
+        metavar="N|off",
+        help="...unless the prefill queue is deeper than N (then P is the scarcer side; default 8)",
     )
     p.add_argument(
         "--timeout-ms", type=float, default=30_000.0, help="censored TTFT of a mode that completed nothing"
@@ -116,6 +140,8 @@ def options_from_args(
         min_success=args.slo,
         default_decision=args.default_decision,
         max_decode_kv_usage=args.max_kv_usage,
+        max_decode_running=args.max_decode_running,
+        max_prefill_queue_depth=args.max_prefill_queue,
         min_samples=args.min_samples,
         timeout_ms=args.timeout_ms,
         labels={**dict(args.label), **(labels or {})},

@@ -17,7 +17,7 @@ from decision_service.classify import CompiledClassifier
 from decision_service.route import Query, Reason, Router
 from decision_service.table import Table, Weights
 
-__all__ = ["LEGEND", "Grid", "GridCell", "decision_grid", "format_grid", "probe_shapes"]
+__all__ = ["LEGEND", "Grid", "GridCell", "decision_grid", "format_grid", "live_limits", "probe_shapes"]
 
 _MARK: Final = {
     Reason.TABLE: "",
@@ -62,6 +62,19 @@ class Grid:
     weights_label: str
     axes: Axes
     cells: tuple[tuple[tuple[GridCell | None, ...], ...], ...]
+    #: The live-signal limits of the header, as a sentence (they override the cells at run time).
+    live: str = ""
+
+
+def live_limits(table: Table) -> str:
+    """The header's live-signal limits in words."""
+    parts = [f"decode KV usage > {table.max_decode_kv_usage:g}"]
+    if table.max_decode_running is not None:
+        guard = f"decode running requests > {table.max_decode_running}"
+        if table.max_prefill_queue_depth is not None:
+            guard += f" (unless the prefill queue is > {table.max_prefill_queue_depth})"
+        parts.append(guard)
+    return "live signals turn local into pd: " + "; ".join(parts)
 
 
 def _context_probe(axes: Axes, c: int) -> int:
@@ -126,7 +139,7 @@ def decision_grid(table: Table, *, weights: Weights | None = None, profile: str 
                 cells.append(GridCell(v.local, v.reason, v.score))
             per_workload.append(tuple(cells))
         rows.append(tuple(per_workload))
-    return Grid(table.key, table.version, used, label, axes, tuple(rows))
+    return Grid(table.key, table.version, used, label, axes, tuple(rows), live_limits(table))
 
 
 def _context_range(axes: Axes, c: int) -> str:
@@ -168,5 +181,7 @@ def format_grid(grid: Grid, *, scores: bool = False) -> str:
     asked = sum(1 for plane in grid.cells for row in plane for cell in row if cell is not None)
     lines.append("")
     lines.append(f"local in {local} of {asked} cells")
+    if grid.live:
+        lines.append(grid.live)
     lines.append(LEGEND)
     return "\n".join(lines)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -127,6 +129,56 @@ def test_cell_without_any_data_gets_the_table_default_never_silently_local(route
 def test_high_decode_kv_usage_turns_local_into_pd(router: Router) -> None:
     v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, decode_kv_usage=0.99))
     assert (v.local, v.reason, v.default_local) == (False, Reason.LIVE_SIGNAL, True)
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Router:
+    spec = dataclasses.replace(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
+    return Router(Table.from_bytes(encode_table(spec)))
+
+
+def local_cell(*, running: int | None, queue: int | None) -> Query:
+    """A turn whose cell is LOCAL in the synthetic table, with the given live signals."""
+    return Query(
+        turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, decode_running=running, prefill_queue_depth=queue
+    )
+
+
+@pytest.mark.parametrize(
+    ("running", "queue", "local"),
+    [
+        (193, 0, False),  # decode loaded, P idle: the prefill moves to P
+        (193, 8, False),  # at the queue limit P still counts as having headroom
+        (193, None, False),  # no prefill signal: nothing says P is the scarcer side
+        (192, 0, True),  # at the limit, not above it
+        (193, 9, True),  # P's queue is deeper than its limit: P is the scarcer side, stay local
+        (None, 0, True),  # no decode signal: the guard cannot fire
+        (5000, 100, True),
+    ],
+)
+def test_decode_load_guard_moves_local_to_pd_only_when_p_has_headroom(
+    guarded: Router, running: int | None, queue: int | None, local: bool
+) -> None:
+    v = guarded.route(local_cell(running=running, queue=queue))
+    assert v.local is local
+    assert v.default_local is True  # the table's own verdict is still reported
+    if not local:
+        assert v.reason is Reason.LIVE_SIGNAL
+        assert "193 requests" in v.detail
+        assert "192" in v.detail
+
+
+def test_decode_load_guard_never_turns_pd_into_local(guarded: Router) -> None:
+    pd = guarded.route(Query(turn=2, n_in=32, n_out=256, n_ctx=100, qps=4.0, decode_running=0))
+    assert (pd.local, pd.reason) == (False, Reason.DEFAULT)
+    first = guarded.route(Query(turn=1, n_in=128, n_out=128, n_ctx=0, qps=4.0, decode_running=10_000))
+    assert (first.local, first.reason) == (False, Reason.TURN_ONE)
+
+
+def test_a_table_without_a_decode_limit_ignores_the_running_count(router: Router) -> None:
+    assert router.table.max_decode_running is None
+    v = router.route(local_cell(running=1_000_000, queue=0))
+    assert (v.local, v.reason) == (True, Reason.TABLE)
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 
 from decision_service.axes import paper_axes
 from decision_service.table import FIGURES, Table, TableError, TableSpec, Weights, encode_table, write_table
-from tests.support.tables import bad_fixtures, synthetic_spec
+from tests.support.tables import bad_fixtures, patch_header, synthetic_spec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "testdata" / "tables"
 
@@ -72,6 +74,33 @@ def test_table_without_measurements_is_rejected() -> None:
 
 def test_header_missing_a_field_is_rejected() -> None:
     assert _reason_of("header") == "header"
+
+
+def test_decode_guard_limits_round_trip() -> None:
+    spec = dataclasses.replace(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
+    table = Table.from_bytes(encode_table(spec))
+    assert (table.max_decode_running, table.max_prefill_queue_depth) == (192, 8)
+    assert table.header["live"]["max_decode_running"] == 192
+
+
+def test_a_table_written_before_the_decode_guard_loads_with_the_guard_off() -> None:
+    def drop(header: dict[str, Any]) -> None:
+        del header["live"]["max_decode_running"], header["live"]["max_prefill_queue_depth"]
+
+    guarded = dataclasses.replace(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
+    table = Table.from_bytes(patch_header(encode_table(guarded), drop))
+    assert (table.max_decode_running, table.max_prefill_queue_depth) == (None, None)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "9", True])
+def test_a_bad_decode_guard_limit_is_a_header_error(bad: object) -> None:
+    def put(header: dict[str, Any]) -> None:
+        header["live"]["max_decode_running"] = bad
+
+    with pytest.raises(TableError) as info:
+        Table.from_bytes(patch_header(encode_table(synthetic_spec()), put))
+    assert info.value.reason == "header"
+    assert "max_decode_running" in str(info.value)
 
 
 def test_zero_byte_file_is_empty(tmp_path: Path) -> None:

@@ -165,14 +165,31 @@ def test_fraction_and_replica_and_router(profile: Profile) -> None:
         simulate(profile, cfg("pd", shape="4R"), convs)
 
     class LongContextLocal:
+        def __init__(self) -> None:
+            self.busiest = 0
+
         def local(
-            self, *, conversation_id: str, turn: int, n_in: int, n_out: int, n_ctx: int, qps: float
+            self,
+            *,
+            conversation_id: str,
+            turn: int,
+            n_in: int,
+            n_out: int,
+            n_ctx: int,
+            qps: float,
+            decode_running: int,
+            prefill_queue_depth: int,
         ) -> bool:
             del conversation_id, n_in, n_out, qps
+            assert decode_running >= 0
+            assert prefill_queue_depth >= 0
+            self.busiest = max(self.busiest, decode_running)
             return turn >= 2 and n_ctx > 100
 
-    routed = simulate(profile, cfg("ppd", target_qps=4.0), convs, router=LongContextLocal()).records
+    policy = LongContextLocal()
+    routed = simulate(profile, cfg("ppd", target_qps=4.0), convs, router=policy).records
     assert {r["path"] for r in routed if r["turn"] == 2} == {"local"}
+    assert policy.busiest > 0  # the session's D was running other requests when asked
     with pytest.raises(ValueError, match="router"):
         simulate(profile, cfg("ppd"), convs)
 
@@ -215,3 +232,27 @@ def test_small_kv_pools_preempt_but_lose_nothing(profile: Profile, mode: str) ->
     for name, (free, total) in res.kv_free_blocks.items():
         assert free == total, name
         assert res.engine_stats[name].num_pinned == 0
+
+
+def test_ppd_mode_applies_the_tables_decode_load_guard(profile: Profile) -> None:
+    """The live running count reaches the rule: a low limit sends turns through P while the session's
+    D is busy; the same table without the guard keeps them local."""
+    import dataclasses
+
+    from decision_service.route import Reason
+    from decision_service.table import Table, encode_table
+    from simulator.routing import TableRouter
+    from tests.support.tables import synthetic_spec
+
+    convs = synthetic_conversations("large_mid_paste", qps=8, duration_s=5, seed=9)
+    paths = {}
+    for limit in (None, 2):
+        spec = dataclasses.replace(synthetic_spec(), max_decode_running=limit, max_prefill_queue_depth=None)
+        router = TableRouter(Table.from_bytes(encode_table(spec)))
+        recs = simulate(profile, cfg("ppd", target_qps=8.0), convs, router=router).records
+        paths[limit] = [r["path"] for r in recs if r["turn"] == 2]
+        guarded = router.verdicts.get(Reason.LIVE_SIGNAL.name, 0)
+        assert guarded == paths[limit].count("pd")
+    assert set(paths[None]) == {"local"}
+    assert paths[2].count("pd") > 0
+    assert paths[2].count("local") > 0  # a quiet D still takes the turn locally

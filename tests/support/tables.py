@@ -53,7 +53,7 @@ def _resign(body: bytes) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def _patch_header(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
+def patch_header(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     """Rewrite the JSON header in place (same length, space padded) and re-sign the file."""
     _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
     header = json.loads(blob[16 : 16 + hlen])
@@ -101,10 +101,10 @@ def bad_fixtures() -> dict[str, bytes]:
         "future_version": _future_version(good),
         "truncated": good[: len(good) - 100],
         "checksum": bytes(flipped),
-        "axes": _patch_header(good, _wrong_axes),
+        "axes": patch_header(good, _wrong_axes),
         "nan": _nan_figures(good),
         "empty": _empty_cells(),
-        "header": _patch_header(good, lambda h: h.pop("model")),
+        "header": patch_header(good, lambda h: h.pop("model")),
     }
 
 

@@ -114,6 +114,36 @@ def test_build_options_land_in_the_header(tmp_path: Path) -> None:
         table.close()
 
 
+@pytest.mark.parametrize(
+    ("flags", "running", "queue"),
+    [((), 192, 8), (("--max-decode-running", "64", "--max-prefill-queue", "off"), 64, None),
+     (("--max-decode-running", "off"), None, 8)],
+)  # fmt: skip
+def test_decode_guard_limits_land_in_the_header_and_show_prints_them(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: tuple[str, ...],
+    running: int | None,
+    queue: int | None,
+) -> None:
+    out = _build(tmp_path, *flags)
+    table = Table.open(out)
+    try:
+        assert (table.max_decode_running, table.max_prefill_queue_depth) == (running, queue)
+    finally:
+        table.close()
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0
+    shown = capsys.readouterr().out
+    assert ("decode running requests > " in shown) is (running is not None)
+
+
+def test_a_negative_decode_guard_limit_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as info:
+        _build(tmp_path, "--max-decode-running", "-3")
+    assert info.value.code == 2
+
+
 def test_build_from_the_artifact(tmp_path: Path) -> None:
     out = tmp_path / "a.ppdt"
     code = main(
