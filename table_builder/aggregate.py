@@ -6,7 +6,9 @@ Rules:
    other modes (``ppd``, ``fraction:*``, ``replica``), Turn-1 records and records of another shape or model
    are left out and counted in :class:`Tally`, never dropped silently.
 2. A request lands in the cell of its own (n_ctx, n_in, n_out) and its run's target QPS, located by the
-   table's axes (the decision service's ``classify`` functions, injected as a :class:`Locator`).
+   table's axes (the decision service's ``classify`` functions, injected as a :class:`Locator`). The
+   Locator also sees the run's workload name: a synthetic benchmark turn files under the class it is
+   named for (as the paper's artifact files results by name), see ``build.axes_locator``.
 3. Means are exact and order-free (``math.fsum`` over sorted values), so the same inputs in any order give
    the same figures, and therefore the same table bytes.
 4. Failed requests count in the success rate (completed / sent) and nowhere else.
@@ -50,7 +52,7 @@ class CellKey:
 class Locator(Protocol):
     """Maps a request's token counts and its run's QPS to a cell of the table's axes."""
 
-    def __call__(self, *, n_ctx: int, n_in: int, n_out: int, qps: float) -> CellKey: ...
+    def __call__(self, *, n_ctx: int, n_in: int, n_out: int, qps: float, workload: str = "") -> CellKey: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +150,7 @@ def aggregate_records(
             continue
         if r.target_qps not in levels:
             snapped.add(r.target_qps)
-        key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=r.target_qps)
+        key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=r.target_qps, workload=r.workload)
         acc = samples.setdefault(key, {}).setdefault(r.mode, _Samples())
         acc.sent += 1
         used += 1
@@ -178,7 +180,13 @@ def aggregate_points(
         if p.qps not in levels:
             snapped.add(p.qps)
         second = p.workload.second
-        key = locate(n_ctx=p.workload.turn2_context, n_in=second.n_in, n_out=second.n_out, qps=p.qps)
+        key = locate(
+            n_ctx=p.workload.turn2_context,
+            n_in=second.n_in,
+            n_out=second.n_out,
+            qps=p.qps,
+            workload=p.workload.name,
+        )
         acc = samples.setdefault(key, {}).setdefault(p.mode, _Samples())
         used += 1
         acc.sent += p.sent

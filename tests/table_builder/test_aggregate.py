@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from decision_service.axes import paper_axes
 from table_builder.aggregate import CellKey, Measurements, aggregate_points, aggregate_records
 from table_builder.artifact import read_artifact
@@ -118,8 +120,30 @@ def test_artifact_points_are_weighted_by_their_counts() -> None:
     assert failed.ttft_ms is None
     assert failed.success_rate == 0.0
     assert failed.sent == 191
-    # large_tiny's benchmark shape (16, 32) is a balanced request for the classifier: small_bal.
-    assert set(m.cells[CellKey(1, 4, 1)]) == {"pd"}
+    # large_tiny's benchmark shape (16, 32) is a balanced request for the live classifier, but the point
+    # is named for tiny, so it fills the tiny cell, not small_bal's.
+    assert set(m.cells[CellKey(1, 0, 1)]) == {"pd"}
+    assert CellKey(1, 4, 1) not in m.cells
     other = aggregate_points(points, shape="2P2D", locate=LOCATE, qps_levels=AXES.qps_levels)
     assert other.cells == {}
     assert other.tally.left_out == {"other shape (1P3D)": 7}
+
+
+@pytest.mark.parametrize(
+    ("workload", "n_in", "n_out", "expected"),
+    [
+        ("small_tiny", 16, 32, "tiny"),  # named for tiny, with tiny's benchmark shape: the tiny cell
+        ("huge_tiny", 16, 32, "tiny"),
+        ("sharegpt", 16, 32, "small_bal"),  # not a synthetic run: classified like a live request
+        ("small_tiny", 17, 32, "small_bal"),  # the name and the shape disagree: the shape decides
+        ("small_nonsense", 16, 32, "small_bal"),
+        ("", 16, 32, "small_bal"),
+        ("large_mid_paste", 256, 64, "mid_paste"),
+        ("small_bal", 64, 64, "small_bal"),  # a bare class name is not a synthetic workload name
+    ],
+)
+def test_synthetic_runs_file_under_the_class_they_are_named_for(
+    workload: str, n_in: int, n_out: int, expected: str
+) -> None:
+    key = LOCATE(n_ctx=256, n_in=n_in, n_out=n_out, qps=4.0, workload=workload)
+    assert AXES.workload_names()[key.workload] == expected

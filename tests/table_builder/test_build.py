@@ -181,7 +181,7 @@ def test_artifact_build() -> None:
     assert table.header["provenance"]["source"] == "paper-artifact"
     assert table.header["provenance"]["built_at"] == "2026-01-18T07:54:47.749909"
     assert [n.label() for n in result.summary.censored] == ["large/huge_paste@20"]
-    assert "tiny (16, 32) -> small_bal" in result.summary.format()
+    assert "tiny (16, 32) is classified small_bal" in result.summary.format()
     again = build_from_artifact(tuple(reversed(read_artifact([ARTIFACT]).points)), OPTIONS)
     assert again.encode() == result.encode()
 
