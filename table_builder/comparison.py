@@ -398,10 +398,13 @@ def acceptance(
     weak = [q for q in measured if by[("pd", q)].success_rate < 0.95]
     if weak:
         held = all(by[("ppd", q)].success_rate == 1.0 for q in weak)
-        detail = ", ".join(
-            f"QPS {q:g}: PD {by[('pd', q)].success_rate:.0%} / PPD {by[('ppd', q)].success_rate:.0%}"
-            for q in weak
-        )
+
+        def rates(q: float) -> str:
+            local = by.get(("local", q))
+            text = f"QPS {q:g}: PD {by[('pd', q)].success_rate:.1%} / PPD {by[('ppd', q)].success_rate:.1%}"
+            return text + (f" (static local {local.success_rate:.1%})" if local is not None else "")
+
+        detail = ", ".join(rates(q) for q in weak)
         checks.append(Check("where PD's success rate < 95%, PPD stays at 100%", held, detail))
     else:
         checks.append(
