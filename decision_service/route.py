@@ -223,34 +223,24 @@ class Router:
             v = Verdict(
                 score > 0, reason, v.context, v.workload, v.qps_level, score, v.default_local, v.detail
             )
-        if v.local and q.decode_kv_usage is not None and q.decode_kv_usage > self.table.max_decode_kv_usage:
-            v = Verdict(
-                False,
-                Reason.LIVE_SIGNAL,
-                v.context,
-                v.workload,
-                v.qps_level,
-                v.score,
-                v.default_local,
-                f"decode KV usage {q.decode_kv_usage:.2f} above the table's limit "
-                f"{self.table.max_decode_kv_usage}",
-            )
-        limit = self.table.max_decode_running
-        if v.local and limit is not None and q.decode_running is not None and q.decode_running > limit:
-            queue_limit = self.table.max_prefill_queue_depth
-            queue = q.prefill_queue_depth
-            if queue_limit is None or queue is None or queue <= queue_limit:
-                v = Verdict(
-                    False,
-                    Reason.LIVE_SIGNAL,
-                    v.context,
-                    v.workload,
-                    v.qps_level,
-                    v.score,
-                    v.default_local,
-                    f"decode worker runs {q.decode_running} requests, above the table's limit {limit}",
-                )
+        if v.local:
+            overload = self._live_overload(q)
+            if overload:
+                v = v._replace(local=False, reason=Reason.LIVE_SIGNAL, detail=overload)
         return v
+
+    def _live_overload(self, q: Query) -> str:
+        """Why a live signal forbids LOCAL (rules 4 and 5), or "" when none does."""
+        t = self.table
+        if q.decode_kv_usage is not None and q.decode_kv_usage > t.max_decode_kv_usage:
+            return f"decode KV usage {q.decode_kv_usage:.2f} above the table's limit {t.max_decode_kv_usage}"
+        limit = t.max_decode_running
+        if limit is None or q.decode_running is None or q.decode_running <= limit:
+            return ""
+        queue_limit, queue = t.max_prefill_queue_depth, q.prefill_queue_depth
+        if queue_limit is not None and queue is not None and queue > queue_limit:
+            return ""  # P is the scarcer side: keep the prefill on D
+        return f"decode worker runs {q.decode_running} requests, above the table's limit {limit}"
 
 
 def route(table: Table, query: Query) -> Verdict:

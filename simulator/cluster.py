@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from decision_service.route import Query
 from simulator.engine import (
     Engine,
     EngineConfig,
@@ -63,20 +64,9 @@ __all__ = [
 class LocalPolicy(Protocol):
     """Per-request choice for turns 2+: True = local (append-prefill on the session's D)."""
 
-    def local(
-        self,
-        *,
-        conversation_id: str,
-        turn: int,
-        n_in: int,
-        n_out: int,
-        n_ctx: int,
-        qps: float,
-        decode_running: int,
-        prefill_queue_depth: int,
-    ) -> bool:
-        """``decode_running``/``prefill_queue_depth``: the live signals a gateway scrapes (the
-        session's D's running batch, the queue of the P a PD turn would take)."""
+    def local(self, conversation_id: str, query: Query) -> bool:
+        """``query`` is psi with the live signals a gateway scrapes: the session's D's running batch
+        (``decode_running``) and the queue of the P a PD turn would take (``prefill_queue_depth``)."""
         ...
 
 
@@ -362,8 +352,7 @@ class _Sim:
             return h < self.fraction
         assert self.router is not None
         assert req.d is not None
-        return self.router.local(
-            conversation_id=req.conv.conversation_id,
+        query = Query(
             turn=req.idx + 1,
             n_in=req.n_in,
             n_out=req.n_out,
@@ -372,6 +361,7 @@ class _Sim:
             decode_running=req.d.engine.running_count(),
             prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
         )
+        return self.router.local(req.conv.conversation_id, query)
 
     def on_dispatch(self, req: _Req, t: float) -> None:
         if req.done:

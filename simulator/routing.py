@@ -31,29 +31,10 @@ class TableRouter:
     def open(cls, path: str, weights: Weights | None = None) -> TableRouter:
         return cls(Table.open(path), weights)
 
-    def local(
-        self,
-        *,
-        conversation_id: str,
-        turn: int,
-        n_in: int,
-        n_out: int,
-        n_ctx: int,
-        qps: float,
-        decode_running: int,
-        prefill_queue_depth: int,
-    ) -> bool:
+    def local(self, conversation_id: str, query: Query) -> bool:
         del conversation_id
-        query = Query(
-            turn=turn,
-            n_in=n_in,
-            n_out=n_out,
-            n_ctx=n_ctx,
-            qps=qps,
-            weights=self._weights,
-            decode_running=decode_running,
-            prefill_queue_depth=prefill_queue_depth,
-        )
+        if self._weights is not None:
+            query = query._replace(weights=self._weights)
         try:
             check_query(query, self._table)
         except QueryError:

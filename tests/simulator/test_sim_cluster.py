@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from decision_service.route import Query
 from simulator.cluster import ClusterConfig, parse_mode, simulate
 from simulator.link import TransferMode
 from simulator.profile import Profile, load_profile
@@ -168,23 +169,12 @@ def test_fraction_and_replica_and_router(profile: Profile) -> None:
         def __init__(self) -> None:
             self.busiest = 0
 
-        def local(
-            self,
-            *,
-            conversation_id: str,
-            turn: int,
-            n_in: int,
-            n_out: int,
-            n_ctx: int,
-            qps: float,
-            decode_running: int,
-            prefill_queue_depth: int,
-        ) -> bool:
-            del conversation_id, n_in, n_out, qps
-            assert decode_running >= 0
-            assert prefill_queue_depth >= 0
-            self.busiest = max(self.busiest, decode_running)
-            return turn >= 2 and n_ctx > 100
+        def local(self, conversation_id: str, query: Query) -> bool:
+            del conversation_id
+            assert query.decode_running is not None
+            assert query.prefill_queue_depth is not None
+            self.busiest = max(self.busiest, query.decode_running)
+            return query.turn >= 2 and query.n_ctx > 100
 
     policy = LongContextLocal()
     routed = simulate(profile, cfg("ppd", target_qps=4.0), convs, router=policy).records
