@@ -63,8 +63,8 @@ Scheduler rules (vLLM V1 with chunked prefill):
    output is capped (reason ``length``) where prompt + output would exceed it (vLLM's max_model_len).
 
 Other queries: ``stats()`` (vLLM metric values), ``load()`` (unfinished requests), ``has_request``,
-``num_output_tokens``, ``remote_block_ids`` (ids for ``kv_transfer_params``), ``expire_leases(now)``,
-``pool`` (the :class:`~simulator.kv_cache.BlockPool`; ``pool.reset_prefix_cache()``).
+``num_output_tokens``, ``remote_block_ids`` (ids for ``kv_transfer_params``), ``lease_expires_at``,
+``expire_leases(now)``, ``pool`` (the :class:`~simulator.kv_cache.BlockPool`; ``pool.reset_prefix_cache()``).
 
 Step log (the format both drivers record, compared by tests): ``StepResult.log_entry()`` gives
 ``{"t": start, "dt": duration, "n": n_steps, "decode": [ids], "prefill": [[id, n_new, n_cached]],
@@ -883,9 +883,9 @@ class Engine:
         below the recompute threshold; pulling must also leave fewer tokens to compute here."""
         end = min(r.req.remote_prefix_tokens, r.n_prompt)
         count = end - r.computed
-        if count <= 0 or min(end, r.n_prompt - 1) <= r.computed:
+        if min(end, r.n_prompt - 1) <= r.computed:
             return False
-        return not (0 < count < self._recompute_below)
+        return count >= self._recompute_below
 
     def _start_pull(self, r: _Req) -> KvPull | None:
         bs = self._bs
