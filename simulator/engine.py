@@ -37,6 +37,17 @@ P/D roles (vLLM's NixlConnector pull protocol, vllm-protocol.md 1.3-1.6):
   which samples the first output token. ``stall_s`` is added to the duration of that step (the paper's
   "blocking on the decode worker" mode). ``kv_failed`` ends it with reason ``error`` (HTTP 500 in vLLM).
 
+Bidirectional mode (vLLM's ``bidirectional_kv_xfer``, vllm-protocol.md 3.4; off unless a request asks):
+
+- ``kv_ttl_s`` (D side): when the request finishes its blocks, output blocks included, stay pinned for
+  that long (``decoder_kv_blocks_ttl``, no heartbeats) so that the next turn's prefill can read them;
+  ``release`` / expiry as for a P lease. ``remote_block_ids`` then covers prompt + output.
+- ``remote_prefix_tokens`` (P side, with ``remote_decode``): the KV of the first
+  ``min(remote_prefix_tokens, n_prompt)`` prompt tokens sits on a decode engine. After its local lookup
+  the request pulls what it lacks (a :class:`KvPull`, then ``kv_loaded``) unless that is fewer than
+  ``EngineConfig.kv_recompute_threshold`` tokens; then it prefills the rest. Its
+  ``Finished.num_cached_tokens`` counts the pulled tokens too (vLLM's ``num_cached_tokens``).
+
 Output length: the text generator decides the natural length (``eos_at``: EOS is the last of that many
 tokens); the engine honours ``max_tokens``, ``min_tokens`` (EOS suppressed before it) and ``ignore_eos``.
 
@@ -52,8 +63,8 @@ Scheduler rules (vLLM V1 with chunked prefill):
    output is capped (reason ``length``) where prompt + output would exceed it (vLLM's max_model_len).
 
 Other queries: ``stats()`` (vLLM metric values), ``load()`` (unfinished requests), ``has_request``,
-``num_output_tokens``, ``remote_block_ids`` (ids for ``kv_transfer_params``), ``expire_leases(now)``,
-``pool`` (the :class:`~simulator.kv_cache.BlockPool`; ``pool.reset_prefix_cache()``).
+``num_output_tokens``, ``remote_block_ids`` (ids for ``kv_transfer_params``), ``lease_expires_at``,
+``expire_leases(now)``, ``pool`` (the :class:`~simulator.kv_cache.BlockPool`; ``pool.reset_prefix_cache()``).
 
 Step log (the format both drivers record, compared by tests): ``StepResult.log_entry()`` gives
 ``{"t": start, "dt": duration, "n": n_steps, "decode": [ids], "prefill": [[id, n_new, n_cached]],
@@ -114,6 +125,8 @@ class EngineRequest:
     eos_at: int | None = None
     remote_decode: bool = False
     remote_prefill: bool = False
+    remote_prefix_tokens: int = 0
+    kv_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_prompt <= 0:
@@ -122,6 +135,10 @@ class EngineRequest:
             raise ValueError("max_tokens must be positive")
         if self.remote_decode and self.remote_prefill:
             raise ValueError("a request is either the P leg (remote_decode) or the D leg (remote_prefill)")
+        if self.remote_prefix_tokens and not self.remote_decode:
+            raise ValueError("only a P leg (remote_decode) pulls a decode engine's blocks")
+        if self.kv_ttl_s is not None and (self.remote_decode or self.kv_ttl_s <= 0):
+            raise ValueError("kv_ttl_s (> 0) is for requests that are not the P leg")
 
     @classmethod
     def from_token_ids(
@@ -205,6 +222,7 @@ class EngineConfig:
     kv_capacity_tokens: int | None = None
     lease_s: float | None = None
     kv_pull: KvPullMode = KvPullMode.UNCACHED
+    kv_recompute_threshold: int = 64  # bidirectional pulls of fewer tokens are recomputed instead
     record_sampled: bool = True
     fast_forward: bool = False
     cascade: bool | None = None
@@ -370,6 +388,7 @@ class Engine:
         self._ff = cfg.fast_forward and not self._cascade
         self._record = cfg.record_sampled
         self._kv_full = cfg.kv_pull is KvPullMode.FULL
+        self._recompute_below = cfg.kv_recompute_threshold
 
         self._reqs: dict[str, _Req] = {}
         self._waiting: deque[_Req] = deque()
@@ -435,7 +454,10 @@ class Engine:
         r = self._reqs.get(request_id)
         if r is None or r.state is not _S.PULLING:
             return False
-        r.computed = r.n_prompt - 1
+        if r.req.remote_prefill:
+            r.computed = r.n_prompt - 1
+        else:  # a bidirectional P leg: the pulled prefix is computed (and counts as cached)
+            r.computed = r.cached = min(r.req.remote_prefix_tokens, r.n_prompt - 1)
         r.stall = stall_s
         self._register_full_blocks(r, r.computed)
         r.state = _S.READY
@@ -471,6 +493,11 @@ class Engine:
     def lease_alive(self, request_id: str, now: float) -> bool:
         entry = self._pinned.get(request_id)
         return entry is not None and entry[1] > now
+
+    def lease_expires_at(self, request_id: str) -> float | None:
+        """When a pinned request's blocks are freed unless read first (``None``: not pinned)."""
+        entry = self._pinned.get(request_id)
+        return None if entry is None else entry[1]
 
     def extend_lease(self, request_id: str, now: float) -> bool:
         """A heartbeat: the lease of a pinned request runs ``lease_s`` from ``now``."""
@@ -561,11 +588,12 @@ class Engine:
         )
 
     def remote_block_ids(self, request_id: str) -> list[int]:
-        """Stable small integers standing for a pinned request's blocks (for ``kv_transfer_params``)."""
+        """Stable small integers standing for a pinned request's blocks (for ``kv_transfer_params``):
+        its computed tokens, i.e. the prompt, plus the output but its last token on a decode engine."""
         r = self._reqs.get(request_id)
         if r is None:
             return []
-        n = -(-max(r.computed, r.n_prompt) // self._bs)
+        n = -(-max(r.computed, r.n_prompt + r.out - 1) // self._bs)
         return [abs(r.content.block_hash(i)) % self.pool.num_blocks for i in range(n)]
 
     # ---------------------------------------------------------------- the step
@@ -671,7 +699,12 @@ class Engine:
             r = self._waiting[0]
             if not r.looked_up:
                 self._lookup(r)
-            if r.req.remote_prefill and r.out == 0 and r.computed == r.cached and r.state is _S.WAITING:
+            if (
+                (r.req.remote_prefill or (r.req.remote_prefix_tokens and self._worth_pulling(r)))
+                and r.out == 0
+                and r.computed == r.cached
+                and r.state is _S.WAITING
+            ):
                 pull = self._start_pull(r)
                 if pull is None:
                     self._undo_lookup(r)
@@ -853,6 +886,15 @@ class Engine:
             self._hits += r.computed
             self._tok_hit += r.computed
 
+    def _worth_pulling(self, r: _Req) -> bool:
+        """A bidirectional P leg: vLLM pulls ``min(remote, n_prompt) − cached`` tokens unless that is
+        below the recompute threshold; pulling must also leave fewer tokens to compute here."""
+        end = min(r.req.remote_prefix_tokens, r.n_prompt)
+        count = end - r.computed
+        if min(end, r.n_prompt - 1) <= r.computed:
+            return False
+        return count >= self._recompute_below
+
     def _start_pull(self, r: _Req) -> KvPull | None:
         bs = self._bs
         need = -(-r.n_prompt // bs) - len(r.hashes)
@@ -861,11 +903,13 @@ class Engine:
         r.private += need
         if r.cached >= r.n_prompt - 1:
             return KvPull(r.rid, 0, r.cached)
-        n = r.n_prompt if self._kv_full else r.n_prompt - r.cached
+        end = r.n_prompt if r.req.remote_prefill else min(r.req.remote_prefix_tokens, r.n_prompt)
+        n = end if self._kv_full else end - r.cached
+        loaded = min(end, r.n_prompt - 1) - r.cached
         r.state = _S.PULLING
-        self._ext_q += r.n_prompt - r.cached
-        self._ext_hits += r.n_prompt - 1 - r.cached
-        self._tok_ext += r.n_prompt - 1 - r.cached
+        self._ext_q += end - r.cached
+        self._ext_hits += loaded
+        self._tok_ext += loaded
         return KvPull(r.rid, n, r.cached)
 
     def _register_full_blocks(self, r: _Req, n_tokens: int) -> None:
@@ -927,9 +971,13 @@ class Engine:
         self._waiting.appendleft(r)
 
     def _finish(self, r: _Req, end: float) -> Finished:
-        if r.req.remote_decode:
+        if r.req.remote_decode or r.req.kv_ttl_s is not None:
+            hold = self._lease_s
+            if r.req.kv_ttl_s is not None:  # bidirectional D side: its output blocks are read too
+                self._register_full_blocks(r, r.n_prompt + r.out - 1)
+                hold = r.req.kv_ttl_s
             r.state = _S.PINNED
-            expires = end + self._lease_s
+            expires = end + hold
             self._pinned[r.rid] = (r, expires)
             heapq.heappush(self._lease_heap, (expires, r.rid))
             return Finished(r.rid, r.reason, r.out, r.n_prompt, r.cached, kv_pinned=True)

@@ -54,6 +54,7 @@ class KvTransferRequest:
     remote_port: int | None
     remote_num_tokens: int | None
     remote_prefill_cached_tokens: int
+    remote_blocks_expiry_time: float | None = None  # a decode worker's bidirectional params only
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,7 @@ def _kv_transfer(body: Mapping[str, Any]) -> KvTransferRequest | None:
         engine = raw.get("remote_engine_id")
         remote_request = raw.get("remote_request_id")
         host = raw.get("remote_host")
+        _check_number(raw, "remote_blocks_expiry_time")
     except ApiError as exc:
         raise _bad(f"kv_transfer_params.{exc.param}: invalid value", "kv_transfer_params") from exc
     return KvTransferRequest(
@@ -159,7 +161,15 @@ def _kv_transfer(body: Mapping[str, Any]) -> KvTransferRequest | None:
         remote_port=port,
         remote_num_tokens=num_tokens,
         remote_prefill_cached_tokens=cached or 0,
+        remote_blocks_expiry_time=_finite(raw.get("remote_blocks_expiry_time")),
     )
+
+
+def _finite(value: object) -> float | None:
+    """A number already type-checked by `_check_number` (or None); NaN and infinities read as None."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool, bool]:

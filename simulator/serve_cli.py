@@ -63,6 +63,26 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=TransferMode.SHARED_LINK.value,
         help="shared_link (processor sharing per node pair), async, or blocking_on_decode (the paper's)",
     )
+    k.add_argument(
+        "--bidirectional-kv-xfer",
+        action="store_true",
+        help="vLLM's bidirectional_kv_xfer (set it on P and D): a decode leg returns its blocks' "
+        "kv_transfer_params and keeps them; the next turn's prefill leg pulls them",
+    )
+    k.add_argument(
+        "--decoder-kv-blocks-ttl",
+        type=float,
+        default=480.0,
+        help="seconds a decode worker keeps a finished request's blocks in bidirectional mode "
+        "(vLLM decoder_kv_blocks_ttl, default 480)",
+    )
+    k.add_argument(
+        "--kv-recompute-threshold",
+        type=int,
+        default=64,
+        help="a bidirectional pull of fewer tokens is recomputed instead (vLLM kv_recompute_threshold, "
+        "default 64; 0 = always pull)",
+    )
     f = p.add_argument_group("fault injection (also at run time: POST <url>/admin/faults)")
     f.add_argument("--error-rate", type=float, default=0.0, help="share of generation requests answered 500")
     f.add_argument("--added-latency-ms", type=float, default=0.0, help="delay before model routes answer")
@@ -87,6 +107,9 @@ def _worker_settings(args: argparse.Namespace, worker_id: str, role: Role) -> Wo
         max_model_len=args.max_model_len,
         host=args.host,
         kv_lease_duration_s=args.kv_lease_duration,
+        bidirectional_kv_xfer=args.bidirectional_kv_xfer,
+        decoder_kv_blocks_ttl_s=args.decoder_kv_blocks_ttl,
+        kv_recompute_threshold=args.kv_recompute_threshold,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         max_body_bytes=args.max_body_bytes,
         sampler=SamplerSettings(mean_natural_tokens=args.mean_natural_tokens),

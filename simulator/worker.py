@@ -11,6 +11,12 @@ Invariants:
   `kv_transfer_params` returned; `do_remote_prefill` -> the engine pulls the tokens it does not hold
   over the fabric's link, after checking the prefill worker's lease (expired -> HTTP 500, or an SSE error
   event once the stream has started, as vLLM does).
+- Rule 2b: bidirectional mode (`bidirectional_kv_xfer`, off by default) is the same pull with the roles
+  swapped: a decode leg keeps its blocks pinned for `decoder_kv_blocks_ttl` and returns their params
+  (`do_remote_decode: true`) on its final chunk; a prefill leg given such params pulls the prompt prefix
+  it does not hold from that decode worker (unless below `kv_recompute_threshold`). Past the advertised
+  expiry the prefill worker declines the read and fails the request (HTTP 500, vLLM's default
+  `kv_load_failure_policy=fail`).
 - Rule 3: "down" behaves like a crashed process: the port closes, open connections are cut, requests in
   flight fail and the engine (prefix cache, pinned blocks) is lost; `down_for_s` brings up a fresh one.
 - Rule 4: concurrency is one event loop: handlers, the driver task and the fabric's timer task share
@@ -74,6 +80,7 @@ class _Remote:
     remote_request_id: str
     host: str | None
     port: int | None
+    expires_at: float | None = None  # a decode worker's bidirectional pin (`remote_blocks_expiry_time`)
 
 
 @dataclass(slots=True)
@@ -140,7 +147,11 @@ class Worker:
             self.fabric.unregister(self.engine_id)
         self.engine_id = f"{self.settings.worker_id}-{uuid.uuid4()}"
         self.fabric.register(self.engine_id, self)
-        engine = Engine(self.fabric.profile, EngineConfig(lease_s=self.settings.kv_lease_duration_s))
+        config = EngineConfig(
+            lease_s=self.settings.kv_lease_duration_s,
+            kv_recompute_threshold=self.settings.kv_recompute_threshold,
+        )
+        engine = Engine(self.fabric.profile, config)
         driver = RealtimeDriver(
             engine, spin_s=self._spin, on_pull=self._on_pull, on_step=self._on_step, timing=self._timing
         )
@@ -434,8 +445,20 @@ class Worker:
 
         P in this process: the claim is a call. P elsewhere: the claim goes over HTTP to the
         `remote_host:remote_port` P advertised (the simulator's stand-in for NIXL's side channel).
+        A bidirectional P leg reads a decode worker's blocks the same way, unless their advertised
+        expiry has passed: then it declines the read, like vLLM's pull worker.
         """
         remote = self._remote.pop(pull.request_id, None)
+        if remote is not None and remote.expires_at is not None and remote.expires_at <= at:
+            logger.warning(
+                "worker %s: declining the expired remote read for %s from engine %s",
+                self.settings.worker_id,
+                pull.request_id,
+                remote.engine_id,
+            )
+            self.metrics.on_lease_expired()
+            self.driver.kv_failed(pull.request_id, at, "KV blocks expired")
+            return
         source = self.fabric.source(remote.engine_id) if remote is not None else None
         if remote is not None and source is not None:
             rrid = remote.remote_request_id
@@ -579,6 +602,17 @@ class Worker:
         kv = req.kv_transfer
         remote_decode = kv is not None and kv.do_remote_decode
         remote_prefill = kv is not None and kv.do_remote_prefill and not remote_decode
+        bidirectional = self.settings.bidirectional_kv_xfer
+        # A P leg carrying a decode worker's params (the next turn, vllm-protocol.md 3.4).
+        from_decoder = (
+            bidirectional
+            and kv is not None
+            and remote_decode
+            and bool(kv.remote_block_ids)
+            and kv.remote_engine_id is not None
+            and kv.remote_request_id is not None
+            and (kv.remote_num_tokens or 0) > 0
+        )
         sampled = sample_output(
             req.prompt_ids,
             seed=req.seed,
@@ -598,13 +632,16 @@ class Worker:
             eos_at=sampled.length if sampled.finish_reason == "stop" else None,
             remote_decode=remote_decode,
             remote_prefill=remote_prefill,
+            remote_prefix_tokens=(kv.remote_num_tokens or 0) if from_decoder and kv is not None else 0,
+            kv_ttl_s=self.settings.decoder_kv_blocks_ttl_s if bidirectional and remote_prefill else None,
         )
-        if remote_prefill and kv is not None:
+        if (remote_prefill or from_decoder) and kv is not None:
             self._remote[internal_id] = _Remote(
                 engine_id=kv.remote_engine_id or "",
                 remote_request_id=kv.remote_request_id or "",
                 host=kv.remote_host,
                 port=kv.remote_port,
+                expires_at=kv.remote_blocks_expiry_time if from_decoder else None,
             )
         driver = self.driver
         handle = JobHandle(request_id=internal_id, submitted_at=driver.now())
@@ -627,18 +664,22 @@ class Worker:
                 driver.abort(internal_id)
             self._remote.pop(internal_id, None)
 
-    def kv_params_for(self, internal_id: str, handle: JobHandle, n_prompt: int) -> dict[str, Any] | None:
-        """P's `kv_transfer_params` (vllm-protocol.md 1.3) once its blocks are pinned."""
+    def kv_params_for(
+        self, internal_id: str, handle: JobHandle, req: GenerationRequest
+    ) -> dict[str, Any] | None:
+        """The `kv_transfer_params` of a finished request whose blocks are pinned: P's (vllm-protocol.md
+        1.3), or in bidirectional mode D's (3.4: the roles swapped, with the blocks' expiry time)."""
         if not handle.kv_pinned:
             return None
+        p_leg = req.kv_transfer is not None and req.kv_transfer.do_remote_decode
         now = self.driver.now()
         if len(self._pinned) >= 256:  # forget leases the engine already expired (never read)
             for rid in [r for r in self._pinned if not self.engine.lease_alive(r, now)]:
                 del self._pinned[rid]
         self._pinned[internal_id] = _Pinned(pinned_at=now)
         return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
+            "do_remote_prefill": p_leg,
+            "do_remote_decode": not p_leg,
             "remote_block_ids": [self.engine.remote_block_ids(internal_id)],
             "remote_engine_id": self.engine_id,
             "remote_request_id": internal_id,
@@ -647,8 +688,10 @@ class Worker:
             "tp_size": 1,
             "dcp_size": 1,
             "pp_size": 1,
-            "remote_num_tokens": n_prompt,
-            "remote_blocks_expiry_time": None,
+            # Tokens whose KV is computed: the prompt (P), plus all output tokens but the last (D).
+            "remote_num_tokens": len(req.prompt_ids) + self.engine.num_output_tokens(internal_id) - 1,
+            # On the worker's monotonic clock, like vLLM's perf_counter() deadline.
+            "remote_blocks_expiry_time": None if p_leg else self.engine.lease_expires_at(internal_id),
             "remote_registration_generation": 0,
             "transfer_mode": "pull",
             "remote_prefill_cached_tokens": handle.cached_tokens,
@@ -771,7 +814,8 @@ class _Run:
         return True
 
     def _final_reason(self) -> str:
-        if self.handle.kv_pinned:
+        kv = self.req.kv_transfer
+        if self.handle.kv_pinned and kv is not None and kv.do_remote_decode:
             return "length"  # the P leg of P/D always stops at its one token
         return self.finish_reason
 
@@ -787,7 +831,7 @@ class _Run:
                 break
         reason = self._final_reason()
         self.w.finish_metrics(self.req, self.handle, self.produced, reason)
-        kv_params = self.w.kv_params_for(self.internal_id, self.handle, len(self.req.prompt_ids))
+        kv_params = self.w.kv_params_for(self.internal_id, self.handle, self.req)
         prompt_text = self.w.tokenizer.decode(self.req.prompt_ids) if self.req.echo else None
         body = self.renderer.full(
             text=self.w.tokenizer.decode(ids),
@@ -838,7 +882,7 @@ class _Run:
                 kv_params = None
                 if emission.finished:
                     self.w.finish_metrics(req, self.handle, self.produced, reason or "length")
-                    kv_params = self.w.kv_params_for(self.internal_id, self.handle, len(req.prompt_ids))
+                    kv_params = self.w.kv_params_for(self.internal_id, self.handle, req)
                 text = self.w.tokenizer.decode(ids)
                 if echo is not None:
                     text, echo = echo + text, None

@@ -1,4 +1,9 @@
-"""Start-up settings of one simulated worker (read once, frozen)."""
+"""Start-up settings of one simulated worker (read once, frozen).
+
+The KV-transfer fields mirror vLLM 0.33's `kv_connector_extra_config` of the NixlConnector
+(vllm-protocol.md 1.1): `kv_lease_duration`, `bidirectional_kv_xfer`, `decoder_kv_blocks_ttl` and
+`kv_recompute_threshold`.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ class WorkerSettings:
     port: int = 0
     node: str = ""  # link endpoint name; empty = the worker id (one GPU node per worker)
     kv_lease_duration_s: float = 30.0
+    bidirectional_kv_xfer: bool = False  # D returns its blocks' params; P pulls them on the next turn
+    decoder_kv_blocks_ttl_s: float = 480.0  # how long D keeps a finished request's blocks (bidirectional)
+    kv_recompute_threshold: int = 64  # fewer remote tokens than this are recomputed, not pulled
     enable_prompt_tokens_details: bool = False
     max_body_bytes: int = 32 * 1024 * 1024
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
@@ -36,6 +44,10 @@ class WorkerSettings:
             raise ValueError("max_model_len must be >= 2")
         if self.kv_lease_duration_s <= 0:
             raise ValueError("kv_lease_duration_s must be > 0")
+        if self.decoder_kv_blocks_ttl_s <= 0:
+            raise ValueError("decoder_kv_blocks_ttl_s must be > 0")
+        if self.kv_recompute_threshold < 0:
+            raise ValueError("kv_recompute_threshold must be >= 0")
 
     @property
     def node_name(self) -> str:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -161,6 +162,39 @@ def test_single_worker_with_fault_flags() -> None:
         info.value.close()
         with urllib.request.urlopen(f"{ready['url']}/admin/faults", timeout=30) as response:
             assert json.loads(response.read())["error_rate"] == 1.0
+    finally:
+        assert stop(proc) == 0
+
+
+def test_bidirectional_flags_reach_the_workers() -> None:
+    proc, ready = start(
+        "cluster", "--topology", "1P1D", "--base-port", "0", "--spin-us", "0", "--bidirectional-kv-xfer",
+        "--decoder-kv-blocks-ttl", "100", "--kv-recompute-threshold", "0",
+    )  # fmt: skip
+    try:
+        p_url, d_url = (w["url"] for w in ready["workers"])
+        history: list[dict[str, str]] = [{"role": "user", "content": QUESTION}]
+        body: dict[str, Any] = {"model": MODEL, "messages": history, "max_tokens": 3, "ignore_eos": True}
+        kv = prefill_kv_params()
+        _, p_resp = post_json(
+            f"{p_url}/v1/chat/completions", body | {"max_tokens": 1, "kv_transfer_params": kv}, {}
+        )
+        _, d_resp = post_json(
+            f"{d_url}/v1/chat/completions", body | {"kv_transfer_params": p_resp["kv_transfer_params"]}, {}
+        )
+        d_params = d_resp["kv_transfer_params"]
+        assert d_params["do_remote_decode"] is True
+        # Workers and test share the machine's monotonic clock, as vLLM's perf_counter() deadline.
+        assert 90.0 < d_params["remote_blocks_expiry_time"] - time.monotonic() <= 100.0
+        history += [
+            {"role": "assistant", "content": d_resp["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "More."},
+        ]
+        turn2 = body | {"messages": history, "max_tokens": 1, "kv_transfer_params": d_params}
+        status, _ = post_json(f"{p_url}/v1/chat/completions", turn2, {})
+        assert status == 200
+        # Only a couple of tokens beyond P's cached blocks: pulled because the threshold is 0.
+        assert metric(p_url, "vllm:nixl_xfer_time_seconds_count") == 1
     finally:
         assert stop(proc) == 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -198,6 +199,55 @@ def test_decode_side_pulls_only_uncached_tokens_unless_full(profile: Profile) ->
         assert pull.n_tokens == expected
 
 
+def test_bidirectional_decode_side_keeps_its_blocks_for_the_ttl(profile: Profile) -> None:
+    e = Engine(profile)
+    e.add_request(replace(req("d", 1, 1000, 40, remote_prefill=True), kv_ttl_s=480.0), 0.0)
+    e.step(0.0)
+    e.kv_loaded("d", 0.1)
+    end = e.step(0.1)
+    while not end.finished:
+        end = e.step(end.end)
+    (fin,) = end.finished
+    assert (fin.kv_pinned, fin.reason, fin.num_output_tokens) == (True, FinishReason.LENGTH, 40)
+    assert e.stats().num_pinned == 1
+    assert e.load() == 0
+    assert e.lease_expires_at("d") == pytest.approx(end.end + 480.0)
+    assert len(e.remote_block_ids("d")) == -(-(1000 + 40 - 1) // 16)  # prompt + output but the last
+    assert e.expire_leases(end.end + 479.0) == []
+    assert e.expire_leases(end.end + 480.0) == ["d"]
+    assert e.lease_expires_at("d") is None
+    assert e.stats().num_kv_expired == 1
+    assert e.pool.usage() == 0.0
+    assert e.pool.num_cached == (1000 + 40 - 1) // 16  # its output blocks stay in the prefix cache
+
+
+def test_bidirectional_prefill_side_pulls_the_decoders_prefix(profile: Profile) -> None:
+    def p_leg(engine: Engine, remote: int, now: float) -> tuple[int, StepResult]:
+        engine.add_request(
+            replace(req("p", 1, 1200, 64, remote_decode=True), remote_prefix_tokens=remote), now
+        )
+        s = engine.step(now)
+        pulled = s.kv_pulls[0].n_tokens if s.kv_pulls else 0
+        if pulled:
+            assert s.kv_pulls[0].n_cached == 496
+            assert e.kv_loaded("p", s.end)
+            s = engine.step(s.end)
+        return pulled, s
+
+    cases = ((1000, 64, 504, 200), (540, 64, 0, 704), (540, 0, 44, 660), (5000, 64, 704, 1))
+    for remote, threshold, pull, computed in cases:
+        e = Engine(profile, EngineConfig(kv_recompute_threshold=threshold))
+        e.add_request(req("warm", 1, 500, 1), 0.0)  # 31 blocks (496 tokens) of the prompt cached here
+        pulled, s = p_leg(e, remote, drain(e)[-1].end)
+        assert pulled == pull, remote
+        assert [c.n_new for c in s.prefills] == [computed]
+        (fin,) = s.finished
+        assert fin.kv_pinned
+        assert fin.num_cached_tokens == 1200 - computed  # local hit + pulled
+        assert e.stats().external_prefix_cache_hits == (1200 - 496 - computed if pull else 0)
+        assert e.stats().prefix_cache_hits == 496
+
+
 def test_kv_failure_ends_the_request_with_error(profile: Profile) -> None:
     e = Engine(profile)
     e.add_request(req("d", 1, 1000, 4, remote_prefill=True), 0.0)
@@ -232,6 +282,10 @@ def test_invalid_requests_are_refused() -> None:
         req("r", 1, 10, 0)
     with pytest.raises(ValueError, match="either"):
         req("r", 1, 10, 1, remote_decode=True, remote_prefill=True)
+    with pytest.raises(ValueError, match="P leg"):
+        replace(req("r", 1, 10, 1), remote_prefix_tokens=5)
+    with pytest.raises(ValueError, match="kv_ttl_s"):
+        replace(req("r", 1, 10, 1, remote_decode=True), kv_ttl_s=1.0)
 
 
 def _arrivals() -> list[tuple[float, EngineRequest]]:

@@ -13,6 +13,7 @@ from simulator.responses import ResponseRenderer, Usage, sse_event
 from simulator.sampler import SamplerSettings, sample_output
 from simulator.tokenizer import ChatMessage, Llama3Tokenizer, render_chat
 from simulator.topology import Topology, TopologyError
+from simulator.worker_settings import WorkerSettings
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 LIMITS = ServingLimits(model=MODEL, max_model_len=4096)
@@ -139,6 +140,28 @@ def test_kv_transfer_params_are_parsed(tok: Llama3Tokenizer) -> None:
     assert kv.do_remote_prefill
     assert kv.remote_block_ids == ((1, 2, 3),)
     assert kv.remote_prefill_cached_tokens == 16
+    assert kv.remote_blocks_expiry_time is None
+    # A decode worker's bidirectional params carry the expiry of its pinned blocks.
+    d_params = params | {
+        "do_remote_prefill": False,
+        "do_remote_decode": True,
+        "remote_blocks_expiry_time": 812.5,
+    }
+    kv = parse_completion({"prompt": "x", "kv_transfer_params": d_params}, tok, LIMITS).kv_transfer
+    assert kv is not None
+    assert kv.remote_blocks_expiry_time == 812.5
+    bad = params | {"remote_blocks_expiry_time": "soon"}
+    with pytest.raises(ApiError, match="kv_transfer_params"):
+        parse_completion({"prompt": "x", "kv_transfer_params": bad}, tok, LIMITS)
+
+
+def test_worker_settings_validate_the_kv_connector_knobs() -> None:
+    ok = WorkerSettings(worker_id="D0", role="decode", bidirectional_kv_xfer=True)
+    assert (ok.decoder_kv_blocks_ttl_s, ok.kv_recompute_threshold) == (480.0, 64)
+    with pytest.raises(ValueError, match="decoder_kv_blocks_ttl_s"):
+        WorkerSettings(worker_id="D0", role="decode", decoder_kv_blocks_ttl_s=0.0)
+    with pytest.raises(ValueError, match="kv_recompute_threshold"):
+        WorkerSettings(worker_id="P0", role="prefill", kv_recompute_threshold=-1)
 
 
 def test_tokenize_and_detokenize(tok: Llama3Tokenizer) -> None:
