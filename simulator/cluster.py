@@ -544,34 +544,34 @@ class _Sim:
 
     def build_records(self) -> list[dict[str, Any]]:
         cfg = self.cfg
+        run_id, shape, model, mode, qps = cfg.run_id, cfg.topology.label, cfg.model, cfg.mode, cfg.target_qps
         out = []
         for req in sorted(self.records, key=lambda r: (r.arrival, r.rid)):
-            ok = req.error is None and req.finish is not None
-            ttft = (req.first - req.arrival) * 1e3 if req.first is not None else None
-            e2e = (req.finish - req.arrival) * 1e3 if req.finish is not None else None
+            first, finish, arrival, n_out = req.first, req.finish, req.arrival, req.n_out
+            ok = req.error is None and finish is not None
             tpot = None
-            if ok and req.first is not None and req.finish is not None and req.n_out > 1:
-                tpot = (req.finish - req.first) * 1e3 / (req.n_out - 1)
+            if ok and first is not None and finish is not None and n_out > 1:
+                tpot = (finish - first) * 1e3 / (n_out - 1)
             out.append(
                 {
-                    "run_id": cfg.run_id,
-                    "shape": cfg.topology.label,
-                    "model": cfg.model,
-                    "mode": cfg.mode,
-                    "target_qps": cfg.target_qps,
+                    "run_id": run_id,
+                    "shape": shape,
+                    "model": model,
+                    "mode": mode,
+                    "target_qps": qps,
                     "workload": req.conv.workload,
                     "conversation_id": req.conv.conversation_id,
                     "turn": req.idx + 1,
                     "n_in": req.n_in,
-                    "n_out": req.n_out,
+                    "n_out": n_out,
                     "n_ctx": req.n_ctx,
                     "path": req.path,
-                    "ttft_ms": ttft,
+                    "ttft_ms": (first - arrival) * 1e3 if first is not None else None,
                     "tpot_ms": tpot,
-                    "e2e_ms": e2e if ok else None,
+                    "e2e_ms": (finish - arrival) * 1e3 if ok and finish is not None else None,
                     "ok": ok,
                     "error": req.error,
-                    "start_time": req.arrival,
+                    "start_time": arrival,
                 }
             )
         return out

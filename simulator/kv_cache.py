@@ -205,7 +205,8 @@ class BlockPool:
         if max(map(ref.__getitem__, hashes)) == 1:  # the usual case: sole holder
             rev = hashes[::-1]
             ref.update(dict.fromkeys(rev, 0))
-            lru.update(dict.fromkeys(rev))
+            for h in rev:  # a plain loop: OrderedDict.update(mapping) is about twice as slow
+                lru[h] = None
             return
         for h in reversed(hashes):
             count = ref[h] - 1
