@@ -385,6 +385,7 @@ class Engine:
         self._seq = 0
         self._ctx_offset = 0  # Σ (n_prompt − base) over decoding requests
         self._residue = [0] * self._bs  # decoding requests by (n_prompt − base − 1) mod block size
+        self._decode_base: dict[int, float] = {}  # batch size -> cost of a decode-only step, KV reads aside
 
         self._free_at = -math.inf
         self._idle = False  # the last step found nothing to do; wait for an outside change
@@ -509,6 +510,19 @@ class Engine:
                 return max(self._free_at, expires)
             heapq.heappop(heap)
         return None
+
+    def run_end(self, now: float) -> float | None:
+        """When ``step(now)`` would end if it is a fast-forward run and nothing changes first; else None.
+
+        A driver may then defer the step (a discrete-event driver's lazy run): ``step(now, t)`` made at
+        the first outside change ``t`` (before calling the method that makes it), or ``step(now)`` at
+        the returned time, gives exactly the run that stepping at ``now`` with that horizon gives.
+        """
+        now = max(now, self._free_at)
+        if not self.can_fast_forward() or (self._lease_heap and self._lease_heap[0][0] <= now):
+            return None
+        plan = self._plan_run(now, math.inf)
+        return None if plan is None else now + plan[1]
 
     def can_fast_forward(self) -> bool:
         """Whether the next ``step`` could be a fast-forward run (so a horizon is worth computing)."""
@@ -724,6 +738,25 @@ class Engine:
                 self._start_decode(r)
 
     def _fast_forward(self, now: float, horizon: float) -> StepResult | None:
+        plan = self._plan_run(now, horizon)
+        if plan is None:
+            return None
+        k, duration, need = plan
+        self.pool.allocate(need)
+        b = len(self._decoding)
+        self._d += k
+        finished: list[Finished] = []
+        self._pop_decode_finishes(finished, now + duration)
+        self._num_steps += k
+        self._free_at = now + duration
+        self._idle = False
+        return StepResult(start=now, duration=duration, n_steps=k, num_decodes=b, finished=tuple(finished))
+
+    def _plan_run(self, now: float, horizon: float) -> tuple[int, float, int] | None:
+        """(steps, duration, new blocks) of the fast-forward run starting at ``now``, or None if none.
+
+        Changes nothing but dropping stale entries of the decode heap, so ``run_end`` may ask too.
+        """
         b = len(self._decoding)
         heap = self._dec_heap
         while heap and (heap[0][2].state is not _S.DECODE or heap[0][2].finish_d != heap[0][0]):
@@ -733,7 +766,9 @@ class Engine:
             return None
         coef = self.cost.kv_read_s_per_token
         c0 = self._ctx_offset + b * self._d
-        base = self.cost.decode_only(b, 0.0)
+        base = self._decode_base.get(b)
+        if base is None:
+            base = self._decode_base[b] = self.cost.decode_only(b, 0.0)
         a = base + coef * c0  # first step
         inc = coef * b  # each step reads b more tokens
         # Steps j = 0..k-1 start at now + a·j + inc·j(j−1)/2; keep those starting before the horizon.
@@ -755,16 +790,9 @@ class Engine:
         if k <= 1:
             return None
         need = self._blocks_for_run(k)
-        if not self.pool.allocate(need):
+        if not self.pool.can_allocate(need):
             return None
-        duration = a * k + inc * k * (k - 1) / 2.0
-        self._d += k
-        finished: list[Finished] = []
-        self._pop_decode_finishes(finished, now + duration)
-        self._num_steps += k
-        self._free_at = now + duration
-        self._idle = False
-        return StepResult(start=now, duration=duration, n_steps=k, num_decodes=b, finished=tuple(finished))
+        return k, a * k + inc * k * (k - 1) / 2.0, need
 
     # ---------------------------------------------------------------- helpers
     def _blocks_for_run(self, k: int) -> int:
