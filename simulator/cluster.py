@@ -34,6 +34,7 @@ import enum
 import heapq
 import math
 import zlib
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -132,6 +133,7 @@ class _Node:
         "name",
         "outstanding",
         "run_version",
+        "wake_at",
         "wake_version",
     )
 
@@ -144,6 +146,7 @@ class _Node:
         self.run_version = 0
         self.outstanding = 0
         self.wake_version = 0
+        self.wake_at = math.inf  # time of the pending wake-up, if any
 
 
 class _LinkState:
@@ -160,6 +163,7 @@ class _Req:
         "arrival",
         "conv",
         "d",
+        "deadline",
         "done",
         "error",
         "finish",
@@ -181,6 +185,7 @@ class _Req:
         self.idx = idx
         self.stream = stream
         self.arrival = arrival
+        self.deadline = math.inf
         turn = conv.turns[idx]
         self.n_in = turn.n_in
         self.n_out = turn.n_out
@@ -245,6 +250,9 @@ class _Sim:
         self.o_local = ov.local_s if config.apply_overheads else 0.0
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
+        # Requests by deadline (= arrival order, as the timeout is fixed); one _TIMEOUT event, at the
+        # head's deadline, stands for all of them (finished ones are skipped when it fires).
+        self.deadlines: deque[_Req] = deque()
         self.records: list[_Req] = []
         self._live: dict[str, _Req] = {}
         self.sessions: dict[str, _Node] = {}
@@ -282,9 +290,10 @@ class _Sim:
             elif kind == _WAKE:
                 node, version = obj
                 if version == node.wake_version:
+                    node.wake_at = math.inf
                     self.kick(node, t)
             else:
-                self.on_timeout(obj, t)
+                self.on_timeouts(t)
         nodes = [*self.prefills, *self.decodes]
         return ClusterResult(
             self.build_records(),
@@ -320,7 +329,10 @@ class _Sim:
         req.d.outstanding += 1
         delay = self.o_pd if req.path == "pd" else self.o_local
         self.push(t + delay, _DISPATCH, req)
-        self.push(t + self.cfg.timeout_s, _TIMEOUT, req)
+        req.deadline = t + self.cfg.timeout_s
+        self.deadlines.append(req)
+        if len(self.deadlines) == 1:
+            self.push(req.deadline, _TIMEOUT, None)
 
     def choose_local(self, req: _Req) -> bool:
         if self.kind == "local":
@@ -378,8 +390,11 @@ class _Sim:
             if nxt is None:
                 return
             if nxt > t:
-                node.wake_version += 1
-                self.push(nxt, _WAKE, (node, node.wake_version))
+                # One pending wake-up at or before nxt is enough: it kicks again, and kick re-arms.
+                if not t < node.wake_at <= nxt:
+                    node.wake_version += 1
+                    node.wake_at = nxt
+                    self.push(nxt, _WAKE, (node, node.wake_version))
                 return
             end = engine.run_end(t)
             if end is not None:
@@ -535,9 +550,17 @@ class _Sim:
             self.kick(req.d, t)
         self.records.append(req)
 
-    def on_timeout(self, req: _Req, t: float) -> None:
-        if not req.done:
-            self.fail(req, "timeout", t)
+    def on_timeouts(self, t: float) -> None:
+        """Fail the requests whose deadline is ``t`` or earlier, then wait for the next live one's."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0].deadline <= t:
+            req = deadlines.popleft()
+            if not req.done:
+                self.fail(req, "timeout", t)
+        while deadlines and deadlines[0].done:
+            deadlines.popleft()
+        if deadlines:
+            self.push(deadlines[0].deadline, _TIMEOUT, None)
 
     def build_records(self) -> list[dict[str, Any]]:
         cfg = self.cfg
