@@ -386,6 +386,7 @@ class Engine:
         self._ctx_offset = 0  # Σ (n_prompt − base) over decoding requests
         self._residue = [0] * self._bs  # decoding requests by (n_prompt − base − 1) mod block size
         self._decode_base: dict[int, float] = {}  # batch size -> cost of a decode-only step, KV reads aside
+        self._planned: tuple[float, tuple[int, float, int]] | None = None  # run_end's plan, until a change
 
         self._free_at = -math.inf
         self._idle = False  # the last step found nothing to do; wait for an outside change
@@ -410,6 +411,7 @@ class Engine:
         self._reqs[r.rid] = r
         self._waiting.append(r)
         self._idle = False
+        self._planned = None
 
     def abort(self, request_id: str, now: float) -> bool:
         """Drop a request wherever it is (freeing its blocks); False if unknown or already finished."""
@@ -428,6 +430,7 @@ class Engine:
         self._free_blocks(r, register_outputs=False)
         r.state = _S.DONE
         self._idle = False
+        self._planned = None
         return True
 
     def kv_loaded(self, request_id: str, now: float, stall_s: float = 0.0) -> bool:
@@ -442,6 +445,7 @@ class Engine:
         r.state = _S.READY
         self._ready.append(r)
         self._idle = False
+        self._planned = None
         return True
 
     def kv_failed(self, request_id: str, now: float) -> Finished | None:
@@ -454,6 +458,7 @@ class Engine:
         self._free_blocks(r, register_outputs=False)
         r.state = _S.DONE
         self._idle = False
+        self._planned = None
         return Finished(request_id, FinishReason.ERROR, 0, r.n_prompt, r.cached)
 
     def release(self, request_id: str, now: float) -> bool:
@@ -467,6 +472,7 @@ class Engine:
         self._free_blocks(r, register_outputs=False)
         r.state = _S.DONE
         self._idle = False
+        self._planned = None
         return True
 
     def lease_alive(self, request_id: str, now: float) -> bool:
@@ -517,12 +523,16 @@ class Engine:
         A driver may then defer the step (a discrete-event driver's lazy run): ``step(now, t)`` made at
         the first outside change ``t`` (before calling the method that makes it), or ``step(now)`` at
         the returned time, gives exactly the run that stepping at ``now`` with that horizon gives.
+        The plan is kept for that ``step(now)`` until any input method or step is called.
         """
         now = max(now, self._free_at)
         if not self.can_fast_forward() or (self._lease_heap and self._lease_heap[0][0] <= now):
             return None
         plan = self._plan_run(now, math.inf)
-        return None if plan is None else now + plan[1]
+        if plan is None:
+            return None
+        self._planned = (now, plan)
+        return now + plan[1]
 
     def can_fast_forward(self) -> bool:
         """Whether the next ``step`` could be a fast-forward run (so a horizon is worth computing)."""
@@ -594,6 +604,7 @@ class Engine:
         return self._single_step(now)
 
     def _single_step(self, now: float) -> StepResult:
+        self._planned = None
         preempted: list[str] = []
         chunks, left = self._reserve_running(preempted)
         pulls: list[KvPull] = []
@@ -738,7 +749,12 @@ class Engine:
                 self._start_decode(r)
 
     def _fast_forward(self, now: float, horizon: float) -> StepResult | None:
-        plan = self._plan_run(now, horizon)
+        planned = self._planned
+        self._planned = None
+        if planned is not None and planned[0] == now and horizon == math.inf:
+            plan: tuple[int, float, int] | None = planned[1]
+        else:
+            plan = self._plan_run(now, horizon)
         if plan is None:
             return None
         k, duration, need = plan
