@@ -125,6 +125,7 @@ class BlockPool:
         "_idle",
         "_queued",
         "_ref",
+        "_shared",
         "_stamp",
         "evictions",
         "num_blocks",
@@ -137,6 +138,7 @@ class BlockPool:
         self._free = num_blocks
         self._ref: dict[int, int] = {}
         self._idle = 0  # cached blocks with ref count 0 (evictable)
+        self._shared = 0  # Σ (ref count − 1) over held blocks: 0 means every held block has one holder
         self._batches: deque[tuple[int, Sequence[int]]] = deque()  # (stamp, hashes in release order)
         self._head = 0  # position reached in the first batch
         self._queued = 0  # entries in the batches from _head on, live or stale
@@ -182,6 +184,7 @@ class BlockPool:
                 self._idle -= 1
             else:
                 ref[h] = count + 1
+                self._shared += 1
         return out
 
     def can_allocate(self, n_blocks: int) -> bool:
@@ -248,7 +251,7 @@ class BlockPool:
         self._stamp += 1
         stamp = self._stamp
         rev = hashes[::-1]
-        if max(map(ref.__getitem__, hashes)) == 1:  # the usual case: sole holder
+        if not self._shared:  # the usual case: no block has two holders, so the caller is the only one
             ref.update(dict.fromkeys(rev, -stamp))
             self._idle += len(rev)
         else:
@@ -259,6 +262,7 @@ class BlockPool:
                     self._idle += 1
                 else:
                     ref[h] = count
+                    self._shared -= 1
         self._batches.append((stamp, rev))
         self._queued += len(rev)
         if self._queued > 2 * self._idle + 4096:
