@@ -4,7 +4,8 @@
 (ShareGPT-like lengths by default, or one of the 18 synthetic workloads) through a simulated cluster
 in each requested mode and prints, per mode, the CPU time, the throughput, the discrete events per
 request (what the speed mostly depends on) and the Turn-2 figures (mean TTFT, mean TPOT, success
-rate). The speed target is 20,000 requests per CPU-second on 1P3D.
+rate). The speed target is 20,000 requests per CPU-second on 1P3D; ``core=`` says whether the run used
+the compiled core (``ppd-sim build-native``, :mod:`simulator.native_build`) or the interpreted one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from simulator.cluster import ClusterConfig, simulate
 from simulator.link import TransferMode
+from simulator.native_build import is_native
 from simulator.profile import load_profile
 from simulator.routing import TableRouter
 from simulator.topology import Topology
@@ -96,6 +98,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             "qps": args.qps,
             "link": args.link,
             "transfer_mode": args.transfer_mode,
+            "core": "native" if is_native() else "interpreted",
             "cpu_s": best,
             "requests_per_cpu_s": len(records) / best if best > 0 else None,
             "events": events,
@@ -117,7 +120,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             sys.stdout.write(json.dumps(row) + "\n")
         else:
             sys.stdout.write(
-                f"{row['shape']} {row['mode']:<12} {row['workload']} qps={row['qps']:g} link={row['link']}: "
+                f"{row['shape']} {row['mode']:<12} {row['workload']} qps={row['qps']:g} link={row['link']} "
+                f"core={row['core']}: "
                 f"{row['requests']} requests in {row['cpu_s']:.3f} CPU-s = "
                 f"{_fmt(row['requests_per_cpu_s'], ',.0f')} req/CPU-s "
                 f"({row['events'] / max(1, row['requests']):.1f} events/request) | turn2 TTFT "
