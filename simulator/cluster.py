@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 import math
 import zlib
 from collections import deque
@@ -249,7 +250,7 @@ class _Sim:
         self.o_pd = ov.pd_s if config.apply_overheads else 0.0
         self.o_local = ov.local_s if config.apply_overheads else 0.0
         self.heap: list[tuple[float, int, int, Any]] = []
-        self.seq = 0
+        self.seq = itertools.count(1)  # ties in time go in push order
         # Requests by deadline (= arrival order, as the timeout is fixed); one _TIMEOUT event, at the
         # head's deadline, stands for all of them (finished ones are skipped when it fires).
         self.deadlines: deque[_Req] = deque()
@@ -262,8 +263,7 @@ class _Sim:
 
     # ------------------------------------------------------------------ heap helpers
     def push(self, t: float, kind: int, obj: Any) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, obj))
+        heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
 
     # ------------------------------------------------------------------ main loop
     def run(self, conversations: Iterable[Conversation]) -> ClusterResult:

@@ -615,10 +615,15 @@ class Engine:
             self._idle = not self._ready
             return StepResult(start=now, duration=0.0, kv_pulls=tuple(pulls), preempted=tuple(preempted))
         self._idle = False
-        sampled_pf = sum(1 for r, n in chunks if r.computed + n >= r.prefill_target)
+        pairs: list[tuple[int, int]] = []
+        sampled_pf = 0
+        for r, n in chunks:
+            pairs.append((n, r.computed))
+            if r.computed + n >= r.prefill_target:
+                sampled_pf += 1
         dt = stall + self.cost.step(
             num_decodes=num_dec,
-            chunks=[(n, r.computed) for r, n in chunks],
+            chunks=pairs,
             num_sampled=num_dec + sampled_pf,
             kv_read_tokens=self._kv_read(),
         )
@@ -867,9 +872,10 @@ class Engine:
     def _lookup(self, r: _Req) -> None:
         r.looked_up = True
         max_blocks = (r.prefill_target - 1) // self._bs
-        hit = self.pool.match(r.content, max_blocks) if max_blocks > 0 else 0
+        hashes = self.pool.acquire_prefix(r.content, max_blocks)
+        hit = len(hashes)
         if hit:
-            r.hashes = self.pool.acquire(r.content, hit)
+            r.hashes = hashes
         r.scan = hit
         r.computed = hit * self._bs
         if r.out == 0:

@@ -21,12 +21,16 @@ Two kinds of content provide these hashes:
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 __all__ = ["BlockContent", "BlockPool", "PrefixedBlocks", "StreamBlocks", "TokenBlocks"]
+
+_is_cached = functools.partial(operator.is_not, None)  # on ref-dict .get results: the hash is cached
 
 
 class BlockContent(Protocol):
@@ -169,15 +173,30 @@ class BlockPool:
 
     def acquire(self, content: BlockContent, n_blocks: int) -> list[int]:
         """Take a reference on the first ``n_blocks`` cached blocks (a prefix hit); returns their hashes."""
-        ref = self._ref
         out = list(content.block_hashes(0, n_blocks))
-        if not out:
-            return out
-        counts = list(map(ref.__getitem__, out))
+        if out:
+            self._take(out, list(map(self._ref.__getitem__, out)))
+        return out
+
+    def acquire_prefix(self, content: BlockContent, max_blocks: int) -> list[int]:
+        """``acquire`` of the ``match`` blocks (the leading cached ones, at most ``max_blocks``), one pass."""
+        if max_blocks <= 0:
+            return []
+        hashes = content.block_hashes(0, max_blocks)
+        # The leading non-None ref counts: those blocks are cached.
+        counts = cast("list[int]", list(itertools.takewhile(_is_cached, map(self._ref.get, hashes))))
+        if not counts:
+            return []
+        out = list(hashes[: len(counts)])
+        self._take(out, counts)
+        return out
+
+    def _take(self, out: list[int], counts: list[int]) -> None:
+        ref = self._ref
         if max(counts) < 0:  # the usual case: an idle cached prefix
             ref.update(dict.fromkeys(out, 1))
             self._idle -= len(out)
-            return out
+            return
         for h, count in zip(out, counts, strict=True):
             if count < 0:
                 ref[h] = 1
@@ -185,7 +204,6 @@ class BlockPool:
             else:
                 ref[h] = count + 1
                 self._shared += 1
-        return out
 
     def can_allocate(self, n_blocks: int) -> bool:
         return n_blocks <= self._free + self._idle
