@@ -2,8 +2,10 @@
 
 ``ppd-sim bench-virtual`` (or ``python -m simulator.bench_virtual``) runs two-turn conversations
 (ShareGPT-like lengths by default, or one of the 18 synthetic workloads) through a simulated cluster
-in each requested mode and prints, per mode, the CPU time, the throughput and the Turn-2 figures
-(mean TTFT, mean TPOT, success rate). The speed target is 20,000 requests per CPU-second on 1P3D.
+in each requested mode and prints, per mode, the CPU time, the throughput, the discrete events per
+request (what the speed mostly depends on) and the Turn-2 figures (mean TTFT, mean TPOT, success
+rate). The speed target is 20,000 requests per CPU-second on 1P3D; ``core=`` says whether the run used
+the compiled core (``ppd-sim build-native``, :mod:`simulator.native_build`) or the interpreted one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from simulator.cluster import ClusterConfig, simulate
 from simulator.link import TransferMode
+from simulator.native_build import is_native
 from simulator.profile import load_profile
 from simulator.routing import TableRouter
 from simulator.topology import Topology
@@ -81,11 +84,13 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         best = float("inf")
         records: list[dict[str, Any]] = []
+        events = steps = 0
         for _ in range(max(1, args.repeat)):
             router = TableRouter.open(args.table) if mode == "ppd" and args.table else None
             t0 = time.process_time()
-            records = simulate(profile, config, convs, router).records
+            result = simulate(profile, config, convs, router)
             best = min(best, time.process_time() - t0)
+            records, events, steps = result.records, result.events, result.engine_steps
         row: dict[str, Any] = {
             "shape": args.shape,
             "mode": mode,
@@ -93,8 +98,11 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             "qps": args.qps,
             "link": args.link,
             "transfer_mode": args.transfer_mode,
+            "core": "native" if is_native() else "interpreted",
             "cpu_s": best,
             "requests_per_cpu_s": len(records) / best if best > 0 else None,
+            "events": events,
+            "engine_steps": steps,
             **summarise(records),
         }
         out.append(row)
@@ -112,9 +120,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             sys.stdout.write(json.dumps(row) + "\n")
         else:
             sys.stdout.write(
-                f"{row['shape']} {row['mode']:<12} {row['workload']} qps={row['qps']:g} link={row['link']}: "
+                f"{row['shape']} {row['mode']:<12} {row['workload']} qps={row['qps']:g} link={row['link']} "
+                f"core={row['core']}: "
                 f"{row['requests']} requests in {row['cpu_s']:.3f} CPU-s = "
-                f"{_fmt(row['requests_per_cpu_s'], ',.0f')} req/CPU-s | turn2 TTFT "
+                f"{_fmt(row['requests_per_cpu_s'], ',.0f')} req/CPU-s "
+                f"({row['events'] / max(1, row['requests']):.1f} events/request) | turn2 TTFT "
                 f"{_fmt(row['turn2_ttft_ms'], '.1f')} ms, TPOT {_fmt(row['turn2_tpot_ms'], '.2f')} ms, "
                 f"success {_fmt(row['success_rate'], '.3f')}\n"
             )

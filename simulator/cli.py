@@ -52,10 +52,23 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run_from_args)
 
 
+def _add_build_native(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "build-native",
+        help="compile the virtual-time core with mypyc into a folder to put on PYTHONPATH (about 2x faster)",
+        description="Copy the simulator package to OUT/simulator and compile its hot modules there with "
+        "mypyc; run with PYTHONPATH=OUT to use them. Prints one JSON line.",
+    )
+    from simulator.native_build import add_arguments, run_from_args
+
+    add_arguments(p)
+    p.set_defaults(func=run_from_args)
+
+
 def _registry() -> list[Registrar]:
     from simulator.serve_cli import add_bench_realtime, add_cluster, add_worker
 
-    return [_add_calibrate, _add_bench, add_worker, add_cluster, add_bench_realtime]
+    return [_add_calibrate, _add_bench, _add_build_native, add_worker, add_cluster, add_bench_realtime]
 
 
 def build_parser() -> argparse.ArgumentParser:

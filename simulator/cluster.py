@@ -20,18 +20,22 @@ normally :class:`simulator.routing.TableRouter`: the decision service's pure rul
 A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
 its engines, and ends its conversation.
 
-Fast-forward horizons (why results equal a step-by-step run): an engine may run several identical
-decode steps at once only up to the earliest time new work could reach it, which is bounded below
-by the next arrival (plus the smallest proxy overhead), the next dispatch, the end of any busy
-prefill engine's current step, and the next completion on the links into it.
+Lazy runs (why results equal a step-by-step run): when an engine's next step would be a run of
+identical decode-only steps (``Engine.run_end``), the node does not step yet; it waits for the run's
+end. Every call that changes an engine (a new request, KV arrived or failed, release, abort) first
+*settles* a waiting run at that time ``t``: ``Engine.step(start, t)`` makes just the steps that start
+before ``t``, the step in flight at ``t`` ends as planned, and the change joins the step after it,
+as it would step by step. So a run is cut only where something actually reaches its engine.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
+import itertools
 import math
 import zlib
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -120,32 +124,32 @@ class ClusterResult:
     kv_free_blocks: dict[str, tuple[int, int]]  # engine -> (free, total) at the end
 
 
-_ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT = range(6)
+_ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN = range(7)
 
 
 class _Node:
     __slots__ = (
         "engine",
-        "in_links",
         "inflight",
         "is_prefill",
+        "lazy_from",
         "name",
         "outstanding",
-        "pending_for",
+        "run_version",
+        "wake_at",
         "wake_version",
-        "work",
     )
 
     def __init__(self, name: str, engine: Engine, *, is_prefill: bool) -> None:
         self.name = name
-        self.work: list[tuple[float, int]] = []  # lower bounds of work coming to this node (lazy deletion)
-        self.pending_for: dict[str, int] = {}  # on a P: requests inside it, by destination D
         self.engine = engine
         self.is_prefill = is_prefill
         self.inflight: StepResult | None = None
+        self.lazy_from: float | None = None  # start of a run not stepped yet (see "Lazy runs")
+        self.run_version = 0
         self.outstanding = 0
         self.wake_version = 0
-        self.in_links: list[_LinkState] = []
+        self.wake_at = math.inf  # time of the pending wake-up, if any
 
 
 class _LinkState:
@@ -162,12 +166,12 @@ class _Req:
         "arrival",
         "conv",
         "d",
+        "deadline",
         "done",
         "error",
         "finish",
         "first",
         "idx",
-        "in_p",
         "n_ctx",
         "n_in",
         "n_out",
@@ -184,6 +188,7 @@ class _Req:
         self.idx = idx
         self.stream = stream
         self.arrival = arrival
+        self.deadline = math.inf
         turn = conv.turns[idx]
         self.n_in = turn.n_in
         self.n_out = turn.n_out
@@ -192,7 +197,6 @@ class _Req:
         self.path = "pd"
         self.p: _Node | None = None
         self.p_done = False
-        self.in_p = False
         self.d: _Node | None = None
         self.first: float | None = None
         self.finish: float | None = None
@@ -241,18 +245,17 @@ class _Sim:
         spec = profile.link(config.link)
         self.links: dict[tuple[int, int], _LinkState] = {}
         for pi in range(len(self.prefills)):
-            for di, d in enumerate(self.decodes):
+            for di in range(len(self.decodes)):
                 ls = _LinkState(Link(spec, config.transfer_mode, physical))
                 self.links[(pi, di)] = ls
-                d.in_links.append(ls)
         ov = profile.overheads
         self.o_pd = ov.pd_s if config.apply_overheads else 0.0
         self.o_local = ov.local_s if config.apply_overheads else 0.0
-        self.min_overhead = min(self.o_pd, self.o_local)
         self.heap: list[tuple[float, int, int, Any]] = []
-        self.seq = 0
-        self.work: list[tuple[float, int]] = []  # turn-1 arrivals: they may reach any D
-        self.work_done: set[int] = set()
+        self.seq = itertools.count(1)  # ties in time go in push order
+        # Requests by deadline (= arrival order, as the timeout is fixed); one _TIMEOUT event, at the
+        # head's deadline, stands for all of them (finished ones are skipped when it fires).
+        self.deadlines: deque[_Req] = deque()
         self.records: list[_Req] = []
         self._live: dict[str, _Req] = {}
         self.sessions: dict[str, _Node] = {}
@@ -261,50 +264,38 @@ class _Sim:
         self.now = 0.0
 
     # ------------------------------------------------------------------ heap helpers
-    def push(self, t: float, kind: int, obj: Any) -> int:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, obj))
-        return self.seq
-
-    def push_work(self, t_bound: float, t: float, kind: int, obj: Any, target: _Node | None) -> None:
-        """An event that brings work to ``target`` (any decode node if None) no earlier than ``t_bound``."""
-        seq = self.push(t, kind, obj)
-        heapq.heappush(self.work if target is None else target.work, (t_bound, seq))
-
-    def work_bound(self, work: list[tuple[float, int]]) -> float:
-        done = self.work_done
-        while work and work[0][1] in done:
-            heapq.heappop(work)
-        return work[0][0] if work else math.inf
+    def push(self, t: float, kind: int, obj: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
 
     # ------------------------------------------------------------------ main loop
     def run(self, conversations: Iterable[Conversation]) -> ClusterResult:
         for n, conv in enumerate(conversations):
             if conv.turns:
-                req = _Req(conv, 0, n, conv.start, 0)
-                first_delay = self.o_local if self.replica_mode else self.o_pd
-                self.push_work(conv.start + first_delay, conv.start, _ARRIVE, req, None)
+                self.push(conv.start, _ARRIVE, _Req(conv, 0, n, conv.start, 0))
         heap = self.heap
         while heap:
-            t, seq, kind, obj = heapq.heappop(heap)
+            t, _, kind, obj = heapq.heappop(heap)
             self.now = t
             self.events += 1
             if kind == _STEP:
                 self.on_step(obj, t)
             elif kind == _XFER:
                 self.on_transfer(obj[0], obj[1], t)
+            elif kind == _RUN:
+                node, version = obj
+                if version == node.run_version:
+                    self.end_run(node)
             elif kind == _ARRIVE:
-                self.work_done.add(seq)
                 self.on_arrive(obj, t)
             elif kind == _DISPATCH:
-                self.work_done.add(seq)
                 self.on_dispatch(obj, t)
             elif kind == _WAKE:
                 node, version = obj
                 if version == node.wake_version:
+                    node.wake_at = math.inf
                     self.kick(node, t)
             else:
-                self.on_timeout(obj, t)
+                self.on_timeouts(t)
         nodes = [*self.prefills, *self.decodes]
         return ClusterResult(
             self.build_records(),
@@ -339,8 +330,11 @@ class _Sim:
             req.p.outstanding += 1
         req.d.outstanding += 1
         delay = self.o_pd if req.path == "pd" else self.o_local
-        self.push_work(t + delay, t + delay, _DISPATCH, req, req.d)
-        self.push(t + self.cfg.timeout_s, _TIMEOUT, req)
+        self.push(t + delay, _DISPATCH, req)
+        req.deadline = t + self.cfg.timeout_s
+        self.deadlines.append(req)
+        if len(self.deadlines) == 1:
+            self.push(req.deadline, _TIMEOUT, None)
 
     def choose_local(self, req: _Req) -> bool:
         if self.kind == "local":
@@ -369,10 +363,6 @@ class _Sim:
         n_prompt = req.n_ctx + req.n_in
         if req.path == "pd":
             assert req.p is not None
-            assert req.d is not None
-            pending = req.p.pending_for
-            pending[req.d.name] = pending.get(req.d.name, 0) + 1
-            req.in_p = True
             r = EngineRequest(
                 request_id=req.rid,
                 n_prompt=n_prompt,
@@ -380,6 +370,7 @@ class _Sim:
                 max_tokens=1,
                 remote_decode=True,
             )
+            self.settle(req.p, t)
             req.p.engine.add_request(r, t)
             self.kick(req.p, t)
         else:
@@ -391,39 +382,60 @@ class _Sim:
                 max_tokens=req.n_out,
                 ignore_eos=True,
             )
+            self.settle(req.d, t)
             req.d.engine.add_request(r, t)
             self.kick(req.d, t)
 
     # ------------------------------------------------------------------ engines
-    def horizon(self, node: _Node, t: float) -> float:
-        h = min(self.work_bound(self.work), self.work_bound(node.work))
-        for p in self.prefills:
-            if p.pending_for.get(node.name, 0) > 0:
-                end = p.inflight.end if p.inflight is not None else t
-                h = min(h, end)
-        for ls in node.in_links:
-            nxt = ls.link.next_completion_at()
-            if nxt is not None and nxt < h:
-                h = nxt
-        return h
-
     def kick(self, node: _Node, t: float) -> None:
-        while node.inflight is None:
-            nxt = node.engine.next_step_at()
+        """Start the node's next step at ``t`` if it is free and has work (or wait for it, or go lazy)."""
+        engine = node.engine
+        while node.inflight is None and node.lazy_from is None:
+            nxt = engine.next_step_at()
             if nxt is None:
                 return
             if nxt > t:
-                node.wake_version += 1
-                self.push(nxt, _WAKE, (node, node.wake_version))
+                # One pending wake-up at or before nxt is enough: it kicks again, and kick re-arms.
+                if not t < node.wake_at <= nxt:
+                    node.wake_version += 1
+                    node.wake_at = nxt
+                    self.push(nxt, _WAKE, (node, node.wake_version))
                 return
-            horizon = self.horizon(node, t) if node.engine.can_fast_forward() else math.inf
-            result = node.engine.step(t, horizon)
-            self.steps += result.n_steps
-            for pull in result.kv_pulls:
-                self.start_pull(node, pull.request_id, pull.n_tokens, t)
-            if result.duration > 0 or result.finished or result.first_tokens:
-                node.inflight = result
-                self.push(result.end, _STEP, node)
+            end = engine.run_end(t)
+            if end is not None:
+                node.lazy_from = t
+                node.run_version += 1
+                self.push(end, _RUN, (node, node.run_version))
+                return
+            self.started(node, engine.step(t), t)
+
+    def started(self, node: _Node, result: StepResult, t: float) -> None:
+        self.steps += result.n_steps
+        for pull in result.kv_pulls:
+            self.start_pull(node, pull.request_id, pull.n_tokens, t)
+        if result.duration > 0 or result.finished or result.first_tokens:
+            node.inflight = result
+            self.push(result.end, _STEP, node)
+
+    def settle(self, node: _Node, t: float) -> None:
+        """Before a change reaches the node's engine at ``t``: make the steps of its lazy run that start
+        before ``t``; the step in flight at ``t`` ends as planned and the change joins the next one."""
+        start = node.lazy_from
+        if start is None:
+            return
+        node.lazy_from = None
+        node.run_version += 1
+        self.started(node, node.engine.step(start, t), start)
+
+    def end_run(self, node: _Node) -> None:
+        """Nothing reached a lazy run's engine before its end: make the whole run now and finish it."""
+        start = node.lazy_from
+        assert start is not None
+        node.lazy_from = None
+        result = node.engine.step(start)
+        self.steps += result.n_steps
+        node.inflight = result
+        self.on_step(node, result.end)
 
     def on_step(self, node: _Node, t: float) -> None:
         result = node.inflight
@@ -439,8 +451,6 @@ class _Sim:
                 node.outstanding -= 1
                 req.p_done = True
                 assert req.d is not None
-                node.pending_for[req.d.name] -= 1
-                req.in_p = False
                 r = EngineRequest(
                     request_id=req.rid,
                     n_prompt=req.n_ctx + req.n_in,
@@ -449,6 +459,7 @@ class _Sim:
                     ignore_eos=True,
                     remote_prefill=True,
                 )
+                self.settle(req.d, t)
                 req.d.engine.add_request(r, t)
                 self.kick(req.d, t)
         else:
@@ -495,11 +506,14 @@ class _Sim:
             assert req.p is not None
             assert req.d is not None
             if req.p.engine.lease_alive(req.rid, t):
+                self.settle(req.p, t)
                 req.p.engine.release(req.rid, t)
+                self.settle(req.d, t)
                 req.d.engine.kv_loaded(req.rid, t, done.stall_s)
                 self.kick(req.d, t)
                 self.kick(req.p, t)  # the freed blocks may let a waiting prefill in
             else:
+                self.settle(req.d, t)
                 req.d.engine.kv_failed(req.rid, t)
                 self.fail(req, "kv_lease_expired", t)
         self.schedule_link(ls)
@@ -515,8 +529,7 @@ class _Sim:
         nxt = req.idx + 1
         if nxt < len(req.conv.turns):
             at = t + self.cfg.think_time_s
-            follow = _Req(req.conv, nxt, req.stream, at, req.n_ctx + req.n_in + req.n_out)
-            self.push_work(at + self.min_overhead, at, _ARRIVE, follow, req.d)
+            self.push(at, _ARRIVE, _Req(req.conv, nxt, req.stream, at, req.n_ctx + req.n_in + req.n_out))
 
     def fail(self, req: _Req, error: str, t: float) -> None:
         if req.done:
@@ -525,12 +538,10 @@ class _Sim:
         req.error = error
         self._live.pop(req.rid, None)
         if req.p is not None:
+            self.settle(req.p, t)
             req.p.engine.abort(req.rid, t)
             if not req.p_done:
                 req.p.outstanding -= 1
-            if req.in_p and req.d is not None:
-                req.p.pending_for[req.d.name] -= 1
-                req.in_p = False
             self.kick(req.p, t)
         if req.transfer is not None:
             ls, tid = req.transfer
@@ -538,45 +549,54 @@ class _Sim:
             ls.owners.pop(tid, None)
             self.schedule_link(ls)
         if req.d is not None:
+            self.settle(req.d, t)
             req.d.engine.abort(req.rid, t)
             req.d.outstanding -= 1
             self.kick(req.d, t)
         self.records.append(req)
 
-    def on_timeout(self, req: _Req, t: float) -> None:
-        if not req.done:
-            self.fail(req, "timeout", t)
+    def on_timeouts(self, t: float) -> None:
+        """Fail the requests whose deadline is ``t`` or earlier, then wait for the next live one's."""
+        deadlines = self.deadlines
+        while deadlines and deadlines[0].deadline <= t:
+            req = deadlines.popleft()
+            if not req.done:
+                self.fail(req, "timeout", t)
+        while deadlines and deadlines[0].done:
+            deadlines.popleft()
+        if deadlines:
+            self.push(deadlines[0].deadline, _TIMEOUT, None)
 
     def build_records(self) -> list[dict[str, Any]]:
         cfg = self.cfg
+        run_id, shape, model, mode, qps = cfg.run_id, cfg.topology.label, cfg.model, cfg.mode, cfg.target_qps
         out = []
         for req in sorted(self.records, key=lambda r: (r.arrival, r.rid)):
-            ok = req.error is None and req.finish is not None
-            ttft = (req.first - req.arrival) * 1e3 if req.first is not None else None
-            e2e = (req.finish - req.arrival) * 1e3 if req.finish is not None else None
+            first, finish, arrival, n_out = req.first, req.finish, req.arrival, req.n_out
+            ok = req.error is None and finish is not None
             tpot = None
-            if ok and req.first is not None and req.finish is not None and req.n_out > 1:
-                tpot = (req.finish - req.first) * 1e3 / (req.n_out - 1)
+            if ok and first is not None and finish is not None and n_out > 1:
+                tpot = (finish - first) * 1e3 / (n_out - 1)
             out.append(
                 {
-                    "run_id": cfg.run_id,
-                    "shape": cfg.topology.label,
-                    "model": cfg.model,
-                    "mode": cfg.mode,
-                    "target_qps": cfg.target_qps,
+                    "run_id": run_id,
+                    "shape": shape,
+                    "model": model,
+                    "mode": mode,
+                    "target_qps": qps,
                     "workload": req.conv.workload,
                     "conversation_id": req.conv.conversation_id,
                     "turn": req.idx + 1,
                     "n_in": req.n_in,
-                    "n_out": req.n_out,
+                    "n_out": n_out,
                     "n_ctx": req.n_ctx,
                     "path": req.path,
-                    "ttft_ms": ttft,
+                    "ttft_ms": (first - arrival) * 1e3 if first is not None else None,
                     "tpot_ms": tpot,
-                    "e2e_ms": e2e if ok else None,
+                    "e2e_ms": (finish - arrival) * 1e3 if ok and finish is not None else None,
                     "ok": ok,
                     "error": req.error,
-                    "start_time": req.arrival,
+                    "start_time": arrival,
                 }
             )
         return out

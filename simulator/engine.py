@@ -404,6 +404,8 @@ class Engine:
         self._seq = 0
         self._ctx_offset = 0  # Σ (n_prompt − base) over decoding requests
         self._residue = [0] * self._bs  # decoding requests by (n_prompt − base − 1) mod block size
+        self._decode_base: dict[int, float] = {}  # batch size -> cost of a decode-only step, KV reads aside
+        self._planned: tuple[float, tuple[int, float, int]] | None = None  # run_end's plan, until a change
 
         self._free_at = -math.inf
         self._idle = False  # the last step found nothing to do; wait for an outside change
@@ -428,6 +430,7 @@ class Engine:
         self._reqs[r.rid] = r
         self._waiting.append(r)
         self._idle = False
+        self._planned = None
 
     def abort(self, request_id: str, now: float) -> bool:
         """Drop a request wherever it is (freeing its blocks); False if unknown or already finished."""
@@ -446,6 +449,7 @@ class Engine:
         self._free_blocks(r, register_outputs=False)
         r.state = _S.DONE
         self._idle = False
+        self._planned = None
         return True
 
     def kv_loaded(self, request_id: str, now: float, stall_s: float = 0.0) -> bool:
@@ -463,6 +467,7 @@ class Engine:
         r.state = _S.READY
         self._ready.append(r)
         self._idle = False
+        self._planned = None
         return True
 
     def kv_failed(self, request_id: str, now: float) -> Finished | None:
@@ -475,6 +480,7 @@ class Engine:
         self._free_blocks(r, register_outputs=False)
         r.state = _S.DONE
         self._idle = False
+        self._planned = None
         return Finished(request_id, FinishReason.ERROR, 0, r.n_prompt, r.cached)
 
     def release(self, request_id: str, now: float) -> bool:
@@ -488,6 +494,7 @@ class Engine:
         self._free_blocks(r, register_outputs=False)
         r.state = _S.DONE
         self._idle = False
+        self._planned = None
         return True
 
     def lease_alive(self, request_id: str, now: float) -> bool:
@@ -536,6 +543,23 @@ class Engine:
                 return max(self._free_at, expires)
             heapq.heappop(heap)
         return None
+
+    def run_end(self, now: float) -> float | None:
+        """When ``step(now)`` would end if it is a fast-forward run and nothing changes first; else None.
+
+        A driver may then defer the step (a discrete-event driver's lazy run): ``step(now, t)`` made at
+        the first outside change ``t`` (before calling the method that makes it), or ``step(now)`` at
+        the returned time, gives exactly the run that stepping at ``now`` with that horizon gives.
+        The plan is kept for that ``step(now)`` until any input method or step is called.
+        """
+        now = max(now, self._free_at)
+        if not self.can_fast_forward() or (self._lease_heap and self._lease_heap[0][0] <= now):
+            return None
+        plan = self._plan_run(now, math.inf)
+        if plan is None:
+            return None
+        self._planned = (now, plan)
+        return now + plan[1]
 
     def can_fast_forward(self) -> bool:
         """Whether the next ``step`` could be a fast-forward run (so a horizon is worth computing)."""
@@ -616,6 +640,7 @@ class Engine:
         return self._single_step(now)
 
     def _single_step(self, now: float) -> StepResult:
+        self._planned = None
         preempted: list[str] = []
         chunks, left = self._reserve_running(preempted)
         pulls: list[KvPull] = []
@@ -626,10 +651,15 @@ class Engine:
             self._idle = not self._ready
             return StepResult(start=now, duration=0.0, kv_pulls=tuple(pulls), preempted=tuple(preempted))
         self._idle = False
-        sampled_pf = sum(1 for r, n in chunks if r.computed + n >= r.prefill_target)
+        pairs: list[tuple[int, int]] = []
+        sampled_pf = 0
+        for r, n in chunks:
+            pairs.append((n, r.computed))
+            if r.computed + n >= r.prefill_target:
+                sampled_pf += 1
         dt = stall + self.cost.step(
             num_decodes=num_dec,
-            chunks=[(n, r.computed) for r, n in chunks],
+            chunks=pairs,
             num_sampled=num_dec + sampled_pf,
             kv_read_tokens=self._kv_read(),
         )
@@ -765,6 +795,30 @@ class Engine:
                 self._start_decode(r)
 
     def _fast_forward(self, now: float, horizon: float) -> StepResult | None:
+        planned = self._planned
+        self._planned = None
+        if planned is not None and planned[0] == now and horizon == math.inf:
+            plan: tuple[int, float, int] | None = planned[1]
+        else:
+            plan = self._plan_run(now, horizon)
+        if plan is None:
+            return None
+        k, duration, need = plan
+        self.pool.allocate(need)
+        b = len(self._decoding)
+        self._d += k
+        finished: list[Finished] = []
+        self._pop_decode_finishes(finished, now + duration)
+        self._num_steps += k
+        self._free_at = now + duration
+        self._idle = False
+        return StepResult(start=now, duration=duration, n_steps=k, num_decodes=b, finished=tuple(finished))
+
+    def _plan_run(self, now: float, horizon: float) -> tuple[int, float, int] | None:
+        """(steps, duration, new blocks) of the fast-forward run starting at ``now``, or None if none.
+
+        Changes nothing but dropping stale entries of the decode heap, so ``run_end`` may ask too.
+        """
         b = len(self._decoding)
         heap = self._dec_heap
         while heap and (heap[0][2].state is not _S.DECODE or heap[0][2].finish_d != heap[0][0]):
@@ -774,7 +828,9 @@ class Engine:
             return None
         coef = self.cost.kv_read_s_per_token
         c0 = self._ctx_offset + b * self._d
-        base = self.cost.decode_only(b, 0.0)
+        base = self._decode_base.get(b)
+        if base is None:
+            base = self._decode_base[b] = self.cost.decode_only(b, 0.0)
         a = base + coef * c0  # first step
         inc = coef * b  # each step reads b more tokens
         # Steps j = 0..k-1 start at now + a·j + inc·j(j−1)/2; keep those starting before the horizon.
@@ -796,16 +852,9 @@ class Engine:
         if k <= 1:
             return None
         need = self._blocks_for_run(k)
-        if not self.pool.allocate(need):
+        if not self.pool.can_allocate(need):
             return None
-        duration = a * k + inc * k * (k - 1) / 2.0
-        self._d += k
-        finished: list[Finished] = []
-        self._pop_decode_finishes(finished, now + duration)
-        self._num_steps += k
-        self._free_at = now + duration
-        self._idle = False
-        return StepResult(start=now, duration=duration, n_steps=k, num_decodes=b, finished=tuple(finished))
+        return k, a * k + inc * k * (k - 1) / 2.0, need
 
     # ---------------------------------------------------------------- helpers
     def _blocks_for_run(self, k: int) -> int:
@@ -864,9 +913,10 @@ class Engine:
     def _lookup(self, r: _Req) -> None:
         r.looked_up = True
         max_blocks = (r.prefill_target - 1) // self._bs
-        hit = self.pool.match(r.content, max_blocks) if max_blocks > 0 else 0
+        hashes = self.pool.acquire_prefix(r.content, max_blocks)
+        hit = len(hashes)
         if hit:
-            r.hashes = self.pool.acquire(r.content, hit)
+            r.hashes = hashes
         r.scan = hit
         r.computed = hit * self._bs
         if r.out == 0:

@@ -12,7 +12,8 @@ Two kinds of content provide these hashes:
 :class:`BlockPool` holds ``num_blocks`` blocks. Rules:
 1. A block is *private* (held by one request, not hashed), *cached* (hashed, ref count ≥ 0) or *free*.
 2. Cached blocks with ref count 0 are free too, and sit in an LRU queue; allocation takes plain free
-   blocks first, then evicts from the LRU head (the least recently released).
+   blocks first, then evicts from the LRU head (the least recently released; within one release, the
+   last block of the list first).
 3. ``num_free`` counts plain free plus evictable blocks; usage = 1 − num_free / num_blocks (vLLM's
    ``kv_cache_usage_perc``).
 4. A hash is cached at most once; a request that computed a duplicate block keeps it private.
@@ -20,12 +21,16 @@ Two kinds of content provide these hashes:
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections import OrderedDict
+import operator
+from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 __all__ = ["BlockContent", "BlockPool", "PrefixedBlocks", "StreamBlocks", "TokenBlocks"]
+
+_is_cached = functools.partial(operator.is_not, None)  # on ref-dict .get results: the hash is cached
 
 
 class BlockContent(Protocol):
@@ -108,9 +113,27 @@ class PrefixedBlocks:
 
 
 class BlockPool:
-    """Counts blocks and owns the prefix cache (hash -> ref count) with its LRU of evictable blocks."""
+    """Counts blocks and owns the prefix cache (hash -> ref count) with its LRU of evictable blocks.
 
-    __slots__ = ("_free", "_lru", "_ref", "evictions", "num_blocks")
+    Representation (one dict pass per release instead of a linked list per block): ``_ref`` maps a
+    cached hash to its ref count when held, or to ``-stamp`` while evictable, where ``stamp`` numbers
+    the ``release`` call that made it evictable. The LRU order is the queue of released batches, each
+    in release order; an entry ``(h, stamp)`` of the queue is live iff ``_ref[h] == -stamp`` (a block
+    acquired again, or released again later, leaves a stale entry behind, skipped when evicting).
+    """
+
+    __slots__ = (
+        "_batches",
+        "_free",
+        "_head",
+        "_idle",
+        "_queued",
+        "_ref",
+        "_shared",
+        "_stamp",
+        "evictions",
+        "num_blocks",
+    )
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -118,12 +141,17 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free = num_blocks
         self._ref: dict[int, int] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._idle = 0  # cached blocks with ref count 0 (evictable)
+        self._shared = 0  # Σ (ref count − 1) over held blocks: 0 means every held block has one holder
+        self._batches: deque[tuple[int, Sequence[int]]] = deque()  # (stamp, hashes in release order)
+        self._head = 0  # position reached in the first batch
+        self._queued = 0  # entries in the batches from _head on, live or stale
+        self._stamp = 0
         self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        return self._free + len(self._lru)
+        return self._free + self._idle
 
     @property
     def num_cached(self) -> int:
@@ -133,7 +161,8 @@ class BlockPool:
         return 1.0 - self.num_free / self.num_blocks
 
     def ref_count(self, block_hash: int) -> int:
-        return self._ref.get(block_hash, 0)
+        count = self._ref.get(block_hash, 0)
+        return count if count > 0 else 0
 
     def match(self, content: BlockContent, max_blocks: int) -> int:
         """How many leading blocks of ``content`` are cached (at most ``max_blocks``); no side effect."""
@@ -144,39 +173,74 @@ class BlockPool:
 
     def acquire(self, content: BlockContent, n_blocks: int) -> list[int]:
         """Take a reference on the first ``n_blocks`` cached blocks (a prefix hit); returns their hashes."""
-        ref, lru = self._ref, self._lru
         out = list(content.block_hashes(0, n_blocks))
-        if not out:
-            return out
-        counts = list(map(ref.__getitem__, out))
-        if max(counts) == 0:  # the usual case: an idle cached prefix
-            list(map(lru.pop, out))
-            ref.update(dict.fromkeys(out, 1))
-            return out
-        for h, count in zip(out, counts, strict=True):
-            if count == 0:
-                del lru[h]
-            ref[h] = count + 1
+        if out:
+            self._take(out, list(map(self._ref.__getitem__, out)))
         return out
 
+    def acquire_prefix(self, content: BlockContent, max_blocks: int) -> list[int]:
+        """``acquire`` of the ``match`` blocks (the leading cached ones, at most ``max_blocks``), one pass."""
+        if max_blocks <= 0:
+            return []
+        hashes = content.block_hashes(0, max_blocks)
+        # The leading non-None ref counts: those blocks are cached.
+        counts = cast("list[int]", list(itertools.takewhile(_is_cached, map(self._ref.get, hashes))))
+        if not counts:
+            return []
+        out = list(hashes[: len(counts)])
+        self._take(out, counts)
+        return out
+
+    def _take(self, out: list[int], counts: list[int]) -> None:
+        ref = self._ref
+        if max(counts) < 0:  # the usual case: an idle cached prefix
+            ref.update(dict.fromkeys(out, 1))
+            self._idle -= len(out)
+            return
+        for h, count in zip(out, counts, strict=True):
+            if count < 0:
+                ref[h] = 1
+                self._idle -= 1
+            else:
+                ref[h] = count + 1
+                self._shared += 1
+
     def can_allocate(self, n_blocks: int) -> bool:
-        return n_blocks <= self._free + len(self._lru)
+        return n_blocks <= self._free + self._idle
 
     def allocate(self, n_blocks: int) -> bool:
         """Take ``n_blocks`` private blocks, evicting LRU cached ones when needed; False if short."""
         if n_blocks <= self._free:
             self._free -= n_blocks
             return True
-        lru = self._lru
-        if n_blocks > self._free + len(lru):
+        if n_blocks > self._free + self._idle:
             return False
         need = n_blocks - self._free
         self._free = 0
-        ref = self._ref
-        for _ in range(need):
-            del ref[lru.popitem(last=False)[0]]
-        self.evictions += need
+        self._evict(need)
         return True
+
+    def _evict(self, need: int) -> None:
+        """Drop the ``need`` least recently released evictable blocks."""
+        ref, batches = self._ref, self._batches
+        self._idle -= need
+        self.evictions += need
+        pos = self._head
+        while need:
+            stamp, hashes = batches[0]
+            live = -stamp
+            n = len(hashes)
+            while pos < n and need:
+                h = hashes[pos]
+                pos += 1
+                if ref.get(h) == live:
+                    del ref[h]
+                    need -= 1
+            self._queued -= pos - self._head
+            if pos == n:
+                batches.popleft()
+                pos = 0
+            self._head = pos
 
     def release_private(self, n_blocks: int) -> None:
         self._free += n_blocks
@@ -201,23 +265,50 @@ class BlockPool:
         """Drop one reference on each hash, in reverse so a sequence's tail is evicted before its head."""
         if not hashes:
             return
-        ref, lru = self._ref, self._lru
-        if max(map(ref.__getitem__, hashes)) == 1:  # the usual case: sole holder
-            rev = hashes[::-1]
-            ref.update(dict.fromkeys(rev, 0))
-            lru.update(dict.fromkeys(rev))
-            return
-        for h in reversed(hashes):
-            count = ref[h] - 1
-            ref[h] = count
-            if count == 0:
-                lru[h] = None
+        ref = self._ref
+        self._stamp += 1
+        stamp = self._stamp
+        rev = hashes[::-1]
+        if not self._shared:  # the usual case: no block has two holders, so the caller is the only one
+            ref.update(dict.fromkeys(rev, -stamp))
+            self._idle += len(rev)
+        else:
+            for h in rev:
+                count = ref[h] - 1
+                if count == 0:
+                    ref[h] = -stamp
+                    self._idle += 1
+                else:
+                    ref[h] = count
+                    self._shared -= 1
+        self._batches.append((stamp, rev))
+        self._queued += len(rev)
+        if self._queued > 2 * self._idle + 4096:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries of the LRU queue (amortised: it has at least doubled since the last)."""
+        ref = self._ref
+        batches: deque[tuple[int, Sequence[int]]] = deque()
+        head = self._head
+        for stamp, hashes in self._batches:
+            live = -stamp
+            kept = [h for h in itertools.islice(hashes, head, None) if ref.get(h) == live]
+            head = 0
+            if kept:
+                batches.append((stamp, kept))
+        self._batches = batches
+        self._head = 0
+        self._queued = self._idle
 
     def reset_prefix_cache(self) -> bool:
         """Drop every evictable cached block (vLLM's /reset_prefix_cache); False if some are still in use."""
-        if len(self._lru) != len(self._ref):
+        if self._idle != len(self._ref):
             return False
-        self._free += len(self._lru)
-        self._lru.clear()
+        self._free += self._idle
+        self._idle = 0
         self._ref.clear()
+        self._batches.clear()
+        self._head = 0
+        self._queued = 0
         return True

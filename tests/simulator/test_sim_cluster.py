@@ -113,6 +113,30 @@ def test_fast_forward_does_not_change_results(profile: Profile) -> None:
                 assert x[key] == pytest.approx(y[key], abs=1e-6), (mode, key)
 
 
+def test_fast_forward_equals_step_by_step_under_preemption_and_timeouts(profile: Profile) -> None:
+    """Lazy runs are cut where a change reaches the engine, so an abort (timeout) or a preemption happens
+    at the same step as step by step: same outcomes and step count, times equal up to float rounding."""
+    convs = turn_list_conversations(sharegpt_like(200, seed=1), qps=32, duration_s=6, seed=1)
+    for mode in ("pd", "local"):
+        runs = [
+            simulate(profile, cfg(mode, kv_capacity_tokens=6000, timeout_s=1.5, fast_forward=ff), convs)
+            for ff in (False, True)
+        ]
+        a, b = (r.records for r in runs)
+        assert runs[0].engine_steps == runs[1].engine_steps
+        assert {r["error"] for r in a} >= {None, "timeout"}
+        assert sum(s.num_preemptions for s in runs[0].engine_stats.values()) > 0
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert {k: v for k, v in x.items() if not isinstance(v, float)} == {
+                k: v for k, v in y.items() if not isinstance(v, float)
+            }
+            for key in ("ttft_ms", "tpot_ms", "e2e_ms", "start_time"):
+                assert (x[key] is None) == (y[key] is None)
+                if x[key] is not None:
+                    assert x[key] == pytest.approx(y[key], rel=1e-9, abs=1e-9), (mode, key)
+
+
 def test_local_beats_pd_on_turn2_ttft_at_similar_tpot(profile: Profile) -> None:
     convs = turn_list_conversations(sharegpt_like(200, seed=4), qps=4, duration_s=30, seed=4)
     pd = simulate(profile, cfg("pd"), convs).records

@@ -56,6 +56,23 @@ def test_register_refuses_duplicates_and_acquire_pins() -> None:
     assert pool.num_cached == 0
 
 
+def test_acquire_prefix_is_match_then_acquire() -> None:
+    pools = BlockPool(16), BlockPool(16)
+    s = StreamBlocks(3)
+    for pool in pools:
+        pool.allocate(5)
+        assert pool.register_many(s.block_hashes(0, 5), 5) == list(s.block_hashes(0, 5))
+        pool.release(list(s.block_hashes(0, 5)))
+        pool.acquire(s, 2)  # blocks 0-1 held, 2-4 idle: both paths through the counting
+    a, b = pools
+    assert a.acquire_prefix(s, 4) == b.acquire(s, b.match(s, 4)) == list(s.block_hashes(0, 4))
+    assert a.acquire_prefix(StreamBlocks(4), 4) == [] == b.acquire(StreamBlocks(4), 0)
+    assert a.acquire_prefix(s, 0) == []
+    for h in s.block_hashes(0, 5):
+        assert a.ref_count(h) == b.ref_count(h)
+    assert (a.num_free, a.num_cached) == (b.num_free, b.num_cached) == (12, 5)
+
+
 SPEC = LinkSpec("test", bandwidth_bytes_per_s=1e9, latency_s=0.0)
 
 

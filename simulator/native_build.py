@@ -1,0 +1,95 @@
+"""An optional compiled copy of the virtual-time simulation core (mypyc), for benchmarks and long sweeps.
+
+``ppd-sim build-native [--out build/native]`` copies the ``simulator`` package to ``OUT/simulator`` and
+compiles the modules of ``NATIVE_MODULES`` there with mypyc (it ships with mypy, a dev dependency; it
+needs a C compiler). The source tree is not touched, and nothing changes unless a run puts ``OUT``
+first on ``PYTHONPATH``::
+
+    ppd-sim build-native && PYTHONPATH=build/native ppd-sim bench-virtual
+
+Rules:
+1. The compiled modules are the same typed source, so a run gives the same records, byte for byte
+   (``tests/simulator/test_sim_native_build.py``); only the speed changes (about 2x).
+2. The copy is a snapshot: rebuild after changing the simulator. ``bench-virtual`` prints which core
+   it ran (``core=native`` or ``core=interpreted``).
+3. For virtual-time runs only: compiled classes cannot be monkeypatched, which some real-time tests do.
+
+The command prints one JSON line: ``{"out": ..., "modules": [...], "pythonpath": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["NATIVE_MODULES", "add_arguments", "build", "is_native", "run_from_args"]
+
+log = logging.getLogger(__name__)
+
+# The modules simulate() spends its time in (see the README's "Virtual time" section).
+NATIVE_MODULES = ("kv_cache", "cost", "engine", "link", "cluster")
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def is_native() -> bool:
+    """Whether the engine module in use is a compiled one."""
+    from simulator import engine
+
+    return not (engine.__file__ or "").endswith(".py")
+
+
+def build(out: Path) -> list[Path]:
+    """Copy the package to ``out/simulator`` and compile ``NATIVE_MODULES`` there; returns the built files.
+
+    Raises ``RuntimeError`` (with mypyc's output) when the compilation fails.
+    """
+    out = out.resolve()
+    target = out / "simulator"
+    if target.exists():
+        shutil.rmtree(target)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(_PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
+    env = dict(os.environ)
+    # mypyc type-checks the copy; the rest of the project (imports of the simulator) comes from here.
+    env["MYPYPATH"] = str(_PACKAGE.parent)
+    sources = [f"simulator/{name}.py" for name in NATIVE_MODULES]
+    log.info("compiling %s into %s", ", ".join(NATIVE_MODULES), target)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypyc", *sources],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"mypyc failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    built = sorted(p for name in NATIVE_MODULES for p in target.glob(f"{name}.*.so"))
+    if len(built) != len(NATIVE_MODULES):
+        raise RuntimeError(f"mypyc built {len(built)} of {len(NATIVE_MODULES)} modules:\n{proc.stdout}")
+    return built
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", default="build/native", help="folder to put first on PYTHONPATH (default build/native)"
+    )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        built = build(out)
+    except (RuntimeError, OSError) as exc:
+        log.error("native build failed: %s", exc)
+        return 1
+    line = {"out": str(out), "modules": [p.name for p in built], "pythonpath": str(out.resolve())}
+    sys.stdout.write(json.dumps(line) + "\n")
+    return 0
