@@ -18,7 +18,7 @@ from typing import Any
 
 from simulator.cluster import ClusterConfig, simulate
 from simulator.link import TransferMode
-from simulator.native_build import is_native
+from simulator.native_build import native_state
 from simulator.profile import load_profile
 from simulator.routing import TableRouter
 from simulator.topology import Topology
@@ -74,6 +74,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     profile = load_profile(args.profile)
     convs = _conversations(args.workload, args.qps, args.duration, args.seed)
     out = []
+    core = native_state()
     for mode in args.modes.split(","):
         config = ClusterConfig(
             topology=Topology.parse(args.shape),
@@ -98,7 +99,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             "qps": args.qps,
             "link": args.link,
             "transfer_mode": args.transfer_mode,
-            "core": "native" if is_native() else "interpreted",
+            "core": core,
             "cpu_s": best,
             "requests_per_cpu_s": len(records) / best if best > 0 else None,
             "events": events,

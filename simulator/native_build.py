@@ -11,7 +11,9 @@ Rules:
 1. The compiled modules are the same typed source, so a run gives the same records, byte for byte
    (``tests/simulator/test_sim_native_build.py``); only the speed changes (about 2x).
 2. The copy is a snapshot: rebuild after changing the simulator. ``bench-virtual`` prints which core
-   it ran (``core=native`` or ``core=interpreted``).
+   it ran (``core=native``, ``core=interpreted``, or ``core=native-stale`` with a warning when the
+   source it was built from has changed since: ``native_state``). A sweep run on a stale copy names
+   the copy's fingerprint in its tables, so ``tests/table_builder/test_shipped_tables.py`` catches it.
 3. For virtual-time runs only: compiled classes cannot be monkeypatched, which some real-time tests do.
 
 The command prints one JSON line: ``{"out": ..., "modules": [...], "pythonpath": ...}``.
@@ -28,14 +30,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["NATIVE_MODULES", "add_arguments", "build", "is_native", "run_from_args"]
+from simulator.fingerprint import PACKAGE_ROOT, source_fingerprint
+
+__all__ = [
+    "NATIVE_MODULES",
+    "SOURCE_NOTE",
+    "add_arguments",
+    "build",
+    "is_native",
+    "native_state",
+    "run_from_args",
+]
 
 log = logging.getLogger(__name__)
 
 # The modules simulate() spends its time in (see the README's "Virtual time" section).
 NATIVE_MODULES = ("kv_cache", "cost", "engine", "link", "cluster")
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = PACKAGE_ROOT
+#: Written into the compiled copy: the source folder it was made from (to detect a stale copy).
+SOURCE_NOTE = "native_source.txt"
 
 
 def is_native() -> bool:
@@ -43,6 +57,25 @@ def is_native() -> bool:
     from simulator import engine
 
     return not (engine.__file__ or "").endswith(".py")
+
+
+def native_state() -> str:
+    """``interpreted``, ``native``, or ``native-stale`` (the source it was built from has changed)."""
+    if not is_native():
+        return "interpreted"
+    note = PACKAGE_ROOT / SOURCE_NOTE
+    try:
+        source = Path(note.read_text(encoding="utf-8").strip())
+    except OSError:
+        return "native"
+    if source.is_dir() and source_fingerprint(source) != source_fingerprint(PACKAGE_ROOT):
+        log.warning(
+            "the compiled simulator in %s is older than its source %s: rerun `ppd-sim build-native`",
+            PACKAGE_ROOT.parent,
+            source,
+        )
+        return "native-stale"
+    return "native"
 
 
 def build(out: Path) -> list[Path]:
@@ -55,7 +88,10 @@ def build(out: Path) -> list[Path]:
     if target.exists():
         shutil.rmtree(target)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(_PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
+    shutil.copytree(
+        _PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", SOURCE_NOTE)
+    )
+    (target / SOURCE_NOTE).write_text(f"{_PACKAGE}\n", encoding="utf-8")
     env = dict(os.environ)
     # mypyc type-checks the copy; the rest of the project (imports of the simulator) comes from here.
     env["MYPYPATH"] = str(_PACKAGE.parent)

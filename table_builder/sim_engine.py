@@ -15,11 +15,9 @@ came from.
 
 from __future__ import annotations
 
-import hashlib
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from table_builder.records import Record
@@ -29,16 +27,10 @@ __all__ = ["SimEngine", "simulator_fingerprint"]
 
 
 def simulator_fingerprint() -> str:
-    """SHA-256 (16 hex digits) over the simulator package's Python files and profile/calibration JSON."""
-    import simulator
+    """The fingerprint of the simulator package in use (``simulator.fingerprint``)."""
+    from simulator.fingerprint import source_fingerprint
 
-    root = Path(simulator.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        if path.suffix in (".py", ".json") and path.is_file() and "__pycache__" not in path.parts:
-            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return source_fingerprint()
 
 
 @dataclass(frozen=True, slots=True)

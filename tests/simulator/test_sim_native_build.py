@@ -19,12 +19,12 @@ from simulator.cli import main as cli_main
 SCRIPT = """
 import json, sys
 from simulator.cluster import ClusterConfig, simulate
-from simulator.native_build import is_native
+from simulator.native_build import is_native, native_state
 from simulator.profile import load_profile
 from simulator.topology import Topology
 from simulator.workload import sharegpt_like, turn_list_conversations
 convs = turn_list_conversations(sharegpt_like(120, seed=3), 16, 6.0, seed=3)
-out = {"native": is_native(), "runs": []}
+out = {"native": is_native(), "state": native_state(), "runs": []}
 for mode in ("pd", "local"):
     cfg = ClusterConfig(topology=Topology.parse("1P3D"), mode=mode, kv_capacity_tokens=6000, timeout_s=1.5)
     res = simulate(load_profile("llama-3.1-8b-h100"), cfg, convs)
@@ -57,6 +57,13 @@ def test_native_core_gives_byte_identical_records(tmp_path: Path, capsys: pytest
     assert (interpreted["native"], native["native"]) == (False, True)
     assert any(r["error"] == "timeout" for r in interpreted["runs"][0]["records"])
     assert native["runs"] == interpreted["runs"]
+    assert (interpreted["state"], native["state"]) == ("interpreted", "native")
+    # The copy knows its source: once that changes, the copy says it is stale.
+    (out / "simulator" / native_build.SOURCE_NOTE).write_text(f"{tmp_path / 'changed'}\n")
+    changed = tmp_path / "changed"
+    shutil.copytree(out / "simulator", changed, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    (changed / "engine.py").write_text((changed / "engine.py").read_text() + "\n# edited\n")
+    assert _simulate_in_subprocess(tmp_path, out)["state"] == "native-stale"
 
 
 def test_a_failed_compilation_is_reported(

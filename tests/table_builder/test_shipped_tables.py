@@ -42,6 +42,7 @@ def test_default_table_is_shipped_valid_and_documented(shape: str) -> None:
         assert p["labels"]["profile"] == "llama-3.1-8b-h100"
         assert p["labels"]["hardware"] == "H100"
         assert len(p["inputs_sha256"]) == 64
+        assert (table.max_decode_running, table.max_prefill_queue_depth) == (192, 8)
         # The full paper grid (18 workloads) and the nine huge-context ones, x 10 QPS levels x 2 modes.
         assert len(p["runs"]) == 540
         assert p["cells"]["filled"] + p["cells"]["low_sample"] >= 100
@@ -53,8 +54,9 @@ def test_check_accepts_the_whole_folder() -> None:
     assert main(["check", str(TABLES)]) == 0
 
 
-# Cells that only their own workload fills (tiny's benchmark shape lands in small_bal, so avoid those).
-SPOT_CELLS = (("small_mid_paste", 8.0), ("huge_big_paste", 20.0))
+# A few cells, each filled by one workload; large_tiny checks that tiny's runs fill the tiny row (its
+# benchmark shape is small_bal for the live classifier, see table_builder.build.axes_locator).
+SPOT_CELLS = (("small_mid_paste", 8.0), ("huge_big_paste", 20.0), ("large_tiny", 4.0))
 
 
 @pytest.mark.parametrize("shape", DEFAULT_SHAPES)
@@ -82,7 +84,9 @@ def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str
         locate = axes_locator(axes)
         for name, qps in SPOT_CELLS:
             w = parse_workload(name)
-            cell = locate(n_ctx=w.turn2_context, n_in=w.second.n_in, n_out=w.second.n_out, qps=qps)
+            cell = locate(
+                n_ctx=w.turn2_context, n_in=w.second.n_in, n_out=w.second.n_out, qps=qps, workload=w.name
+            )
             index = (cell.context, cell.workload, cell.qps)
             assert table.measured(*index)
             assert list(table.figures[index]) == list(rebuilt[index]), (
