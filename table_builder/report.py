@@ -71,6 +71,11 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.1f}%"
 
 
+def _rate(value: float) -> str:
+    """A failure rate: one decimal below 10%, so 0.4% of requests failing never reads as 0%."""
+    return f"{100 * value:.1f}%" if 0 < value < 0.1 else f"{100 * value:.0f}%"
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -202,7 +207,7 @@ def _section_failures(pts: Sequence[Point]) -> list[str]:
         return [*lines, f"No records at QPS {HIGH_QPS[0]:g} or above.", ""]
     levels = sorted({q for r in rates.values() for q in r})
     rows = [
-        [f"{shape} ({mode})", *[f"{100 * r[q]:.0f}%" if q in r else "-" for q in levels]]
+        [f"{shape} ({mode})", *[_rate(r[q]) if q in r else "-" for q in levels]]
         for (shape, mode), r in rates.items()
     ]
     lines += _table(["config", *[f"QPS={q:g}" for q in levels]], rows)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,15 @@ def test_stress_levels_count_for_success_but_not_for_the_latency_means() -> None
     with_local = acceptance([*pts, _pt("local", 160.0, 60.0, 97)], [], []).checks
     detail = {c.name: c for c in with_local}["where PD's success rate < 95%, PPD stays at 100%"].detail
     assert detail == "QPS 160: PD 80.0% / PPD 99.0% (static local 97.0%)"
+
+
+def test_a_small_failure_rate_is_never_printed_as_zero(tmp_path: Path) -> None:
+    records, manifest = paper_like()
+    first = next(i for i, r in enumerate(records) if r.run_id == "1P3D-ppd-12.0" and r.ok)
+    records[first] = dataclasses.replace(records[first], ok=False, error="timeout", ttft_ms=None)
+    write_records(tmp_path / "r" / "runs.jsonl", records)
+    (tmp_path / "r" / MANIFEST_NAME).write_text(manifest.to_json(), encoding="utf-8")
+    text = write_report(load_inputs(tmp_path / "r"), tmp_path / "out").read_text("utf-8")
+    row = next(line for line in text.splitlines() if line.startswith("| 1P3D (ppd) |"))
+    sent = sum(1 for r in records if r.run_id == "1P3D-ppd-12.0")
+    assert f"| {100 / sent:.1f}% |" in row
