@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from simulator.api_error import ApiError
+from simulator.deadline_board import DeadlineBoard
 from simulator.engine import Engine, EngineConfig, EngineRequest, KvPull, StepResult
 from simulator.fabric import Fabric
 from simulator.faults import Faults
@@ -93,6 +94,7 @@ class Worker:
         fabric: Fabric,
         spin_s: float = 0.0005,
         timing: StepTiming | None = None,
+        board: DeadlineBoard | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -103,6 +105,7 @@ class Worker:
         self._fault_rng = random.Random(settings.fault_seed)  # noqa: S311 - fault injection, not crypto
         self._spin = spin_s
         self._timing = timing
+        self._board = board if board is not None else DeadlineBoard()  # shared by the drivers of one loop
         self._generation_requests = 0
         self._down = False  # requests are cut from the moment a crash is decided
         self._going_down = False  # the crash (closing the port, dropping the engine) has started
@@ -142,7 +145,12 @@ class Worker:
         self.fabric.register(self.engine_id, self)
         engine = Engine(self.fabric.profile, EngineConfig(lease_s=self.settings.kv_lease_duration_s))
         driver = RealtimeDriver(
-            engine, spin_s=self._spin, on_pull=self._on_pull, on_step=self._on_step, timing=self._timing
+            engine,
+            spin_s=self._spin,
+            on_pull=self._on_pull,
+            on_step=self._on_step,
+            timing=self._timing,
+            board=self._board,
         )
         self._remote.clear()
         self._pinned.clear()

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from simulator.deadline_board import DeadlineBoard
 from simulator.fabric import Fabric, FabricSettings
 from simulator.faults import Faults
 from simulator.profile import Profile
@@ -57,6 +58,7 @@ class WorkerGroup:
         self.settings = settings
         self.tokenizer = tokenizer or Llama3Tokenizer()
         self.fabric = Fabric(profile, settings.fabric)
+        board = DeadlineBoard()  # one event loop hosts every worker's driver
         self.workers: list[Worker] = []
         for i, spec in enumerate(settings.topology.workers):
             port = settings.base_port + i if settings.base_port else 0
@@ -77,6 +79,7 @@ class WorkerGroup:
                     fabric=self.fabric,
                     spin_s=settings.spin_s,
                     timing=timing,
+                    board=board,
                 )
             )
 
