@@ -12,13 +12,14 @@ Invariants:
 
 Timing: the step's chunks are rendered right after `engine.step` (`JobHandle.prepare`), before the
 deadline; sleep on the event loop until `spin_s` before the deadline, then spin on `time.monotonic()`
-(uvloop's timers have millisecond resolution), yielding to the loop on every turn so that the other
-drivers of a cluster process (one loop hosts them all) are not held up by our spin. While it waits, a
-driver posts its deadline on the loop's `DeadlineBoard`; the rendering and the delivery pass run in
-slices of `SLICE_TOKENS` streams and yield one loop turn between slices when another driver's deadline
-is due (or due within `LOOKAHEAD_S`), so a deadline waits for at most about one slice of another
-driver's work, not for its whole pass. `lateness` records wake-up minus deadline per step; `delivered`
-records the end of the step's delivery pass (its last token) minus the deadline.
+(uvloop's timers count whole milliseconds and fire up to ~1.5 ms off: `DEFAULT_SPIN_S`), yielding
+to the loop on every turn so that the other drivers of a cluster process (one loop hosts them all) are
+not held up by our spin. While it waits, a driver posts its deadline on the loop's `DeadlineBoard`;
+the rendering and the delivery pass run in slices of `SLICE_TOKENS` streams and yield one loop turn
+between slices when another driver's deadline is due (or due within `LOOKAHEAD_S`), so a deadline
+waits for at most about one slice of another driver's work, not for its whole pass. `lateness`
+records wake-up minus deadline per step; `delivered` records the end of the step's delivery pass (its
+last token) minus the deadline.
 """
 
 from __future__ import annotations
@@ -35,10 +36,14 @@ from simulator.deadline_board import DeadlineBoard
 from simulator.engine import Engine, EngineRequest, Finished, FinishReason, KvPull, StepResult
 from simulator.jobs import Emission, JobHandle
 
-__all__ = ["LOOKAHEAD_S", "SLICE_TOKENS", "RealtimeDriver", "StepTiming"]
+__all__ = ["DEFAULT_SPIN_S", "LOOKAHEAD_S", "SLICE_TOKENS", "RealtimeDriver", "StepTiming"]
 
 logger = logging.getLogger(__name__)
 
+# Busy-wait before a deadline. uvloop counts timers in whole milliseconds (the delay is rounded and
+# the loop's clock floored, then the poll sleeps whole ms), so a timer fires up to ~1.5 ms after or
+# before the requested time; a spin shorter than that leaves the timer's error in the step timing.
+DEFAULT_SPIN_S = 0.0015
 # Streams rendered or written between two looks at the deadline board (~8 us each on loopback TCP).
 SLICE_TOKENS = 8
 # Yield to another driver whose deadline falls within this much of now (about one slice of writes).
@@ -69,7 +74,7 @@ class RealtimeDriver:
         self,
         engine: Engine,
         *,
-        spin_s: float = 0.0005,
+        spin_s: float = DEFAULT_SPIN_S,
         clock: Callable[[], float] = time.monotonic,
         on_pull: PullHandler | None = None,
         on_step: StepObserver | None = None,

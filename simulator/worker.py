@@ -50,7 +50,7 @@ from simulator.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
-from simulator.realtime import RealtimeDriver, StepTiming
+from simulator.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
 from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
 from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
 from simulator.tokenizer import Llama3Tokenizer
@@ -92,7 +92,7 @@ class Worker:
         *,
         tokenizer: Llama3Tokenizer,
         fabric: Fabric,
-        spin_s: float = 0.0005,
+        spin_s: float = DEFAULT_SPIN_S,
         timing: StepTiming | None = None,
         board: DeadlineBoard | None = None,
     ) -> None:

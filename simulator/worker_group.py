@@ -22,7 +22,7 @@ from simulator.deadline_board import DeadlineBoard
 from simulator.fabric import Fabric, FabricSettings
 from simulator.faults import Faults
 from simulator.profile import Profile
-from simulator.realtime import StepTiming
+from simulator.realtime import DEFAULT_SPIN_S, StepTiming
 from simulator.tokenizer import Llama3Tokenizer
 from simulator.topology import Topology
 from simulator.worker import Worker
@@ -43,7 +43,7 @@ class GroupSettings:
     fabric: FabricSettings = field(default_factory=FabricSettings)
     worker_faults: Mapping[str, Faults] = field(default_factory=dict)
     nodes: Mapping[str, str] = field(default_factory=dict)  # worker id -> node (default: its own)
-    spin_s: float = 0.0005
+    spin_s: float = DEFAULT_SPIN_S
 
 
 class WorkerGroup:
