@@ -28,7 +28,7 @@ import aiohttp
 import uvloop
 
 from simulator.profile import load_profile
-from simulator.realtime import StepTiming
+from simulator.realtime import DEFAULT_SPIN_S, StepTiming
 from simulator.topology import Topology
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import WorkerSettings
@@ -166,7 +166,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=200, help="concurrent streams over the decode workers")
     p.add_argument("--seconds", type=float, default=20.0, help="measured duration")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds of load before measuring")
-    p.add_argument("--spin-us", type=float, default=500.0, help="busy-wait before each deadline (0 = none)")
+    p.add_argument(
+        "--spin-us", type=float, default=DEFAULT_SPIN_S * 1e6, help="busy-wait before each deadline (0: none)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -12,9 +12,14 @@ Invariants:
 
 Timing: the step's chunks are rendered right after `engine.step` (`JobHandle.prepare`), before the
 deadline; sleep on the event loop until `spin_s` before the deadline, then spin on `time.monotonic()`
-(uvloop's timers have millisecond resolution), yielding to the loop on every turn so that the other
-drivers of a cluster process (one loop hosts them all) are not held up by our spin. `lateness` records
-wake-up minus deadline per step.
+(uvloop's timers count whole milliseconds and fire up to ~1.5 ms off: `DEFAULT_SPIN_S`), yielding
+to the loop on every turn so that the other drivers of a cluster process (one loop hosts them all) are
+not held up by our spin. While it waits, a driver posts its deadline on the loop's `DeadlineBoard`;
+the rendering and the delivery pass run in slices of `SLICE_TOKENS` streams and yield one loop turn
+between slices when another driver's deadline is due (or due within `LOOKAHEAD_S`), so a deadline
+waits for at most about one slice of another driver's work, not for its whole pass. `lateness`
+records wake-up minus deadline per step; `delivered` records the end of the step's delivery pass (its
+last token) minus the deadline.
 """
 
 from __future__ import annotations
@@ -27,12 +32,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from simulator.deadline_board import DeadlineBoard
 from simulator.engine import Engine, EngineRequest, Finished, FinishReason, KvPull, StepResult
 from simulator.jobs import Emission, JobHandle
 
-__all__ = ["RealtimeDriver", "StepTiming"]
+__all__ = ["DEFAULT_SPIN_S", "LOOKAHEAD_S", "SLICE_TOKENS", "RealtimeDriver", "StepTiming"]
 
 logger = logging.getLogger(__name__)
+
+# Busy-wait before a deadline. uvloop counts timers in whole milliseconds (the delay is rounded and
+# the loop's clock floored, then the poll sleeps whole ms), so a timer fires up to ~1.5 ms after or
+# before the requested time; a spin shorter than that leaves the timer's error in the step timing.
+DEFAULT_SPIN_S = 0.0015
+# Streams rendered or written between two looks at the deadline board (~8 us each on loopback TCP).
+SLICE_TOKENS = 8
+# Yield to another driver whose deadline falls within this much of now (about one slice of writes).
+LOOKAHEAD_S = 50e-6
 
 PullHandler = Callable[[KvPull, float], None]
 StepObserver = Callable[[StepResult], None]
@@ -59,13 +74,15 @@ class RealtimeDriver:
         self,
         engine: Engine,
         *,
-        spin_s: float = 0.0005,
+        spin_s: float = DEFAULT_SPIN_S,
         clock: Callable[[], float] = time.monotonic,
         on_pull: PullHandler | None = None,
         on_step: StepObserver | None = None,
         timing: StepTiming | None = None,
+        board: DeadlineBoard | None = None,
     ) -> None:
         self.engine = engine
+        self._board = board if board is not None else DeadlineBoard()
         self._spin = spin_s
         self._clock = clock
         self._on_pull = on_pull
@@ -135,13 +152,17 @@ class RealtimeDriver:
 
     # ------------------------------------------------------------------ the loop
     async def _sleep_until(self, deadline: float) -> float:
-        delay = deadline - self._clock() - self._spin
-        if delay > 0:
-            await asyncio.sleep(delay)
-        now = self._clock()
-        while now < deadline:
-            await asyncio.sleep(0)  # spin through the loop: another driver's deadline may fall in ours
+        self._board.post(self, deadline)
+        try:
+            delay = deadline - self._clock() - self._spin
+            if delay > 0:
+                await asyncio.sleep(delay)
             now = self._clock()
+            while now < deadline:
+                await asyncio.sleep(0)  # spin through the loop: another driver's deadline may fall in ours
+                now = self._clock()
+        finally:
+            self._board.clear(self)
         return now
 
     async def _wait_for_work(self, limit_s: float | None) -> None:
@@ -184,7 +205,7 @@ class RealtimeDriver:
             result = engine.step(start)
             recorded = False
             if result.duration > 0:
-                self._prepare(result)
+                await self._prepare(result)
                 woke = await self._sleep_until(result.end)
                 timing = self.timing
                 if len(timing.lateness) < timing.max_samples:
@@ -194,50 +215,60 @@ class RealtimeDriver:
                 continuing = True
             else:
                 continuing = False
-            self._deliver(result)
+            await self._deliver(result)
             if recorded:
                 self.timing.delivered.append(self._clock() - result.end)
             await asyncio.sleep(0)  # let handlers write this step's tokens before the next step
 
-    def _prepare(self, result: StepResult) -> None:
+    async def _prepare(self, result: StepResult) -> None:
         """Before the deadline: let the sinks render this step's tokens, so that the pass at the deadline
         (which delays any other driver of this event loop whose deadline falls in it) is mostly writes."""
         handles = self._handles
         done = {f.request_id for f in result.finished} if result.finished else ()
+        board, clock = self._board, self._clock
+        left = SLICE_TOKENS
         for rid in result.sampled:
+            left -= 1
+            if not left:
+                left = SLICE_TOKENS
+                if board.due(self, clock() + LOOKAHEAD_S):
+                    await asyncio.sleep(0)  # another driver's deadline: let it wake (Rule: board)
             handle = handles.get(rid)
             if handle is not None and handle.prepare is not None and rid not in done:
                 handle.prepare()
 
-    def _deliver(self, result: StepResult) -> None:
+    async def _deliver(self, result: StepResult) -> None:
         end = result.end
-        timing = self.timing
-        if timing.record_log and (result.duration > 0 or result.kv_pulls or result.finished):
-            timing.log.append(result.log_entry())
-        if self._on_step is not None:
-            self._on_step(result)
+        self._record(result)
         handles = self._handles
-        self._mark_scheduled(result)
         done = {f.request_id: f for f in result.finished}
-        if result.n_steps > 1:
-            raise RuntimeError("the real-time driver runs without fast-forward")
+        mid_stream = Emission(tokens=1, at=end)  # frozen: one value for every unfinished stream
+        board, clock = self._board, self._clock
+        left = SLICE_TOKENS
         for rid in result.sampled:
+            left -= 1
+            if not left:
+                left = SLICE_TOKENS
+                if board.due(self, clock() + LOOKAHEAD_S):
+                    # Another driver's deadline came during our pass: let it wake now rather than after
+                    # the whole pass. Handlers may abort our requests meanwhile, hence `handles.get`.
+                    await asyncio.sleep(0)
             handle = handles.get(rid)
             if handle is None:
                 continue
             fin = done.pop(rid, None)
             if handle.first_token_at is None:
                 handle.first_token_at = end
-            error = None
-            if fin is not None:
-                del handles[rid]
-                handle.cached_tokens = fin.num_cached_tokens
-                handle.kv_pinned = fin.kv_pinned
-                error = "KV load failed" if fin.reason is FinishReason.ERROR else None
-            emission = Emission(tokens=1, at=end, finished=fin is not None, error=error)
-            if fin is None and handle.sink is not None and handle.sink(emission):
-                continue  # written straight to the client's socket
-            handle.queue.put_nowait(emission)
+            if fin is None:
+                if handle.sink is not None and handle.sink(mid_stream):
+                    continue  # written straight to the client's socket
+                handle.queue.put_nowait(mid_stream)
+                continue
+            del handles[rid]
+            handle.cached_tokens = fin.num_cached_tokens
+            handle.kv_pinned = fin.kv_pinned
+            error = "KV load failed" if fin.reason is FinishReason.ERROR else None
+            handle.queue.put_nowait(Emission(tokens=1, at=end, finished=True, error=error))
         self._deliver_tokenless(done, end)
         for rid in result.preempted:
             handle = handles.get(rid)
@@ -247,7 +278,15 @@ class RealtimeDriver:
             for pull in result.kv_pulls:
                 self._on_pull(pull, end)
 
-    def _mark_scheduled(self, result: StepResult) -> None:
+    def _record(self, result: StepResult) -> None:
+        """The step's log entry, observer and first-scheduled marks (before any token goes out)."""
+        timing = self.timing
+        if timing.record_log and (result.duration > 0 or result.kv_pulls or result.finished):
+            timing.log.append(result.log_entry())
+        if self._on_step is not None:
+            self._on_step(result)
+        if result.n_steps > 1:
+            raise RuntimeError("the real-time driver runs without fast-forward")
         for chunk in result.prefills:
             handle = self._handles.get(chunk.request_id)
             if handle is not None and handle.scheduled_at is None:

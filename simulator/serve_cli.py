@@ -13,6 +13,7 @@ from simulator.fabric import FabricSettings
 from simulator.faults import Faults
 from simulator.link import TransferMode
 from simulator.profile import ProfileError, load_profile
+from simulator.realtime import DEFAULT_SPIN_S
 from simulator.sampler import SamplerSettings
 from simulator.topology import Role, Topology, TopologyError, WorkerSpec
 from simulator.worker_group import GroupSettings, WorkerGroup, serve_group
@@ -50,8 +51,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--spin-us",
         type=float,
-        default=500.0,
-        help="busy-wait this long before each step deadline for sub-millisecond timing (0 = sleep only)",
+        default=DEFAULT_SPIN_S * 1e6,
+        help="busy-wait this long before each step deadline for sub-millisecond timing; it must cover the "
+        "event loop's ~1.5 ms timer error (0 = sleep only: least CPU, ms timing)",
     )
     k = p.add_argument_group("KV transfer")
     k.add_argument(

@@ -41,6 +41,7 @@ import aiohttp
 from aiohttp import web
 
 from simulator.api_error import ApiError
+from simulator.deadline_board import DeadlineBoard
 from simulator.engine import Engine, EngineConfig, EngineRequest, KvPull, StepResult
 from simulator.fabric import Fabric
 from simulator.faults import Faults
@@ -55,7 +56,7 @@ from simulator.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
-from simulator.realtime import RealtimeDriver, StepTiming
+from simulator.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
 from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
 from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
 from simulator.tokenizer import Llama3Tokenizer
@@ -98,8 +99,9 @@ class Worker:
         *,
         tokenizer: Llama3Tokenizer,
         fabric: Fabric,
-        spin_s: float = 0.0005,
+        spin_s: float = DEFAULT_SPIN_S,
         timing: StepTiming | None = None,
+        board: DeadlineBoard | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
@@ -110,6 +112,7 @@ class Worker:
         self._fault_rng = random.Random(settings.fault_seed)  # noqa: S311 - fault injection, not crypto
         self._spin = spin_s
         self._timing = timing
+        self._board = board if board is not None else DeadlineBoard()  # shared by the drivers of one loop
         self._generation_requests = 0
         self._down = False  # requests are cut from the moment a crash is decided
         self._going_down = False  # the crash (closing the port, dropping the engine) has started
@@ -153,7 +156,12 @@ class Worker:
         )
         engine = Engine(self.fabric.profile, config)
         driver = RealtimeDriver(
-            engine, spin_s=self._spin, on_pull=self._on_pull, on_step=self._on_step, timing=self._timing
+            engine,
+            spin_s=self._spin,
+            on_pull=self._on_pull,
+            on_step=self._on_step,
+            timing=self._timing,
+            board=self._board,
         )
         self._remote.clear()
         self._pinned.clear()

@@ -18,10 +18,11 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from simulator.deadline_board import DeadlineBoard
 from simulator.fabric import Fabric, FabricSettings
 from simulator.faults import Faults
 from simulator.profile import Profile
-from simulator.realtime import StepTiming
+from simulator.realtime import DEFAULT_SPIN_S, StepTiming
 from simulator.tokenizer import Llama3Tokenizer
 from simulator.topology import Topology
 from simulator.worker import Worker
@@ -42,7 +43,7 @@ class GroupSettings:
     fabric: FabricSettings = field(default_factory=FabricSettings)
     worker_faults: Mapping[str, Faults] = field(default_factory=dict)
     nodes: Mapping[str, str] = field(default_factory=dict)  # worker id -> node (default: its own)
-    spin_s: float = 0.0005
+    spin_s: float = DEFAULT_SPIN_S
 
 
 class WorkerGroup:
@@ -57,6 +58,7 @@ class WorkerGroup:
         self.settings = settings
         self.tokenizer = tokenizer or Llama3Tokenizer()
         self.fabric = Fabric(profile, settings.fabric)
+        board = DeadlineBoard()  # one event loop hosts every worker's driver
         self.workers: list[Worker] = []
         for i, spec in enumerate(settings.topology.workers):
             port = settings.base_port + i if settings.base_port else 0
@@ -77,6 +79,7 @@ class WorkerGroup:
                     fabric=self.fabric,
                     spin_s=settings.spin_s,
                     timing=timing,
+                    board=board,
                 )
             )
 
