@@ -20,6 +20,16 @@ def test_bench_virtual_prints_throughput_and_turn2_figures(capsys: pytest.Captur
         assert row["requests_per_cpu_s"] > 0
         assert row["success_rate"] == 1.0
     assert rows[1]["turn2_ttft_ms"] < rows[0]["turn2_ttft_ms"]
+    assert {r["workload"] for r in rows} == {"sharegpt"}  # the default: real ShareGPT conversations
+
+
+@pytest.mark.bench
+def test_bench_virtual_sharegpt_like_needs_no_dataset(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workload", "sharegpt-like", "--qps", "4", "--duration", "5", "--repeat", "1", "--json"]
+    assert main([*argv, "--modes", "local"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["workload"] == "sharegpt-like"
+    assert row["success_rate"] == 1.0
 
 
 @pytest.mark.bench
