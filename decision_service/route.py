@@ -225,21 +225,21 @@ class Router:
             )
         if v.local:
             overload = self._live_overload(q)
-            if overload:
+            if overload is not None:
                 v = v._replace(local=False, reason=Reason.LIVE_SIGNAL, detail=overload)
         return v
 
-    def _live_overload(self, q: Query) -> str:
-        """Why a live signal forbids LOCAL (rules 4 and 5), or "" when none does."""
+    def _live_overload(self, q: Query) -> str | None:
+        """Why a live signal forbids LOCAL (rules 4 and 5), or None when none does."""
         t = self.table
         if q.decode_kv_usage is not None and q.decode_kv_usage > t.max_decode_kv_usage:
             return f"decode KV usage {q.decode_kv_usage:.2f} above the table's limit {t.max_decode_kv_usage}"
         limit = t.max_decode_running
         if limit is None or q.decode_running is None or q.decode_running <= limit:
-            return ""
+            return None
         queue_limit, queue = t.max_prefill_queue_depth, q.prefill_queue_depth
         if queue_limit is not None and queue is not None and queue > queue_limit:
-            return ""  # P is the scarcer side: keep the prefill on D
+            return None  # P is the scarcer side: keep the prefill on D
         return f"decode worker runs {q.decode_running} requests, above the table's limit {limit}"
 
 

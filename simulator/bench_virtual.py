@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from typing import Any
@@ -27,6 +28,8 @@ from simulator.topology import Topology
 from simulator.workload import Conversation, sharegpt_like, synthetic_conversations, turn_list_conversations
 
 __all__ = ["add_arguments", "main", "run_bench", "summarise"]
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,11 +74,10 @@ def _sharegpt_two_turns(count: int, seed: int) -> list[list[tuple[int, int]]]:
 
 
 def _conversations(workload: str, qps: float, duration: float, seed: int) -> list[Conversation]:
+    n = max(16, int(qps * duration) + 1)  # enough distinct conversations for the Poisson arrivals
     if workload == "sharegpt":
-        n = max(16, int(qps * duration) + 1)
         return turn_list_conversations(_sharegpt_two_turns(n, seed), qps, duration, seed=seed)
     if workload == "sharegpt-like":
-        n = max(16, int(qps * duration) + 1)
         return turn_list_conversations(sharegpt_like(n, seed=seed), qps, duration, seed=seed)
     return synthetic_conversations(workload, qps, duration, seed=seed)
 
@@ -139,7 +141,11 @@ def _fmt(value: object, spec: str) -> str:
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    rows = run_bench(args)
+    try:
+        rows = run_bench(args)
+    except (ValueError, ImportError) as exc:  # an unknown workload, or no ShareGPT data installed
+        log.error("bench-virtual: %s (--workload sharegpt-like needs no dataset)", exc)
+        return 2
     for row in rows:
         if args.json:
             sys.stdout.write(json.dumps(row) + "\n")

@@ -804,7 +804,8 @@ class Engine:
         if plan is None:
             return None
         k, duration, need = plan
-        self.pool.allocate(need)
+        if not self.pool.allocate(need):  # _plan_run checked can_allocate; inputs clear the plan
+            raise RuntimeError(f"fast-forward of {k} steps planned {need} blocks the pool does not have")
         b = len(self._decoding)
         self._d += k
         finished: list[Finished] = []

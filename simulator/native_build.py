@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 # The modules simulate() spends its time in (see the README's "Virtual time" section).
 NATIVE_MODULES = ("kv_cache", "cost", "engine", "link", "cluster")
 
-_PACKAGE = PACKAGE_ROOT
 #: Written into the compiled copy: the source folder it was made from (to detect a stale copy).
 SOURCE_NOTE = "native_source.txt"
 
@@ -85,16 +84,20 @@ def build(out: Path) -> list[Path]:
     """
     out = out.resolve()
     target = out / "simulator"
-    if target.exists():
-        shutil.rmtree(target)
+    # A rebuild starts clean: the package copy, mypyc's shared runtime module and its build folder.
+    for stale in (target, out / "build"):
+        if stale.exists():
+            shutil.rmtree(stale)
+    for runtime in out.glob("*__mypyc*"):
+        runtime.unlink()
     out.mkdir(parents=True, exist_ok=True)
     shutil.copytree(
-        _PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", SOURCE_NOTE)
+        PACKAGE_ROOT, target, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", SOURCE_NOTE)
     )
-    (target / SOURCE_NOTE).write_text(f"{_PACKAGE}\n", encoding="utf-8")
+    (target / SOURCE_NOTE).write_text(f"{PACKAGE_ROOT}\n", encoding="utf-8")
     env = dict(os.environ)
     # mypyc type-checks the copy; the rest of the project (imports of the simulator) comes from here.
-    env["MYPYPATH"] = str(_PACKAGE.parent)
+    env["MYPYPATH"] = str(PACKAGE_ROOT.parent)
     sources = [f"simulator/{name}.py" for name in NATIVE_MODULES]
     log.info("compiling %s into %s", ", ".join(NATIVE_MODULES), target)
     proc = subprocess.run(

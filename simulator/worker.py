@@ -697,7 +697,8 @@ class Worker:
             "dcp_size": 1,
             "pp_size": 1,
             # Tokens whose KV is computed: the prompt (P), plus all output tokens but the last (D).
-            "remote_num_tokens": len(req.prompt_ids) + self.engine.num_output_tokens(internal_id) - 1,
+            "remote_num_tokens": len(req.prompt_ids)
+            + (0 if p_leg else self.engine.num_output_tokens(internal_id) - 1),
             # On the worker's monotonic clock, like vLLM's perf_counter() deadline.
             "remote_blocks_expiry_time": None if p_leg else self.engine.lease_expires_at(internal_id),
             "remote_registration_generation": 0,

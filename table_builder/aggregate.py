@@ -52,7 +52,9 @@ class CellKey:
 class Locator(Protocol):
     """Maps a request's token counts and its run's QPS to a cell of the table's axes."""
 
-    def __call__(self, *, n_ctx: int, n_in: int, n_out: int, qps: float, workload: str = "") -> CellKey: ...
+    def __call__(
+        self, *, n_ctx: int, n_in: int, n_out: int, qps: float, workload: str | None = None
+    ) -> CellKey: ...
 
 
 @dataclass(frozen=True, slots=True)

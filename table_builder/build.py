@@ -45,6 +45,7 @@ from table_builder.aggregate import (
     aggregate_records,
 )
 from table_builder.artifact import ArtifactPoint
+from table_builder.catalog import TURN1_SETTINGS
 from table_builder.records import Record
 
 __all__ = [
@@ -212,14 +213,15 @@ def axes_locator(axes: Axes) -> Locator:
     (ShareGPT, production logs, a renamed run) is classified from its token counts, like a live one.
     """
     classifier = CompiledClassifier(axes)
-    by_suffix = {f"_{wl.name}": (w, wl.n_in, wl.n_out) for w, wl in enumerate(axes.workloads)}
+    by_name = {wl.name: (w, wl.n_in, wl.n_out) for w, wl in enumerate(axes.workloads)}
 
-    def locate(*, n_ctx: int, n_in: int, n_out: int, qps: float, workload: str = "") -> CellKey:
+    def locate(*, n_ctx: int, n_in: int, n_out: int, qps: float, workload: str | None = None) -> CellKey:
         w = classifier.workload(n_in, n_out)
-        _, sep, tail = workload.partition("_")
-        named = by_suffix.get(sep + tail) if sep else None
-        if named is not None and named[1:] == (n_in, n_out):
-            w = named[0]
+        if workload is not None:
+            turn1, _, name = workload.partition("_")
+            named = by_name.get(name) if turn1 in TURN1_SETTINGS else None
+            if named is not None and named[1:] == (n_in, n_out):
+                w = named[0]
         return CellKey(classifier.context(n_ctx), w, classifier.qps(qps))
 
     return locate

@@ -63,7 +63,7 @@ class Grid:
     axes: Axes
     cells: tuple[tuple[tuple[GridCell | None, ...], ...], ...]
     #: The live-signal limits of the header, as a sentence (they override the cells at run time).
-    live: str = ""
+    live: str | None = None
 
 
 def live_limits(table: Table) -> str:
@@ -181,7 +181,7 @@ def format_grid(grid: Grid, *, scores: bool = False) -> str:
     asked = sum(1 for plane in grid.cells for row in plane for cell in row if cell is not None)
     lines.append("")
     lines.append(f"local in {local} of {asked} cells")
-    if grid.live:
+    if grid.live is not None:
         lines.append(grid.live)
     lines.append(LEGEND)
     return "\n".join(lines)

@@ -72,8 +72,8 @@ def _pct(value: float | None) -> str:
 
 
 def _rate(value: float) -> str:
-    """A failure rate: one decimal below 10%, so 0.4% of requests failing never reads as 0%."""
-    return f"{100 * value:.1f}%" if 0 < value < 0.1 else f"{100 * value:.0f}%"
+    """A failure rate, with one decimal near the ends, so 0.4% never reads as 0% nor 99.6% as 100%."""
+    return f"{100 * value:.1f}%" if 0 < value < 0.1 or 0.9 < value < 1 else f"{100 * value:.0f}%"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

