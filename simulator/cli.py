@@ -1,16 +1,19 @@
 """``ppd-sim`` / ``python -m simulator``: one argparse sub-command per entry of ``COMMANDS``.
 
 To add a sub-command, write ``def add_<name>(subparsers) -> None`` that creates its parser and sets
-``func`` (a callable taking the parsed ``argparse.Namespace`` and returning an exit code), and list
-it in ``_registry()``. Only this module reads ``argv``.
+``func`` (a callable taking the parsed ``argparse.Namespace`` and returning an exit code), or a
+``_ModuleCommand`` for a module with ``add_arguments``/``run_from_args``, and list it in
+``_registry()``. Only this module reads ``argv``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 __all__ = ["build_parser", "main"]
 
@@ -40,35 +43,48 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.set_defaults(func=run)
 
 
-def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "bench-virtual",
-        help="measure simulated requests per CPU-second of the virtual-time cluster simulation",
-        description="Run two-turn conversations through the virtual-time cluster sim and print throughput.",
-    )
-    from simulator.bench_virtual import add_arguments, run_from_args
+@dataclass(frozen=True, slots=True)
+class _ModuleCommand:
+    """A sub-command whose module brings its own ``add_arguments(parser)`` and ``run_from_args(args)``."""
 
-    add_arguments(p)
-    p.set_defaults(func=run_from_args)
+    name: str
+    help: str
+    description: str
+    module: str
+
+    def __call__(self, sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+        p = sub.add_parser(self.name, help=self.help, description=self.description)
+        module = importlib.import_module(self.module)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run_from_args)
 
 
-def _add_build_native(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "build-native",
-        help="compile the virtual-time core with mypyc into a folder to put on PYTHONPATH (about 2x faster)",
-        description="Copy the simulator package to OUT/simulator and compile its hot modules there with "
-        "mypyc; run with PYTHONPATH=OUT to use them. Prints one JSON line.",
-    )
-    from simulator.native_build import add_arguments, run_from_args
-
-    add_arguments(p)
-    p.set_defaults(func=run_from_args)
+_BENCH_VIRTUAL = _ModuleCommand(
+    "bench-virtual",
+    "measure simulated requests per CPU-second of the virtual-time cluster simulation",
+    "Run two-turn conversations through the virtual-time cluster sim and print throughput.",
+    "simulator.bench_virtual",
+)
+_BUILD_NATIVE = _ModuleCommand(
+    "build-native",
+    "compile the virtual-time core with mypyc into a folder to put on PYTHONPATH (about 2x faster)",
+    "Copy the simulator package to OUT/simulator and compile its hot modules there with "
+    "mypyc; run with PYTHONPATH=OUT to use them. Prints one JSON line.",
+    "simulator.native_build",
+)
+_BENCH_REALTIME = _ModuleCommand(
+    "bench-realtime",
+    "measure step timing error and CPU of a 1P3D cluster process under streaming load",
+    "Host a 1P3D cluster in this process, stream from a client process, print step lateness "
+    "percentiles and the cluster's CPU share.",
+    "simulator.bench_realtime",
+)
 
 
 def _registry() -> list[Registrar]:
-    from simulator.serve_cli import add_bench_realtime, add_cluster, add_worker
+    from simulator.serve_cli import add_cluster, add_worker
 
-    return [_add_calibrate, _add_bench, _add_build_native, add_worker, add_cluster, add_bench_realtime]
+    return [_add_calibrate, _BENCH_VIRTUAL, _BUILD_NATIVE, add_worker, add_cluster, _BENCH_REALTIME]
 
 
 def build_parser() -> argparse.ArgumentParser:

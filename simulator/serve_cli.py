@@ -19,7 +19,7 @@ from simulator.topology import Role, Topology, TopologyError, WorkerSpec
 from simulator.worker_group import GroupSettings, WorkerGroup, serve_group
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
 
-__all__ = ["add_bench_realtime", "add_cluster", "add_worker"]
+__all__ = ["add_cluster", "add_worker"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -215,16 +215,3 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         return _run(args, topology, args.base_port, single=False)
 
     p.set_defaults(func=run)
-
-
-def add_bench_realtime(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "bench-realtime",
-        help="measure step timing error and CPU of a 1P3D cluster process under streaming load",
-        description="Host a 1P3D cluster in this process, stream from a client process, print step lateness "
-        "percentiles and the cluster's CPU share.",
-    )
-    from simulator.bench_realtime import add_arguments, run_from_args
-
-    add_arguments(p)
-    p.set_defaults(func=run_from_args)
