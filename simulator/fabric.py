@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from simulator.background import BackgroundTask
 from simulator.link import Link, TransferDone, TransferMode
 from simulator.profile import Profile
 
@@ -65,7 +66,7 @@ class Fabric:
         self._link_time: dict[tuple[str, str], float] = {}
         self._callbacks: dict[tuple[tuple[str, str], int], DoneCallback] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask(self._run, "kv-fabric")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -102,15 +103,10 @@ class Fabric:
         self._wake.set()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="kv-fabric")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     def _next_at(self) -> float | None:
         best: float | None = None

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from simulator.background import BackgroundTask
 from simulator.deadline_board import DeadlineBoard
 from simulator.engine import Engine, EngineRequest, Finished, FinishReason, KvPull, StepResult
 from simulator.jobs import Emission, JobHandle
@@ -90,7 +91,7 @@ class RealtimeDriver:
         self.timing = timing or StepTiming()
         self._handles: dict[str, JobHandle] = {}
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask(self.run, "realtime-driver")
         self.dead = False
 
     # ------------------------------------------------------------------ control
@@ -98,15 +99,10 @@ class RealtimeDriver:
         return self._clock()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name="realtime-driver")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
         for handle in self._handles.values():
             handle.queue.put_nowait(Emission(tokens=0, at=self.now(), finished=True, error="engine stopped"))
         self._handles.clear()
