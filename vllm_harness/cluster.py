@@ -1,0 +1,217 @@
+"""``ppd-vllm cluster``: real vLLM P/D workers on this machine, with the simulator cluster's ready line.
+
+Rule 1: each worker is ``remote/serve_worker.py`` in the vLLM venv, in its own session, and prints
+        its own ready line once ``/health`` answers; the cluster prints
+        ``{"topology", "engine", "model", "workers": [{"id", "role", "url"}]}`` once all are ready,
+        the same contract as ``ppd-sim cluster``, so whatever takes a simulated cluster takes this one.
+Rule 2: P and D get NixlConnector over CPU memory (``kv_buffer_device: cpu``), each with its own
+        side-channel port; the connector config is ``kv_transfer_config()``, shared with the GPU
+        scripts' documentation in deploy/vllm.
+Rule 3: ``pin`` puts prefill and decode workers on disjoint CPU cores (``taskset``), as they would be
+        on separate GPUs; memory bandwidth, the gateway and the load generator stay shared.
+Rule 4: SIGTERM/SIGINT or a worker's death stops every worker: SIGTERM, then SIGKILL to each
+        worker's process group after the grace period, so no engine process, port or shared-memory
+        segment outlives the cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TextIO
+
+from simulator.topology import Topology, WorkerSpec
+from table_builder.supervisor import ChildError, ChildSpec, Supervisor
+from vllm_harness.prepare import Prepared, remote_script
+
+__all__ = [
+    "ClusterSettings",
+    "FailurePolicy",
+    "core_plan",
+    "kv_transfer_config",
+    "run_cluster",
+    "worker_command",
+]
+
+logger = logging.getLogger("ppd-vllm")
+
+FailurePolicy = Literal["fail", "recompute"]
+_KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSettings:
+    topology: Topology
+    host: str = "127.0.0.1"
+    #: Prefill and decode workers on disjoint cores (needs at least two cores to have any effect).
+    pin: bool = True
+    #: The two NIXL changes of serve_worker.py (progress thread, KV-thread pinning); on for CPUs.
+    cpu_nixl_fixes: bool = True
+    max_model_len: int = 4096
+    #: 128 MiB of KV cache per worker (131k tokens of the tiny model).
+    kv_cache_bytes: int = 128 * 1024 * 1024
+    #: vLLM's CPU default is 128; its CPU attention needs a multiple of 32. Prefix hits come in steps of it.
+    block_size: int = 32
+    kv_load_failure_policy: FailurePolicy = "fail"
+    ready_timeout_s: float = 240.0
+    grace_s: float = 15.0
+    extra_args: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+
+def kv_transfer_config(role: str, *, failure_policy: FailurePolicy, cpu_buffer: bool) -> str | None:
+    """The ``--kv-transfer-config`` JSON for a role (None for a replica: no P/D)."""
+    kv_role = _KV_ROLE.get(role)
+    if kv_role is None:
+        return None
+    config: dict[str, Any] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": failure_policy,
+    }
+    if cpu_buffer:
+        config["kv_buffer_device"] = "cpu"
+    return json.dumps(config, separators=(",", ":"))
+
+
+def core_plan(workers: Sequence[WorkerSpec], cores: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """Cores per worker id: prefill workers on the first share of the cores, the others on the rest.
+
+    The split follows the worker counts (at least one core each side); with one core, or only one
+    kind of worker, everyone shares every core.
+    """
+    ordered = tuple(sorted(cores))
+    prefill = [w for w in workers if w.role == "prefill"]
+    others = [w for w in workers if w.role != "prefill"]
+    if len(ordered) < 2 or not prefill or not others:
+        return {w.id: ordered for w in workers}
+    share = round(len(ordered) * len(prefill) / len(workers))
+    cut = min(max(share, 1), len(ordered) - 1)
+    plan = {w.id: ordered[:cut] for w in prefill}
+    plan.update({w.id: ordered[cut:] for w in others})
+    return plan
+
+
+def _free_port(host: str) -> int:
+    # vLLM cannot report a port it picked itself, so ask the kernel for one and hand it over; the
+    # window in which another process could take it is a few milliseconds of start-up.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def worker_command(
+    prepared: Prepared,
+    settings: ClusterSettings,
+    worker: WorkerSpec,
+    *,
+    http_port: int,
+    side_channel_port: int,
+    cores: Sequence[int] = (),
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """argv and environment of one worker."""
+    serve = [
+        str(prepared.model), "--served-model-name", prepared.served_model,
+        "--max-model-len", str(settings.max_model_len), "--enforce-eager",
+        "--kv-cache-memory-bytes", str(settings.kv_cache_bytes), "--block-size", str(settings.block_size),
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    kv = kv_transfer_config(worker.role, failure_policy=settings.kv_load_failure_policy, cpu_buffer=True)
+    if kv is not None:
+        serve += ["--kv-transfer-config", kv]
+    serve += list(settings.extra_args)
+    argv: list[str] = []
+    if cores:
+        argv += ["taskset", "-c", ",".join(str(c) for c in cores)]
+    argv += [
+        str(prepared.python), str(remote_script("serve_worker.py")), "--id", worker.id, "--role", worker.role,
+        "--host", settings.host, "--port", str(http_port), "--", *serve,
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            # No OpenMP thread binding of vLLM's own: the launcher's taskset decides the cores.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": settings.host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        }
+    )
+    # When set, VLLM_CPU_KVCACHE_SPACE overrides --kv-cache-memory-bytes.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if settings.cpu_nixl_fixes:
+        env["PPD_VLLM_NIXL_NO_PROGRESS_THREAD"] = "1"
+        env["PPD_VLLM_NIXL_NO_KV_PIN"] = "1"
+    env.update(settings.extra_env)
+    return tuple(argv), env
+
+
+async def _kill_groups(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+async def run_cluster(
+    prepared: Prepared,
+    settings: ClusterSettings,
+    out: TextIO,
+    stop: asyncio.Event,
+    *,
+    relay: Any = None,
+) -> int:
+    """Start every worker, print the ready line, run until ``stop`` or a death; 0 after a signal."""
+    workers = settings.topology.workers
+    cores = core_plan(workers, sorted(os.sched_getaffinity(0))) if settings.pin else {}
+    supervisor = Supervisor(relay=relay, grace_s=settings.grace_s)
+    specs = []
+    for worker in workers:
+        argv, env = worker_command(
+            prepared,
+            settings,
+            worker,
+            http_port=_free_port(settings.host),
+            side_channel_port=_free_port(settings.host),
+            cores=cores.get(worker.id, ()),
+        )
+        specs.append(ChildSpec(f"vllm {worker.id}", argv, settings.ready_timeout_s, env))
+    code = 1
+    try:
+        started = await asyncio.gather(*(supervisor.start(spec) for spec in specs))
+        ready = {
+            "topology": settings.topology.name,
+            "engine": "vllm-cpu",
+            "model": prepared.served_model,
+            "workers": [
+                {"id": w.id, "role": w.role, "url": child.ready["url"], "pid": child.proc.pid}
+                for w, child in zip(workers, started, strict=True)
+            ],
+        }
+        out.write(json.dumps(ready) + "\n")
+        out.flush()
+        stopper = asyncio.create_task(stop.wait())
+        watcher = asyncio.create_task(supervisor.wait_any_exit())
+        done, _ = await asyncio.wait({stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        watcher.cancel()
+        if watcher in done and not watcher.cancelled():
+            raise watcher.result()
+        code = 0
+    except ChildError as exc:
+        logger.error("%s; stopping every worker", exc)
+    finally:
+        pids = [child.proc.pid for child in supervisor.children]
+        await supervisor.stop_all()
+        await _kill_groups(pids)  # engine processes a worker left behind go with its group
+    return code
