@@ -24,14 +24,20 @@ _TYPES = {
 class ApiError(Exception):
     """An error answered with vLLM's `ErrorResponse` body and the matching HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, error_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self._error_type = error_type
 
     @property
     def error_type(self) -> str:
+        """vLLM's exception name for the status; request-validation errors say "Bad Request"."""
+        if self._error_type is not None:
+            return self._error_type
         return _TYPES.get(self.status, "BadRequestError" if self.status < 500 else "InternalServerError")
 
     def body(self) -> dict[str, Any]:

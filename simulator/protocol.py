@@ -191,7 +191,9 @@ def _model(body: Mapping[str, Any], limits: ServingLimits) -> str:
     if model is None:
         return limits.model
     if model != limits.model:
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+        raise ApiError(
+            404, f"The model `{model}` does not exist. Valid aliases: {limits.model}.", param="model"
+        )
     return model
 
 

@@ -305,7 +305,12 @@ class Worker:
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"Invalid JSON body: {exc}") from exc
+            # vLLM's request validation (FastAPI/pydantic) answers type "Bad Request", param "body.<pos>".
+            pos = exc.pos if isinstance(exc, json.JSONDecodeError) else 0
+            detail = {"type": "json_invalid", "loc": f"body.{pos}", "msg": "JSON decode error"}
+            raise ApiError(
+                400, f"1 validation error:\n  {detail}", param=f"body.{pos}", error_type="Bad Request"
+            ) from exc
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 with an empty body; 503 once the engine died (vLLM's `/health` contract)."""
