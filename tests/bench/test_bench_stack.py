@@ -148,6 +148,33 @@ async def test_the_stack_gives_up_when_a_child_cannot_start(caplog: pytest.LogCa
     assert out.getvalue() == ""
 
 
+def test_the_engine_picks_the_cluster_command() -> None:
+    real = StackCommands.real(python="py")
+    sim = real.cluster(StackSettings(topology="2P2D"))
+    assert sim[:4] == ("py", "-m", "simulator", "cluster")
+    assert sim[sim.index("--topology") + 1] == "2P2D"
+    vllm = real.cluster(StackSettings(topology="1P1D", engine="vllm-cpu"))
+    assert vllm == ("py", "-m", "vllm_harness", "cluster", "--topology", "1P1D")
+
+
+async def test_the_banner_names_the_clusters_own_model(tmp_path: Path) -> None:
+    out, stop = _Out(), asyncio.Event()
+    cluster = {**CLUSTER, "model": "llama-3-tiny-random"}
+    commands = StackCommands(
+        cluster=lambda s: standin("--ready", json.dumps(cluster)),
+        decision=lambda s: standin("--ready", '{"grpc": 7001, "metrics": 7002}'),
+        gateway=lambda s, config: standin("--ready", f'{{"http": {s.port}}}'),
+    )
+    settings = StackSettings(port=18001, config_dir=tmp_path, ready_timeout_s=30, engine="vllm-cpu")
+    task = asyncio.create_task(run_stack(settings, commands, out, stop))
+    await out.ready.wait()
+    stop.set()
+    assert await task == 0
+    assert '"model": "llama-3-tiny-random"' in out.getvalue()
+    assert "meta-llama" not in out.getvalue()
+    assert "real vLLM workers (CPU)" in out.getvalue()
+
+
 def test_ppd_up_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     from table_builder.stack import main
 

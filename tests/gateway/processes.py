@@ -22,11 +22,11 @@ class Process:
     ready: dict[str, Any]
     stderr_path: Path
 
-    def stop(self) -> int:
+    def stop(self, timeout_s: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -38,7 +38,7 @@ class Process:
         return self.stderr_path.read_text(errors="replace")
 
 
-def start(args: list[str], tmp: Path, name: str) -> Process:
+def start(args: list[str], tmp: Path, name: str, *, ready_timeout_s: float = READY_TIMEOUT_S) -> Process:
     """`python -m <args>`; returns once the process printed its JSON line (or fails with its stderr)."""
     stderr_path = tmp / f"{name}.stderr"
     with open(stderr_path, "w") as err:
@@ -53,7 +53,7 @@ def start(args: list[str], tmp: Path, name: str) -> Process:
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""))
     reader.start()
-    reader.join(READY_TIMEOUT_S)
+    reader.join(ready_timeout_s)
     if not line or not line[0].strip():
         proc.kill()
         proc.wait()

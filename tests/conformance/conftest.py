@@ -1,0 +1,68 @@
+"""One cluster per engine for the whole session, parametrized: every test here runs on both engines.
+
+- ``sim``: ``python -m simulator cluster --topology 1P2D``, seconds to start.
+- ``vllm-cpu``: ``python -m vllm_harness cluster --topology 1P2D``: real vLLM on this CPU (a tiny
+  random-weight Llama-3, NixlConnector over CPU memory). ``make test`` prepares its venv and model
+  first (``ppd-vllm prepare``); a failed preparation or start fails these tests, never skips them.
+- ``PPD_TEST_CLUSTER=<ready line JSON>``: run the suite against workers already running elsewhere
+  (GPU vLLM, say) instead; its ``engine`` is ``external``, and tests that crash a worker skip.
+
+D1 uses ``kv_load_failure_policy: recompute``, the others vLLM's default ``fail``. Tests that crash a
+worker carry the ``crashes_workers`` mark and run after every other test of their engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conformance.workers import Cluster
+from tests.gateway.processes import start
+
+ENGINES = ("sim", "vllm-cpu")
+_COMMANDS = {
+    "sim": ["simulator", "cluster", "--topology", "1P2D", "--base-port", "0"],
+    "vllm-cpu": ["vllm_harness", "cluster", "--topology", "1P2D"],
+}
+_COMMON = ["--kv-load-failure-policy", "D1=recompute"]
+#: Real vLLM: preparing (if the cache is cold) plus three workers loading on two cores.
+_READY_TIMEOUT_S = {"sim": 60.0, "vllm-cpu": 900.0}
+
+
+def _order(item: pytest.Item) -> tuple[str, bool]:
+    callspec = getattr(item, "callspec", None)
+    engine = str(callspec.params.get("cluster", "")) if callspec is not None else ""
+    return engine, item.get_closest_marker("crashes_workers") is not None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Here, group by engine (one cluster start each) and put the worker-crashing tests last in each
+    group; the slots of the rest of the session are left as they are."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if here in item.path.parents]
+    mine = sorted((items[i] for i in slots), key=_order)
+    for slot, item in zip(slots, mine, strict=True):
+        items[slot] = item
+
+
+def _engines() -> list[str]:
+    return ["external"] if os.environ.get("PPD_TEST_CLUSTER") else list(ENGINES)
+
+
+@pytest.fixture(scope="session", params=_engines())
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    engine: str = request.param
+    if engine == "external":
+        yield Cluster(engine, json.loads(os.environ["PPD_TEST_CLUSTER"]), None)
+        return
+    tmp: Path = tmp_path_factory.mktemp(f"cluster-{engine}")
+    proc = start(
+        [*_COMMANDS[engine], *_COMMON], tmp, f"cluster-{engine}", ready_timeout_s=_READY_TIMEOUT_S[engine]
+    )
+    yield Cluster(engine, proc.ready, proc)
+    code = proc.stop(timeout_s=120.0)
+    assert code == 0, f"the {engine} cluster did not stop cleanly:\n{proc.stderr()[-3000:]}"

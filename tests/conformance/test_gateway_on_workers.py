@@ -1,0 +1,162 @@
+"""The gateway end to end on each engine's workers, driven by the official ``openai`` client.
+
+The assertions read the workers' own counters (``vllm:prompt_tokens_by_source_total``), so on real
+vLLM they show where the KV really came from: pulled from P, hit in D's prefix cache, or computed.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conformance.workers import Cluster, eventually
+from tests.gateway.processes import Process, start
+
+pytestmark = pytest.mark.integration
+#: Prefix-cache hits come in whole KV blocks (32 tokens on vLLM's CPU backend, 16 in the simulator).
+BLOCK = 32
+
+
+@pytest.fixture(scope="session")
+def gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    tmp: Path = tmp_path_factory.mktemp(f"gateway-{cluster.engine}")
+    lines = ['mode = "ppd"', "", "[decision]", 'address = "127.0.0.1:1"', "deadline_ms = 200.0", ""]
+    lines += ["[pool]", "health_interval_s = 0.5", ""]
+    for w in cluster.workers:
+        lines += ["[[workers]]", f'id = "{w["id"]}"', f'role = "{w["role"]}"', f'url = "{w["url"]}"', ""]
+    config = tmp / "gateway.toml"
+    config.write_text("\n".join(lines))
+    proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway")
+    yield proc
+    assert proc.stop() == 0, proc.stderr()[-2000:]
+
+
+def _client(gateway: Process, mode: str | None = None, session: str | None = None) -> openai.OpenAI:
+    headers = {}
+    if mode is not None:
+        headers["X-PPD-Mode"] = mode
+    if session is not None:
+        headers["X-Session-ID"] = session
+    return openai.OpenAI(
+        base_url=f"http://127.0.0.1:{gateway.ready['http']}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        default_headers=headers,
+    )
+
+
+class Conversation:
+    """One conversation through the gateway; each turn's headers and usage are kept."""
+
+    def __init__(self, cluster: Cluster, gateway: Process) -> None:
+        self.cluster, self.gateway = cluster, gateway
+        self.session = f"conv-{uuid.uuid4().hex}"
+        self.messages: list[Any] = []
+
+    def turn(self, text: str, *, mode: str | None = None, max_tokens: int = 8) -> tuple[Any, Any]:
+        self.messages.append({"role": "user", "content": f"{self.session} {text}"})
+        raw = _client(self.gateway, mode, self.session).chat.completions.with_raw_response.create(
+            model=self.cluster.model, messages=self.messages, max_tokens=max_tokens, temperature=0
+        )
+        answer = raw.parse()
+        self.messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+        return raw.headers, answer
+
+
+def test_turn_one_takes_p_then_d_and_d_pulls_the_prompt(cluster: Cluster, gateway: Process) -> None:
+    conv = Conversation(cluster, gateway)
+    before = {d: cluster.by_source(d) for d in cluster.ids("decode")}
+    headers, answer = conv.turn("Tell me about the sea.")
+    assert (headers["x-ppd-path"], headers["x-ppd-reason"], headers["x-ppd-turn"]) == ("pd", "turn_one", "1")
+    assert headers["x-ppd-prefill-worker"] == "P0"
+    d = headers["x-ppd-decode-worker"]
+    after = cluster.by_source(d)
+    assert after["external_kv_transfer"] - before[d]["external_kv_transfer"] == answer.usage.prompt_tokens
+    assert after["local_compute"] == before[d]["local_compute"]
+
+
+def test_a_local_turn_two_is_served_from_ds_cache(cluster: Cluster, gateway: Process) -> None:
+    conv = Conversation(cluster, gateway)
+    first, answer = conv.turn("Remember this: the lighthouse keeper counts waves every night.", max_tokens=16)
+    d = first["x-ppd-decode-worker"]
+    before = cluster.by_source(d)
+    second, _ = conv.turn("And then?", mode="local")
+    assert (second["x-ppd-path"], second["x-ppd-turn"], second["x-ppd-decode-worker"]) == ("local", "2", d)
+    assert "x-ppd-prefill-worker" not in second
+    after = cluster.by_source(d)
+    assert after["external_kv_transfer"] == before["external_kv_transfer"]
+    # The history (Turn 1's prompt, at least) is a prefix-cache hit, to a whole block.
+    assert after["local_cache_hit"] - before["local_cache_hit"] >= answer.usage.prompt_tokens - BLOCK
+
+
+def test_a_forced_pd_turn_two_goes_through_p(cluster: Cluster, gateway: Process) -> None:
+    conv = Conversation(cluster, gateway)
+    conv.turn("Start somewhere.")
+    p_before = cluster.by_source("P0")
+    second, answer = conv.turn("Now go through prefill.", mode="pd")
+    assert (second["x-ppd-path"], second["x-ppd-prefill-worker"], second["x-ppd-turn"]) == ("pd", "P0", "2")
+    p_after = cluster.by_source("P0")
+    p_tokens = sum(p_after.values()) - sum(p_before.values())
+    assert p_tokens == answer.usage.prompt_tokens  # P saw the whole history (computed or cached)
+
+
+def test_a_client_disconnect_aborts_the_request_on_the_worker(cluster: Cluster, gateway: Process) -> None:
+    body = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} go on for a long time"}],
+        "stream": True,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{gateway.ready['http']}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    resp = urllib.request.urlopen(req, timeout=120)
+    d = resp.headers["X-PPD-Decode-Worker"]
+    generated = cluster.metric(d, "vllm:generation_tokens_total")
+    assert resp.readline().startswith(b"data: ")
+    assert cluster.metric(d, "vllm:num_requests_running") == 1
+    resp.close()  # the client goes away mid-stream
+    eventually(lambda: cluster.metric(d, "vllm:num_requests_running") == 0, what=f"{d}'s request aborted")
+    assert cluster.metric(d, "vllm:generation_tokens_total") - generated < 3000
+
+
+@pytest.mark.crashes_workers
+def test_a_crashed_decode_worker_rebinds_the_session_through_p(cluster: Cluster, gateway: Process) -> None:
+    if cluster.process is None:
+        pytest.skip("an external cluster's workers are not ours to crash")
+    conv = Conversation(cluster, gateway)
+    first, _ = conv.turn("Where will my next turn go?")
+    old = first["x-ppd-decode-worker"]
+    cluster.crash(old)
+    second, answer = conv.turn("Still there?")
+    assert answer.choices[0].message.content
+    assert second["x-ppd-path"] == "pd"
+    assert second["x-ppd-reason"] in ("decode_gone", "decode_unreachable")
+    assert second["x-ppd-decode-worker"] != old
+    assert second["x-ppd-prefill-worker"] == "P0"
+    assert second["x-ppd-turn"] == "2"
+
+
+@pytest.mark.crashes_workers
+def test_a_crashed_prefill_worker_falls_back_to_prefill_on_d(cluster: Cluster, gateway: Process) -> None:
+    if cluster.process is None:
+        pytest.skip("an external cluster's workers are not ours to crash")
+    cluster.crash("P0")
+    conv = Conversation(cluster, gateway)
+    headers, answer = conv.turn("A new conversation with no prefill worker left.")
+    assert answer.choices[0].message.content
+    assert headers["x-ppd-path"] == "local"
+    d = headers["x-ppd-decode-worker"]
+    assert cluster.by_source(d)["local_compute"] > 0

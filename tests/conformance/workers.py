@@ -1,0 +1,115 @@
+"""A running cluster of workers (simulated or real vLLM) as the conformance tests see it.
+
+``Cluster`` wraps the JSON ready line both ``ppd-sim cluster`` and ``ppd-vllm cluster`` print, plus
+plain-HTTP helpers. Metrics are read with prometheus_client's own text parser, never by slicing lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.processes import Process
+
+__all__ = ["Cluster", "Response", "eventually", "http"]
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def http(url: str, body: Any = None, *, raw: bytes | None = None, timeout_s: float = 120.0) -> Response:
+    """POST ``body`` as JSON (or ``raw`` bytes), GET without either; any status is returned, not raised."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return Response(resp.status, resp.read())
+    except urllib.error.HTTPError as exc:
+        return Response(exc.code, exc.read())
+
+
+def eventually(check: Callable[[], bool], *, timeout_s: float = 60.0, what: str = "condition") -> None:
+    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout_s`` (generous: CI is noisy)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout_s:g} s")
+        time.sleep(0.1)
+
+
+@dataclass
+class Cluster:
+    """Workers from a ready line; ``process`` is None for an external cluster (PPD_TEST_CLUSTER)."""
+
+    engine: str
+    ready: Mapping[str, Any]
+    process: Process | None
+    #: The served model, read once at the start (later a crashed worker could not say).
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            first = self.url(self.workers[0]["id"])
+            self.model = str(http(first + "/v1/models").json()["data"][0]["id"])
+
+    @property
+    def workers(self) -> list[dict[str, Any]]:
+        workers: list[dict[str, Any]] = list(self.ready["workers"])
+        return workers
+
+    def url(self, worker_id: str) -> str:
+        return str(next(w["url"] for w in self.workers if w["id"] == worker_id))
+
+    def ids(self, role: str) -> list[str]:
+        return [str(w["id"]) for w in self.workers if w["role"] == role]
+
+    def samples(self, worker_id: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+        """Every sample called ``name`` on the worker's /metrics, by its sorted labels."""
+        text = http(self.url(worker_id) + "/metrics").body.decode()
+        found: dict[tuple[tuple[str, str], ...], float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    found[tuple(sorted(sample.labels.items()))] = sample.value
+        return found
+
+    def metric(self, worker_id: str, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels``."""
+        return sum(
+            value
+            for key, value in self.samples(worker_id, name).items()
+            if all((k, v) in key for k, v in labels.items())
+        )
+
+    def by_source(self, worker_id: str) -> dict[str, float]:
+        """``vllm:prompt_tokens_by_source_total`` by its ``source`` label."""
+        name = "vllm:prompt_tokens_by_source_total"
+        return {
+            source: self.metric(worker_id, name, source=source)
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
+
+    def crash(self, worker_id: str) -> None:
+        """The worker's process dies at once: SIGKILL for real vLLM, the simulator's ``down`` fault."""
+        worker = next(w for w in self.workers if w["id"] == worker_id)
+        if self.engine == "sim":
+            assert http(worker["url"] + "/admin/faults", {"down": True}).status == 200
+            return
+        # The API server only: its engine process sees its parent go and exits, and Python's resource
+        # tracker then unlinks the shared memory it registered, as after a real crash.
+        os.kill(int(worker["pid"]), signal.SIGKILL)

@@ -1,0 +1,102 @@
+"""The launcher's pure parts: core plan, connector config, failure policies, worker command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from simulator.topology import Topology
+from vllm_harness.cluster import (
+    ClusterSettings,
+    core_plan,
+    kv_transfer_config,
+    parse_failure_policies,
+    worker_command,
+)
+from vllm_harness.prepare import Prepared
+
+PREPARED = Prepared(
+    python=Path("/venv/bin/python"),
+    model=Path("/m"),
+    served_model="llama-3-tiny-random",
+    vllm_version="0.32.0",
+)
+
+
+@pytest.mark.parametrize(
+    ("topology", "cores", "want"),
+    [
+        ("1P1D", [0, 1], {"P0": (0,), "D0": (1,)}),
+        ("1P2D", [0, 1], {"P0": (0,), "D0": (1,), "D1": (1,)}),
+        ("2P1D", [0, 1], {"P0": (0,), "P1": (0,), "D0": (1,)}),
+        ("1P3D", [0, 1, 2, 3], {"P0": (0,), "D0": (1, 2, 3), "D1": (1, 2, 3), "D2": (1, 2, 3)}),
+        ("1P1D", [3], {"P0": (3,), "D0": (3,)}),
+        ("2R", [0, 1], {"R0": (0, 1), "R1": (0, 1)}),
+    ],
+)
+def test_prefill_and_decode_get_disjoint_cores_when_there_are_two(
+    topology: str, cores: list[int], want: dict[str, tuple[int, ...]]
+) -> None:
+    assert core_plan(Topology.parse(topology).workers, cores) == want
+
+
+def test_connector_config_per_role() -> None:
+    p = json.loads(kv_transfer_config("prefill", failure_policy="fail", cpu_buffer=True) or "")
+    d = json.loads(kv_transfer_config("decode", failure_policy="recompute", cpu_buffer=False) or "")
+    assert p == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
+        "kv_load_failure_policy": "fail",
+        "kv_buffer_device": "cpu",
+    }
+    assert d == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+    }
+    assert kv_transfer_config("replica", failure_policy="fail", cpu_buffer=True) is None
+
+
+def test_failure_policy_spec() -> None:
+    topology = Topology.parse("1P2D")
+    assert parse_failure_policies("recompute", topology) == ("recompute", {})
+    assert parse_failure_policies("D1=recompute", topology) == ("fail", {"D1": "recompute"})
+    assert parse_failure_policies("D0=fail, D1=recompute", topology) == (
+        "fail",
+        {"D0": "fail", "D1": "recompute"},
+    )
+    with pytest.raises(ValueError, match="no worker 'D7'"):
+        parse_failure_policies("D7=recompute", topology)
+    with pytest.raises(ValueError, match="fail or recompute"):
+        parse_failure_policies("D1=retry", topology)
+
+
+def test_worker_command_pins_sets_the_side_channel_and_asks_for_the_cpu_fixes() -> None:
+    topology = Topology.parse("1P2D")
+    settings = ClusterSettings(topology=topology, failure_policies={"D1": "recompute"})
+    argv, env = worker_command(
+        PREPARED, settings, topology.workers[2], http_port=8201, side_channel_port=5602, cores=(1,)
+    )
+    assert argv[:3] == ("taskset", "-c", "1")
+    assert argv[3] == "/venv/bin/python"
+    assert argv[4].endswith("remote/serve_worker.py")
+    serve = argv[argv.index("--") + 1 :]
+    assert serve[0] == "/m"
+    assert serve[serve.index("--served-model-name") + 1] == "llama-3-tiny-random"
+    config = json.loads(serve[serve.index("--kv-transfer-config") + 1])
+    assert (config["kv_role"], config["kv_load_failure_policy"]) == ("kv_consumer", "recompute")
+    assert argv[argv.index("--port") + 1] == "8201"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5602"
+    assert env["PPD_VLLM_NIXL_NO_PROGRESS_THREAD"] == env["PPD_VLLM_NIXL_NO_KV_PIN"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+
+
+def test_the_cpu_fixes_are_off_unless_asked_for() -> None:
+    topology = Topology.parse("1P1D")
+    settings = ClusterSettings(topology=topology, pin=False, cpu_nixl_fixes=False)
+    argv, env = worker_command(PREPARED, settings, topology.workers[0], http_port=1, side_channel_port=2)
+    assert argv[0] == "/venv/bin/python"
+    assert "PPD_VLLM_NIXL_NO_PROGRESS_THREAD" not in env
+    assert "PPD_VLLM_NIXL_NO_KV_PIN" not in env
