@@ -132,6 +132,12 @@ def _banner(
     workers = "\n".join(f"    {w['id']:<4} {w['role']:<8} {w['url']}" for w in cluster.get("workers", []))
     model = str(cluster.get("model") or DEFAULT_MODEL)
     kind = "real vLLM workers (CPU)" if settings.engine == "vllm-cpu" else "simulated workers"
+    # The tiny CPU model: its name, its 4096-token context, and answers short enough for one core.
+    bench = (
+        f" --model {model} --max-context-tokens 3000 --max-output-tokens 256"
+        if settings.engine == "vllm-cpu"
+        else ""
+    )
     return f"""
 PPD stack is up ({settings.topology}, mode {settings.mode}, tables {settings.tables}).
   gateway (OpenAI API):  {url}/v1
@@ -148,7 +154,7 @@ Try it:
 print(c.chat.completions.create(model="{model}", max_tokens=32, \\
 messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
 
-  ppd-bench run --url {url} --workload sharegpt --qps 2 --duration 10 --out records.jsonl
+  ppd-bench run --url {url} --workload sharegpt --qps 2 --duration 10 --out records.jsonl{bench}
 
 Response headers X-PPD-Path and X-PPD-Reason say where each turn ran and why. Ctrl-C stops everything.
 """

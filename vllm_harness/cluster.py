@@ -24,8 +24,9 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from simulator.topology import Topology, WorkerSpec
@@ -39,6 +40,7 @@ __all__ = [
     "kv_transfer_config",
     "parse_failure_policies",
     "run_cluster",
+    "shared_memory_of_group",
     "worker_command",
 ]
 
@@ -46,6 +48,7 @@ logger = logging.getLogger("ppd-vllm")
 
 FailurePolicy = Literal["fail", "recompute"]
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+_SHM = "/dev/shm/"  # noqa: S108 (only read: the files a worker's processes hold there)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,6 +183,40 @@ def worker_command(
     return tuple(argv), env
 
 
+def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
+    """The /dev/shm files the processes of group ``pgid`` have mapped or open (vLLM's engine keeps its
+    message queues and buffers there). A crashed worker's are unlinked by the launcher, since the
+    process that would have cleaned them up died with it."""
+    found: set[Path] = set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # Field 5 of /proc/PID/stat is the process group; the name before it may hold spaces.
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for line in (entry / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].startswith(_SHM):
+                    found.add(Path(fields[5].removesuffix(" (deleted)")))
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(_SHM):
+                    found.add(Path(target.removesuffix(" (deleted)")))
+        except (OSError, ValueError, IndexError):
+            continue  # the process ended while we looked, or is not ours to read
+    return found
+
+
+def _unlink(paths: Iterable[Path]) -> list[Path]:
+    removed = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 async def _kill_groups(pids: Sequence[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -197,7 +234,7 @@ async def _start_all(supervisor: Supervisor, specs: Sequence[ChildSpec]) -> list
     return started
 
 
-async def _serve(supervisor: Supervisor, stop: asyncio.Event) -> int:
+async def _serve(supervisor: Supervisor, stop: asyncio.Event, shm: Mapping[int, set[Path]]) -> int:
     """Until ``stop`` (0) or until no worker is left (1); a death is logged and the rest keep serving."""
     live = {asyncio.ensure_future(c.proc.wait()): c for c in supervisor.children}
     stopper = asyncio.ensure_future(stop.wait())
@@ -208,10 +245,13 @@ async def _serve(supervisor: Supervisor, stop: asyncio.Event) -> int:
                 return 0
             for task in done:
                 child = live.pop(task)
+                await _kill_groups([child.proc.pid])  # an engine process left behind goes too
+                removed = _unlink(shm.get(child.proc.pid, ()))
                 tail = "\n".join(f"    {line}" for line in child.tail)
                 logger.error(
-                    "%s exited with code %s; the other workers keep serving\n%s",
-                    child.name, child.proc.returncode, tail,
+                    "%s exited with code %s (%d shared-memory files removed); the other workers keep "
+                    "serving\n%s",
+                    child.name, child.proc.returncode, len(removed), tail,
                 )  # fmt: skip
         logger.error("every worker has exited")
         return 1
@@ -246,6 +286,7 @@ async def run_cluster(
         specs.append(ChildSpec(f"vllm {worker.id}", argv, settings.ready_timeout_s, env))
     starting = asyncio.ensure_future(_start_all(supervisor, specs))
     stopper = asyncio.ensure_future(stop.wait())
+    shm: dict[int, set[Path]] = {}
     code = 1
     try:
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -261,9 +302,10 @@ async def run_cluster(
                 for w, child in zip(workers, started, strict=True)
             ],
         }
+        shm.update({child.proc.pid: shared_memory_of_group(child.proc.pid) for child in started})
         out.write(json.dumps(ready) + "\n")
         out.flush()
-        code = await _serve(supervisor, stop)
+        code = await _serve(supervisor, stop, shm)
     except ChildError as exc:
         logger.error("%s; stopping every worker", exc)
     finally:
@@ -272,4 +314,8 @@ async def run_cluster(
         await supervisor.stop_all()
         await _kill_groups(pids)  # engine processes a worker left behind go with its group
         await asyncio.gather(starting, return_exceptions=True)
+        # What a clean stop's resource trackers did not unlink (after a SIGKILL, say).
+        leftover = _unlink(path for paths in shm.values() for path in paths)
+        if leftover:
+            logger.warning("removed %d shared-memory files the workers left", len(leftover))
     return code

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,9 +61,39 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         yield Cluster(engine, json.loads(os.environ["PPD_TEST_CLUSTER"]), None)
         return
     tmp: Path = tmp_path_factory.mktemp(f"cluster-{engine}")
+    shm_before = _multiprocessing_shm()
     proc = start(
         [*_COMMANDS[engine], *_COMMON], tmp, f"cluster-{engine}", ready_timeout_s=_READY_TIMEOUT_S[engine]
     )
     yield Cluster(engine, proc.ready, proc)
     code = proc.stop(timeout_s=120.0)
     assert code == 0, f"the {engine} cluster did not stop cleanly:\n{proc.stderr()[-3000:]}"
+    if engine == "vllm-cpu":  # nothing of it may outlive the cluster
+        for worker in proc.ready["workers"]:
+            assert not _alive(int(worker["pid"])), f"{worker['id']} still runs after the cluster stopped"
+            assert not _accepts(worker["url"]), f"{worker['id']}'s port is still open"
+        leaked = _multiprocessing_shm() - shm_before
+        assert not leaked, f"shared memory left behind: {sorted(leaked)}"
+
+
+def _multiprocessing_shm() -> set[str]:
+    """Python multiprocessing's shared-memory segments and semaphores (vLLM's engine uses them)."""
+    shm = Path("/dev/shm")
+    return (
+        {p.name for p in shm.iterdir() if p.name.startswith(("psm_", "sem.mp-"))} if shm.is_dir() else set()
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _accepts(url: str) -> bool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as s:
+        s.settimeout(2)
+        return s.connect_ex((host, int(port))) == 0

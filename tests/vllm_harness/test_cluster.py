@@ -13,6 +13,7 @@ from vllm_harness.cluster import (
     core_plan,
     kv_transfer_config,
     parse_failure_policies,
+    shared_memory_of_group,
     worker_command,
 )
 from vllm_harness.prepare import Prepared
@@ -100,3 +101,26 @@ def test_the_cpu_fixes_are_off_unless_asked_for() -> None:
     assert argv[0] == "/venv/bin/python"
     assert "PPD_VLLM_NIXL_NO_PROGRESS_THREAD" not in env
     assert "PPD_VLLM_NIXL_NO_KV_PIN" not in env
+
+
+def test_the_shared_memory_of_a_process_group_is_found(tmp_path: Path) -> None:
+    """A fake /proc: group 40 holds one segment mapped and one open; group 41's is not ours."""
+
+    def process(pid: int, pgid: int, maps: str, fds: dict[str, str]) -> None:
+        folder = tmp_path / str(pid)
+        (folder / "fd").mkdir(parents=True)
+        (folder / "stat").write_text(f"{pid} (python (x)) S 1 {pgid} {pgid} 0 -1\n")
+        (folder / "maps").write_text(maps)
+        for fd, target in fds.items():
+            (folder / "fd" / fd).symlink_to(target)
+
+    process(
+        40,
+        40,
+        "7f00-7f10 rw-s 00000000 00:1a 12 /dev/shm/psm_aa\n7f10-7f20 r-xp 0 08:01 3 /usr/lib/x.so\n",
+        {},
+    )
+    process(43, 40, "7f00-7f10 rw-p 00000000 00:00 0 \n", {"5": "/dev/shm/sem.mp-bb", "6": "/tmp/other"})
+    process(41, 41, "7f00-7f10 rw-s 00000000 00:1a 12 /dev/shm/psm_cc\n", {})
+    (tmp_path / "self").mkdir()
+    assert shared_memory_of_group(40, proc=tmp_path) == {Path("/dev/shm/psm_aa"), Path("/dev/shm/sem.mp-bb")}
