@@ -24,7 +24,8 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -39,6 +40,7 @@ __all__ = [
     "core_plan",
     "kv_transfer_config",
     "parse_failure_policies",
+    "rss_of_group",
     "run_cluster",
     "shared_memory_of_group",
     "worker_command",
@@ -183,18 +185,26 @@ def worker_command(
     return tuple(argv), env
 
 
-def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
-    """The /dev/shm files the processes of group ``pgid`` have mapped or open (vLLM's engine keeps its
-    message queues and buffers there). A crashed worker's are unlinked by the launcher, since the
-    process that would have cleaned them up died with it."""
-    found: set[Path] = set()
+def _group_members(pgid: int, proc: Path) -> Iterator[Path]:
+    """The /proc folders of the processes in group ``pgid``."""
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
         try:
             # Field 5 of /proc/PID/stat is the process group; the name before it may hold spaces.
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                yield entry
+        except (OSError, ValueError, IndexError):
+            continue  # ended while we looked
+
+
+def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
+    """The /dev/shm files the processes of group ``pgid`` have mapped or open (vLLM's engine keeps its
+    message queues and buffers there). A crashed worker's are unlinked by the launcher, since the
+    process that would have cleaned them up died with it."""
+    found: set[Path] = set()
+    for entry in _group_members(pgid, proc):
+        try:
             for line in (entry / "maps").read_text().splitlines():
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].startswith(_SHM):
@@ -203,9 +213,22 @@ def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
                 target = os.readlink(fd)
                 if target.startswith(_SHM):
                     found.add(Path(target.removesuffix(" (deleted)")))
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue  # the process ended while we looked, or is not ours to read
     return found
+
+
+def rss_of_group(pgid: int, proc: Path = Path("/proc")) -> int:
+    """Resident memory of every process in group ``pgid``, in bytes (VmRSS summed)."""
+    total = 0
+    for entry in _group_members(pgid, proc):
+        try:
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def _unlink(paths: Iterable[Path]) -> list[Path]:
@@ -284,6 +307,7 @@ async def run_cluster(
             cores=cores.get(worker.id, ()),
         )
         specs.append(ChildSpec(f"vllm {worker.id}", argv, settings.ready_timeout_s, env))
+    began = time.monotonic()
     starting = asyncio.ensure_future(_start_all(supervisor, specs))
     stopper = asyncio.ensure_future(stop.wait())
     shm: dict[int, set[Path]] = {}
@@ -303,6 +327,12 @@ async def run_cluster(
             ],
         }
         shm.update({child.proc.pid: shared_memory_of_group(child.proc.pid) for child in started})
+        rss = {w.id: rss_of_group(child.proc.pid) for w, child in zip(workers, started, strict=True)}
+        logger.info(
+            "%d workers ready in %.0f s; RSS %s (total %.1f GB)",
+            len(started), time.monotonic() - began,
+            ", ".join(f"{wid} {b / 1e9:.1f} GB" for wid, b in rss.items()), sum(rss.values()) / 1e9,
+        )  # fmt: skip
         out.write(json.dumps(ready) + "\n")
         out.flush()
         code = await _serve(supervisor, stop, shm)

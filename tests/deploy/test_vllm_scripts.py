@@ -134,3 +134,14 @@ def test_checklist_names_what_a_gpu_run_measures() -> None:
     text = (VLLM / "GPU-CHECKLIST.md").read_text()
     for topic in ("TTFT", "TPOT", "1P3D", "2P2D", "3P1D", "kv_transfer_params", "ppd-table build"):
         assert topic in text
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_gpu_scripts_and_the_cpu_launcher_send_the_same_connector_config(shape: str) -> None:
+    """One NixlConnector config for both: the CPU launcher adds only the CPU KV buffer."""
+    from vllm_harness.cluster import kv_transfer_config
+
+    for launch in dry_run(shape):
+        gpu = json.loads(launch.flag("--kv-transfer-config"))
+        cpu = json.loads(kv_transfer_config(launch.role, failure_policy="fail", cpu_buffer=True) or "")
+        assert cpu == gpu | {"kv_buffer_device": "cpu"}

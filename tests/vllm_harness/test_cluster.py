@@ -13,6 +13,7 @@ from vllm_harness.cluster import (
     core_plan,
     kv_transfer_config,
     parse_failure_policies,
+    rss_of_group,
     shared_memory_of_group,
     worker_command,
 )
@@ -124,3 +125,7 @@ def test_the_shared_memory_of_a_process_group_is_found(tmp_path: Path) -> None:
     process(41, 41, "7f00-7f10 rw-s 00000000 00:1a 12 /dev/shm/psm_cc\n", {})
     (tmp_path / "self").mkdir()
     assert shared_memory_of_group(40, proc=tmp_path) == {Path("/dev/shm/psm_aa"), Path("/dev/shm/sem.mp-bb")}
+    (tmp_path / "40" / "status").write_text("Name:\tpython\nVmRSS:\t  2000 kB\n")
+    (tmp_path / "43" / "status").write_text("VmRSS:\t  500 kB\n")
+    (tmp_path / "41" / "status").write_text("VmRSS:\t  9999 kB\n")
+    assert rss_of_group(40, proc=tmp_path) == 2500 * 1024
