@@ -185,11 +185,13 @@ def worker_command(
     return tuple(argv), env
 
 
+def _processes(proc: Path) -> Iterator[Path]:
+    return (entry for entry in proc.iterdir() if entry.name.isdigit())
+
+
 def _group_members(pgid: int, proc: Path) -> Iterator[Path]:
     """The /proc folders of the processes in group ``pgid``."""
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in _processes(proc):
         try:
             # Field 5 of /proc/PID/stat is the process group; the name before it may hold spaces.
             if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
@@ -198,12 +200,10 @@ def _group_members(pgid: int, proc: Path) -> Iterator[Path]:
             continue  # ended while we looked
 
 
-def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
-    """The /dev/shm files the processes of group ``pgid`` have mapped or open (vLLM's engine keeps its
-    message queues and buffers there). A crashed worker's are unlinked by the launcher, since the
-    process that would have cleaned them up died with it."""
+def _shm_held(entries: Iterable[Path]) -> set[Path]:
+    """The /dev/shm files these processes have mapped or open."""
     found: set[Path] = set()
-    for entry in _group_members(pgid, proc):
+    for entry in entries:
         try:
             for line in (entry / "maps").read_text().splitlines():
                 fields = line.split(maxsplit=5)
@@ -216,6 +216,23 @@ def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
         except OSError:
             continue  # the process ended while we looked, or is not ours to read
     return found
+
+
+def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
+    """The /dev/shm files the processes of group ``pgid`` have mapped or open (vLLM's engine keeps its
+    message queues and buffers there). A crashed worker's are unlinked by the launcher, since the
+    process that would have cleaned them up died with it."""
+    return _shm_held(_group_members(pgid, proc))
+
+
+def _shm_files(shm: Path = Path(_SHM)) -> set[Path]:
+    return set(shm.iterdir()) if shm.is_dir() else set()
+
+
+def _unlink_unheld(paths: Iterable[Path], proc: Path = Path("/proc")) -> list[Path]:
+    """Unlink those of ``paths`` that still exist and that no live process holds."""
+    left = {p for p in paths if p.exists()}
+    return _unlink(left - _shm_held(_processes(proc))) if left else []
 
 
 def rss_of_group(pgid: int, proc: Path = Path("/proc")) -> int:
@@ -269,7 +286,7 @@ async def _serve(supervisor: Supervisor, stop: asyncio.Event, shm: Mapping[int, 
             for task in done:
                 child = live.pop(task)
                 await _kill_groups([child.proc.pid])  # an engine process left behind goes too
-                removed = _unlink(shm.get(child.proc.pid, ()))
+                removed = _unlink_unheld(shm.get(child.proc.pid, ()))
                 tail = "\n".join(f"    {line}" for line in child.tail)
                 logger.error(
                     "%s exited with code %s (%d shared-memory files removed); the other workers keep "
@@ -308,9 +325,12 @@ async def run_cluster(
         )
         specs.append(ChildSpec(f"vllm {worker.id}", argv, settings.ready_timeout_s, env))
     began = time.monotonic()
+    # Files the workers create in /dev/shm while starting; a process that made one may be gone by
+    # the time they are ready (so no scan of the workers finds it), yet it must not outlive them.
+    shm_before = _shm_files()
     starting = asyncio.ensure_future(_start_all(supervisor, specs))
     stopper = asyncio.ensure_future(stop.wait())
-    shm: dict[int, set[Path]] = {}
+    shm: dict[int, set[Path]] = {}  # by worker pid; 0: created while starting, by any of them
     code = 1
     try:
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -327,6 +347,7 @@ async def run_cluster(
             ],
         }
         shm.update({child.proc.pid: shared_memory_of_group(child.proc.pid) for child in started})
+        shm[0] = _shm_files() - shm_before
         rss = {w.id: rss_of_group(child.proc.pid) for w, child in zip(workers, started, strict=True)}
         logger.info(
             "%d workers ready in %.0f s; RSS %s (total %.1f GB)",
@@ -345,7 +366,7 @@ async def run_cluster(
         await _kill_groups(pids)  # engine processes a worker left behind go with its group
         await asyncio.gather(starting, return_exceptions=True)
         # What a clean stop's resource trackers did not unlink (after a SIGKILL, say).
-        leftover = _unlink(path for paths in shm.values() for path in paths)
+        leftover = _unlink_unheld(path for paths in shm.values() for path in paths)
         if leftover:
             logger.warning("removed %d shared-memory files the workers left", len(leftover))
     return code
