@@ -7,8 +7,9 @@ OpenAI-style body; after it started, an SSE error event and `data: [DONE]` (neve
 truncated body).
 Rule 3: the session's D being unreachable is not the client's problem: the gateway marks it down and
 re-plans once, through P to a live D, and the session is rebound.
-Rule 4: when the client goes away, the upstream responses are closed at once (the worker sees the
-abort); with aiohttp's handler cancellation this also holds while waiting for P.
+Rule 4: when the client goes away, the upstream requests are closed at once (the worker sees the
+abort): aiohttp's handler cancellation (`ppd-gateway serve` sets it) cancels the handler wherever it
+waits, on the P leg or the D leg, streaming or not.
 """
 
 from __future__ import annotations
