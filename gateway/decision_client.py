@@ -11,7 +11,8 @@ may speak for that replica only (it is draining): the client closes that Watch a
 after `decision.health_reopen_s`, doubling up to `decision.health_reopen_max_s` while the answer stays
 not serving. The new Watch lands on a replica that still serves, and calls resume at its first SERVING.
 Rule 3 (operators are told): the service going away (the health Watch fails, or
-`_MISSES_BEFORE_DOWN` calls in a row time out or find no server) is logged once as a WARNING, and its
+`_MISSES_BEFORE_DOWN` calls in a row over `_MISSING_FOR_S` time out or find no server) is logged once
+as a WARNING, and its
 return (any answer, or SERVING on the Watch) once, with how long it was gone and how many requests fell
 back meanwhile; never a line per request.
 Rule 4 (stream form): requests are written to one RouteStream in order and answers matched to them
@@ -52,9 +53,10 @@ SERVICE_NAME = decision_pb2.DESCRIPTOR.services_by_name["DecisionService"].full_
 _REASONS = {v: k.removeprefix("REASON_").lower() for k, v in decision_pb2.Reason.items()}
 _STREAM_RETRY_S = 1.0
 _WATCH_RETRY_S = 1.0  # after the Watch itself failed (service down); calls are tried meanwhile
-# Failed calls in a row (timeouts, no server) before the service counts as gone: one slow answer on a
-# busy host is not an outage, a frozen or killed service fails every call.
+# Failed calls in a row (timeouts, no server), over at least this long, before the service counts as
+# gone: a few slow answers on a busy host are not an outage; a frozen or killed service fails every call.
 _MISSES_BEFORE_DOWN = 3
+_MISSING_FOR_S = 1.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 _HealthWatch = grpc.aio.UnaryStreamMultiCallable[
@@ -147,7 +149,7 @@ class _Availability:
     "unknown" until the first answer (and again after a NOT_SERVING, which has its own log line),
     "up" while it answers, "down" from the moment it is seen gone until it answers again."""
 
-    __slots__ = ("_down_since", "_fallback", "_fallbacks", "_misses", "_state")
+    __slots__ = ("_down_since", "_fallback", "_fallbacks", "_first_miss", "_misses", "_state")
 
     def __init__(self, fallback: str) -> None:
         self._fallback = fallback
@@ -155,10 +157,7 @@ class _Availability:
         self._down_since = 0.0
         self._fallbacks = 0
         self._misses = 0
-
-    @property
-    def down(self) -> bool:
-        return self._state == "down"
+        self._first_miss = 0.0
 
     def lost(self, cause: str) -> None:
         self._misses = 0
@@ -174,9 +173,12 @@ class _Availability:
         )
 
     def missed(self, cause: str) -> None:
+        now = time.monotonic()
+        if not self._misses:
+            self._first_miss = now
         self._misses += 1
-        if self._misses >= _MISSES_BEFORE_DOWN:
-            self.lost(f"{self._misses} calls in a row: {cause}")
+        if self._misses >= _MISSES_BEFORE_DOWN and now - self._first_miss >= _MISSING_FOR_S:
+            self.lost(f"{self._misses} calls in a row over {now - self._first_miss:.1f} s: {cause}")
 
     def answered(self, how: str) -> str:
         """Marks the service up; returns the state it was in before."""

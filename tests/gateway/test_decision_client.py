@@ -281,6 +281,26 @@ def _lines(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecor
     return [r for r in caplog.records if r.name == "gateway.decision_client" and text in r.getMessage()]
 
 
+async def test_a_few_slow_answers_are_not_logged_as_an_outage(
+    service: FakeDecision, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.decision_client")
+    client = await _client(service.address, deadline_ms=2000.0)
+    try:
+        assert not (await client.route(QUERY, FALLBACK)).fallback
+        service.delay_s = 5.0
+        client._deadline = 0.05
+        for _ in range(_MISSES_BEFORE_DOWN):  # a blip: well under a second of timeouts
+            assert (await client.route(QUERY, FALLBACK)).reason == "fallback_timeout"
+        service.delay_s = 0.0
+        client._deadline = 2.0
+        assert not (await client.route(QUERY, FALLBACK)).fallback
+    finally:
+        await client.close()
+    assert not _lines(caplog, "DecisionService unavailable")
+    assert not _lines(caplog, "available again")
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 async def test_losing_the_service_and_its_return_are_logged_once_each(
