@@ -157,12 +157,16 @@ def _pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _stream(http: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]) -> float:
+async def _stream(
+    http: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], *, later_turn: bool = False
+) -> float:
     start = time.perf_counter()
     ttft = -1.0
     async with http.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+        if later_turn and resp.headers.get("X-PPD-Turn") == "1":  # only the gateway sends the header
+            raise RuntimeError("a measured request was Turn 1 at the gateway: its session was not continued")
         async for _ in resp.content.iter_any():
             if ttft < 0:
                 ttft = time.perf_counter() - start
@@ -181,18 +185,29 @@ async def _load(
         async def user() -> None:
             sid = uuid.uuid4().hex
             headers = {"Content-Type": "application/json", "X-Session-ID": sid}
-            body = json.dumps(
-                {
-                    "model": MODEL,
-                    "messages": [{"role": "user", "content": "benchmark turn"}],
-                    "max_tokens": chunks,
-                    "stream": True,
-                }
-            ).encode()
+            # A real conversation: each turn's history extends the last (the gateway checks that a named
+            # session's history does), the stand-in's answer standing in as the assistant message.
+            messages = [{"role": "user", "content": "benchmark turn"}]
+
+            def body() -> bytes:
+                return json.dumps(
+                    {"model": MODEL, "messages": messages, "max_tokens": chunks, "stream": True}
+                ).encode()
+
+            def answered() -> None:
+                messages.extend(
+                    [
+                        {"role": "assistant", "content": "answer"},
+                        {"role": "user", "content": "benchmark turn"},
+                    ]
+                )
+
             if warm_turn:
-                await _stream(http, url, body, headers)
+                await _stream(http, url, body(), headers)
+                answered()
             for _ in range(per_stream):
-                ttfts.append(await _stream(http, url, body, headers))
+                ttfts.append(await _stream(http, url, body(), headers, later_turn=warm_turn))
+                answered()
 
         start = time.perf_counter()
         await asyncio.gather(*(user() for _ in range(streams)))

@@ -59,9 +59,11 @@ async def _serve(settings: Settings, port: int) -> None:
     from aiohttp import web
 
     from gateway.app import create_app
+    from gateway.http_log import server_logger
 
     app = create_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Malformed requests: one concise line a minute at most, not a traceback each (http_log.py).
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=server_logger(log))
     await runner.setup()
     site = web.TCPSite(runner, settings.host, port, backlog=2048)
     await site.start()

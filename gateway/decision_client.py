@@ -10,7 +10,12 @@ RPC is attempted (no deadline is spent on a known-bad answer). A Watch stream li
 may speak for that replica only (it is draining): the client closes that Watch and opens a new one
 after `decision.health_reopen_s`, doubling up to `decision.health_reopen_max_s` while the answer stays
 not serving. The new Watch lands on a replica that still serves, and calls resume at its first SERVING.
-Rule 3 (stream form): requests are written to one RouteStream in order and answers matched to them
+Rule 3 (operators are told): the service going away (the health Watch fails, or
+`_MISSES_BEFORE_DOWN` calls in a row over `_MISSING_FOR_S` time out or find no server) is logged once
+as a WARNING, and its
+return (any answer, or SERVING on the Watch) once, with how long it was gone and how many requests fell
+back meanwhile; never a line per request.
+Rule 4 (stream form): requests are written to one RouteStream in order and answers matched to them
 first-in-first-out; a late answer resolves a future nobody waits for any more. A broken stream fails
 every waiter and is reopened by the next call, at most once a second.
 Talks gRPC only; never imports decision_service.
@@ -48,6 +53,10 @@ SERVICE_NAME = decision_pb2.DESCRIPTOR.services_by_name["DecisionService"].full_
 _REASONS = {v: k.removeprefix("REASON_").lower() for k, v in decision_pb2.Reason.items()}
 _STREAM_RETRY_S = 1.0
 _WATCH_RETRY_S = 1.0  # after the Watch itself failed (service down); calls are tried meanwhile
+# Failed calls in a row (timeouts, no server), over at least this long, before the service counts as
+# gone: a few slow answers on a busy host are not an outage; a frozen or killed service fails every call.
+_MISSES_BEFORE_DOWN = 3
+_MISSING_FOR_S = 1.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 _HealthWatch = grpc.aio.UnaryStreamMultiCallable[
@@ -134,9 +143,69 @@ def _outcome(exc: grpc.aio.AioRpcError) -> str:
     return "error"
 
 
+class _Availability:
+    """Whether the DecisionService answers, logged once per change of state (rule 3).
+
+    "unknown" until the first answer (and again after a NOT_SERVING, which has its own log line),
+    "up" while it answers, "down" from the moment it is seen gone until it answers again."""
+
+    __slots__ = ("_down_since", "_fallback", "_fallbacks", "_first_miss", "_misses", "_state")
+
+    def __init__(self, fallback: str) -> None:
+        self._fallback = fallback
+        self._state = "unknown"
+        self._down_since = 0.0
+        self._fallbacks = 0
+        self._misses = 0
+        self._first_miss = 0.0
+
+    def lost(self, cause: str) -> None:
+        self._misses = 0
+        if self._state == "down":
+            return
+        self._state = "down"
+        self._down_since = time.monotonic()
+        self._fallbacks = 0
+        log.warning(
+            "DecisionService unavailable (%s); ppd requests take the fallback decision %r until it answers",
+            cause,
+            self._fallback,
+        )
+
+    def missed(self, cause: str) -> None:
+        now = time.monotonic()
+        if not self._misses:
+            self._first_miss = now
+        self._misses += 1
+        if self._misses >= _MISSES_BEFORE_DOWN and now - self._first_miss >= _MISSING_FOR_S:
+            self.lost(f"{self._misses} calls in a row over {now - self._first_miss:.1f} s: {cause}")
+
+    def answered(self, how: str) -> str:
+        """Marks the service up; returns the state it was in before."""
+        before, self._state, self._misses = self._state, "up", 0
+        if before == "down":
+            log.warning(
+                "DecisionService available again (%s) after %.1f s; %d requests took the fallback meanwhile",
+                how,
+                time.monotonic() - self._down_since,
+                self._fallbacks,
+            )
+        return before
+
+    def forget(self) -> None:
+        """Back to "unknown" (the Watch said NOT_SERVING, logged on its own)."""
+        if self._state == "up":
+            self._state = "unknown"
+
+    def fell_back(self) -> None:
+        if self._state == "down":
+            self._fallbacks += 1
+
+
 class DecisionClient:
     def __init__(self, settings: DecisionSettings, metrics: GatewayMetrics) -> None:
         self._s = settings
+        self._availability = _Availability(settings.fallback)
         self._metrics = metrics
         self._deadline = settings.deadline_ms / 1000.0
         self._channel: grpc.aio.Channel | None = None
@@ -193,6 +262,10 @@ class DecisionClient:
         start = time.perf_counter()
         resp, outcome = await self._call(self._stub, request_from_query(query))
         self._metrics.route_rpc.labels(outcome).observe(time.perf_counter() - start)
+        if outcome in ("timeout", "unavailable"):
+            self._availability.missed(outcome)
+        else:
+            self._availability.answered("a Route call answered")
         decision = decision_from_response(resp) if resp is not None else None
         if decision is None:
             return self._fall(fallback, "error" if outcome == "ok" else outcome)
@@ -215,6 +288,7 @@ class DecisionClient:
 
     def _fall(self, fallback: Decision, cause: str) -> Decision:
         self._metrics.fallbacks.labels(cause).inc()
+        self._availability.fell_back()
         return Decision(fallback.path, f"fallback_{cause}", fallback=True)
 
     async def _route_stream(self, req: decision_pb2.RouteRequest) -> decision_pb2.RouteResponse:
@@ -248,7 +322,10 @@ class DecisionClient:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(resp)
         except grpc.aio.AioRpcError as exc:
-            log.warning("RouteStream broke: %s", exc.code().name)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._availability.lost("RouteStream broke: UNAVAILABLE")
+            else:
+                log.warning("RouteStream broke: %s", exc.code().name)
         except asyncio.CancelledError:
             raise
         finally:
@@ -276,6 +353,7 @@ class DecisionClient:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self._serving = None
                     return
+                self._availability.lost(f"health Watch failed: {exc.code().name}")
                 saw_serving, not_serving = False, False
             if saw_serving:
                 delays = reopen_delays(self._s.health_reopen_s, self._s.health_reopen_max_s)
@@ -298,7 +376,9 @@ class DecisionClient:
         try:
             async for resp in call:
                 if resp.status == _SERVING:
-                    if self._serving is not True:
+                    if self._serving is not True and (
+                        self._availability.answered("its health Watch says SERVING") == "unknown"
+                    ):
                         log.info("DecisionService is SERVING")
                     self._serving = saw_serving = True
                     continue
@@ -308,6 +388,7 @@ class DecisionClient:
                         "the Watch (another replica may serve)",
                         health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status),
                     )
+                self._availability.forget()
                 self._serving = None if resp.status == _SERVICE_UNKNOWN else False
                 return saw_serving, True
             return saw_serving, False

@@ -7,8 +7,9 @@ OpenAI-style body; after it started, an SSE error event and `data: [DONE]` (neve
 truncated body).
 Rule 3: the session's D being unreachable is not the client's problem: the gateway marks it down and
 re-plans once, through P to a live D, and the session is rebound.
-Rule 4: when the client goes away, the upstream responses are closed at once (the worker sees the
-abort); with aiohttp's handler cancellation this also holds while waiting for P.
+Rule 4: when the client goes away, the upstream requests are closed at once (the worker sees the
+abort): aiohttp's handler cancellation (`ppd-gateway serve` sets it) cancels the handler wherever it
+waits, on the P leg or the D leg, streaming or not.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -49,7 +50,7 @@ from gateway.psi import TokenCount, estimate_tokens, expected_output, message_te
 from gateway.relay import StreamRelay, Usage, answer_from_body, error_event
 from gateway.request_log import RequestRecord
 from gateway.routing import Decision, Mode, parse_mode, static_decision
-from gateway.sessions import KeyChain, Session, explicit_key, split_history
+from gateway.sessions import KeyChain, Session, explicit_key, history_extends, split_history
 from gateway.types import Endpoint, Role
 
 __all__ = ["PROVENANCE_HEADERS", "Forwarder"]
@@ -70,6 +71,7 @@ PROVENANCE_HEADERS = (
     "X-PPD-Decode-Worker",
     "X-PPD-Prefill-Worker",
     "X-PPD-Fallback",
+    "X-PPD-Session-Reset",
     "X-Request-Id",
 )
 _ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "replica"}
@@ -94,6 +96,8 @@ class _Turn:
     workload: str = ""
     # The content-key chain over every message of this request (chat only): + the answer = next key.
     chain: KeyChain | None = None
+    # Why a named session was not continued ("fork", "new_history"); "" when it was (or none was named).
+    session_reset: str = ""
     decision: Decision | None = None
     path: str = ""
     reason: str = ""
@@ -165,13 +169,22 @@ class Forwarder:
         history_end = split_history(req.messages)[0] if req.messages else 0
         session: Session | None = None
         chain: KeyChain | None = None
-        if req.endpoint == "chat":
-            chain = KeyChain(req.model).extend(req.messages[:history_end])
+        reset = ""
         if explicit:
             session = d.sessions.get(explicit_key(explicit))
-        elif chain is not None and history_end:
-            session = d.sessions.get(chain.key())
-        if chain is not None:
+        if req.endpoint == "chat":
+            chain = KeyChain(req.model)
+            if session is None:
+                chain.extend(req.messages[:history_end])
+            elif explicit and history_extends(session, chain, req.messages, history_end) is False:
+                # The id names a conversation this history does not continue (a reused id, an edit):
+                # an earlier state of this exact history if one is known (a fork), else a new one.
+                found = d.sessions.get(chain.key()) if history_end else None
+                session = replace(found, id=explicit) if found is not None else None
+                reset = "fork" if found is not None else "new_history"
+                d.metrics.session_resets.labels(reset).inc()
+            if not explicit and history_end:
+                session = d.sessions.get(chain.key())
             chain.extend(req.messages[history_end:])
         turn_no = session.turns + 1 if session is not None else 1
         session_id = session.id if session is not None else (explicit or d.new_id())
@@ -196,6 +209,7 @@ class Forwarder:
             n_ctx=session.context_tokens if session is not None else 0,
             workload=request.headers.get(WORKLOAD_HEADER, self._s.log.workload),
             chain=chain,
+            session_reset=reset,
         )
 
     def _count_exact(self, req: CompletionRequest, messages: Sequence[Mapping[str, Any]]) -> TokenCount:
@@ -503,7 +517,14 @@ class Forwarder:
             )
         turn.n_out = completion
         base = turn.session if turn.session is not None else Session(turn.session_id)
-        after = base.after_turn(worker=turn.decode_worker, prompt_tokens=prompt, completion_tokens=completion)
+        chain = turn.chain
+        after = base.after_turn(
+            worker=turn.decode_worker,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            history_key=chain.key() if chain is not None else "",
+            history_messages=len(turn.req.messages) if chain is not None else 0,
+        )
         if turn.explicit_id:
             d.sessions.put(explicit_key(turn.explicit_id), after)
         if turn.chain is not None:
@@ -527,6 +548,8 @@ class Forwarder:
             headers["X-PPD-Table-Version"] = decision.table_version
         if turn.prefill_worker:
             headers["X-PPD-Prefill-Worker"] = turn.prefill_worker
+        if turn.session_reset:
+            headers["X-PPD-Session-Reset"] = turn.session_reset
         if decision is not None and decision.fallback:
             headers["X-PPD-Fallback"] = "1"
         return headers

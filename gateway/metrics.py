@@ -77,6 +77,13 @@ class GatewayMetrics:
         self.prefill_retries = Counter(
             "ppd_gateway_prefill_retries", "P legs retried on another prefill worker", registry=r
         )
+        self.session_resets = Counter(
+            "ppd_gateway_session_resets",
+            "Requests naming a session whose history does not extend what that session was sent, by how "
+            "they were treated (new_history: a new conversation; fork: an earlier state of it)",
+            ["reason"],
+            registry=r,
+        )
         self.rebinds = Counter(
             "ppd_gateway_session_rebinds", "Sessions moved to another decode worker", registry=r
         )

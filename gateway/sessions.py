@@ -7,7 +7,11 @@ a follow-up finds its session; an edit or regeneration of the last user turn fin
 that turn (the same prefix); a fork from an older turn finds that older state; and two conversations
 that merely start alike ("hi") never share a key until their histories are identical.
 Rule 2 (explicit ids): an `X-Session-ID` header, or a `session_id` / `conversation_id` body field,
-overrides the content key; the state under it is the latest turn of that conversation.
+overrides the content key; the state under it is the latest turn of that conversation, but only for a
+chat history that extends it: every session keeps the content key of the messages its last turn was sent
+(and how many), and a request whose first that-many messages hash differently, or that has no answer
+after them, does not continue it (`history_extends`; the caller then treats it as a fork or a new
+conversation).
 Rule 3 (bounded memory): entries expire after an idle TTL and the store never holds more than
 `max_entries` (least recently used goes first), whatever the traffic.
 """
@@ -34,6 +38,7 @@ __all__ = [
     "SessionStore",
     "content_key",
     "explicit_key",
+    "history_extends",
     "split_history",
 ]
 
@@ -53,13 +58,25 @@ class Session:
     context_tokens: int = 0
     # Output lengths of the most recent turns, oldest first.
     output_lengths: tuple[int, ...] = field(default=())
+    # The content key of every message the last turn was sent (chat), and how many there were: a request
+    # continues this session only if its history starts with them (rule 2). "" / 0: not known.
+    history_key: str = ""
+    history_messages: int = 0
 
     def mean_output(self) -> float | None:
         if not self.output_lengths:
             return None
         return sum(self.output_lengths) / len(self.output_lengths)
 
-    def after_turn(self, *, worker: str, prompt_tokens: int, completion_tokens: int) -> Session:
+    def after_turn(
+        self,
+        *,
+        worker: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        history_key: str = "",
+        history_messages: int = 0,
+    ) -> Session:
         outputs = (*self.output_lengths, completion_tokens)[-MAX_OUTPUT_HISTORY:]
         return replace(
             self,
@@ -67,6 +84,8 @@ class Session:
             turns=self.turns + 1,
             context_tokens=prompt_tokens + completion_tokens,
             output_lengths=outputs,
+            history_key=history_key,
+            history_messages=history_messages,
         )
 
 
@@ -225,6 +244,24 @@ def _content_text(content: Any) -> str:
         return "".join(p["text"] for p in content)
     # Images, audio, ...: the parts themselves, marked so they never equal a plain text.
     return "\x00json:" + _canonical_json(content)
+
+
+def history_extends(
+    session: Session, chain: KeyChain, messages: Sequence[Mapping[str, Any]], upto: int
+) -> bool | None:
+    """Feeds `messages[:upto]` (the request's history) to `chain` and says on the way whether they
+    continue what `session` was last sent: they start with those messages (same content key) and an
+    answer follows them. None: the session keeps no fingerprint (a completions turn, an older entry)."""
+    n = session.history_messages
+    if not n or not session.history_key:
+        chain.extend(messages[:upto])
+        return None
+    if n >= upto or messages[n].get("role") != "assistant":
+        chain.extend(messages[:upto])
+        return False
+    same = chain.extend(messages[:n]).key() == session.history_key
+    chain.extend(messages[n:upto])
+    return same
 
 
 def content_key(model: str, messages: Sequence[Mapping[str, Any]]) -> str:

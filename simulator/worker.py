@@ -19,6 +19,10 @@ Invariants:
   `kv_load_failure_policy=fail`).
 - Rule 3: "down" behaves like a crashed process: the port closes, open connections are cut, requests in
   flight fail and the engine (prefix cache, pinned blocks) is lost; `down_for_s` brings up a fresh one.
+- Rule 3b: a client that goes away aborts its request, streaming or not (vLLM aborts a non-streaming
+  request on disconnect too): aiohttp cancels the handler (`handler_cancellation`), and the handler's
+  cleanup aborts the engine request. Work that must outlive the request that started it (going down)
+  runs as a task of its own.
 - Rule 4: concurrency is one event loop: handlers, the driver task and the fabric's timer task share
   state without locks; anything that outlives a request (side-channel calls, going down) is a task held
   in `_tasks` and cancelled by `stop()`.
@@ -170,7 +174,9 @@ class Worker:
 
     async def start(self) -> None:
         self.driver.start()
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await self._runner.setup()
         await self._listen(self.settings.port)
         if self.faults.down:
@@ -280,7 +286,11 @@ class Worker:
             self._generation_requests += 1
             after = faults.down_after_requests
             if after is not None and self._generation_requests > after:
-                await self._go_down()
+                # A task of its own: cutting this very connection cancels this handler (rule 3b).
+                self._down = True
+                task = asyncio.create_task(self._go_down())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
                 return self._cut(request)
         if faults.added_latency_ms > 0 and request.path.startswith(_MODEL_ROUTES):
             await asyncio.sleep(faults.added_latency_ms / 1000.0)

@@ -153,7 +153,10 @@ def _run(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         result = asyncio.run(
             run_load(settings, workload, on_record=writer.write, progress=not args.no_progress)
         )
-    print(f"run {run_id}: {result.conversations} conversations, records in {args.out}")
+    print(
+        f"run {run_id}: {result.conversations} conversations (ids tagged -r{settings.run_tag}), "
+        f"records in {args.out}"
+    )
     print(format_summary(summarize(result.records)))
     return 0
 

@@ -8,6 +8,9 @@ Rule 2: each request streams ``/v1/chat/completions`` with ``ignore_eos`` and ``
         size ``n_out`` and the next turn's ``n_ctx``.
 Rule 3: TTFT is the time to the first non-empty ``delta.content``; TPOT is (e2e - ttft) / (n_out - 1)
         (vLLM's benchmark definition; None for a one-token answer); e2e ends at ``[DONE]``.
+Rule 5: every run sends its own conversation ids: the workload's ``<workload>-s<seed>-<index>`` plus
+        ``-r<run_tag>`` (random per run unless given), as ``X-Session-ID`` and in the records, so a second
+        run with the same seed never joins the sessions a gateway still holds from the first.
 Rule 4: a request over ``timeout_s`` (30 s), a non-200 status, a dropped connection or an SSE error
         event is a failed request with the reason in ``error``; the rest of that conversation is not
         sent (success rate = completed / sent).
@@ -20,9 +23,11 @@ import json
 import logging
 import math
 import random
+import re
+import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
@@ -39,6 +44,7 @@ __all__ = [
     "LoadResult",
     "LoadSettings",
     "TurnOutcome",
+    "new_run_tag",
     "path_taken",
     "poisson_arrivals",
     "run_load",
@@ -53,6 +59,12 @@ MODE_HEADER: Final = "X-PPD-Mode"
 PATH_HEADER: Final = "X-PPD-Path"
 #: Session id header (vLLM's multi-turn benchmark sends the same with --send-conversation-id).
 SESSION_HEADER: Final = "X-Session-ID"
+_RUN_TAG = re.compile(r"[A-Za-z0-9_]{1,32}")
+
+
+def new_run_tag() -> str:
+    """A fresh tag for one run's conversation ids (8 hex digits)."""
+    return secrets.token_hex(4)
 
 
 class LoadError(RuntimeError):
@@ -77,8 +89,12 @@ class LoadSettings:
     send_mode_header: bool = False
     send_session_header: bool = True
     api_key: str | None = None
+    # Tells this run's conversations from every other run's (rule 5).
+    run_tag: str = field(default_factory=new_run_tag)
 
     def __post_init__(self) -> None:
+        if not _RUN_TAG.fullmatch(self.run_tag):
+            raise ValueError(f"run tag must be 1-32 letters, digits or '_', got {self.run_tag!r}")
         if not (self.qps > 0 and math.isfinite(self.qps)):
             raise ValueError(f"qps must be a positive number, got {self.qps}")
         if not (self.duration_s > 0 and math.isfinite(self.duration_s)):
@@ -332,10 +348,11 @@ async def _conversation(
     """Send the conversation's turns in order; returns how many were sent."""
     messages: list[dict[str, str]] = []
     n_ctx = 0
+    conversation_id = f"{conversation.id}-r{settings.run_tag}"
     for number, turn in enumerate(conversation.turns, start=1):
         messages.append({"role": "user", "content": turn.content})
         start_time = time.time()
-        outcome = await client.send(conversation.id, number, list(messages), turn.n_out)
+        outcome = await client.send(conversation_id, number, list(messages), turn.n_out)
         emit(
             Record(
                 run_id=settings.run_id,
@@ -344,7 +361,7 @@ async def _conversation(
                 mode=settings.mode,
                 target_qps=float(settings.qps),
                 workload=settings.workload,
-                conversation_id=conversation.id,
+                conversation_id=conversation_id,
                 turn=number,
                 n_in=turn.n_in,
                 n_out=outcome.n_out if outcome.ok else turn.n_out,
@@ -359,7 +376,7 @@ async def _conversation(
             )
         )
         if not outcome.ok:
-            logger.debug("conversation %s turn %d failed: %s", conversation.id, number, outcome.error)
+            logger.debug("conversation %s turn %d failed: %s", conversation_id, number, outcome.error)
             return number
         messages.append({"role": "assistant", "content": outcome.text})
         if outcome.prompt_tokens is not None:

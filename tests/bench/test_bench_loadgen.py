@@ -127,3 +127,24 @@ def test_settings_refuse_nonsense() -> None:
         _settings("http://x", qps=0.0)
     with pytest.raises(ValueError, match="duration"):
         _settings("http://x", duration_s=float("inf"))
+
+
+async def test_two_runs_with_the_same_seed_never_share_a_conversation_id(
+    fake: tuple[FakeOpenAI, str],
+) -> None:
+    """Against one gateway, a rerun's Turn 1s must not join the sessions of the first run."""
+    server, url = fake
+    workload = SyntheticWorkload(name="small_tiny", words=WORDS, seed=4)
+    runs = [await run_load(_settings(url, served_model="m"), workload) for _ in range(2)]
+    sent = [h["X-Session-ID"] for h in server.headers]
+    ids = [{r.conversation_id for r in run.records} for run in runs]
+    assert ids[0]
+    assert not ids[0] & ids[1]
+    assert set(sent) == ids[0] | ids[1]  # the records name the id the server was sent
+    for run in runs:
+        workload_ids = sorted(r.conversation_id.rsplit("-r", 1)[0] for r in run.records if r.turn == 1)
+        assert workload_ids == sorted(workload.conversation(i).id for i in range(run.conversations))
+    tagged = await run_load(_settings(url, served_model="m", run_tag="rerun1"), workload)
+    assert all(r.conversation_id.endswith("-rrerun1") for r in tagged.records)
+    with pytest.raises(ValueError, match="run tag"):
+        _settings(url, run_tag="a/b")

@@ -133,13 +133,63 @@ async def test_explicit_session_id_overrides_content(make_stack: StackFactory, w
     headers = {"X-Session-ID": "conv-42"} if where == "header" else {}
     extra: dict[str, Any] = {where: "conv-42"} if where != "header" else {}
     first = await stack.chat([{"role": "user", "content": "a"}], headers=headers, **extra)
-    # Different content, same explicit id: the same conversation.
-    second = await stack.chat([{"role": "user", "content": "b"}], headers=headers, **extra)
+    # The answer comes back in another form (its content key is unknown), same explicit id: the id finds
+    # the conversation, which this history continues.
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "reworded"}]
+    second = await stack.chat([*history, {"role": "user", "content": "b"}], headers=headers, **extra)
     assert first.headers["X-PPD-Session-Id"] == second.headers["X-PPD-Session-Id"] == "conv-42"
     assert (second.path, second.headers["X-PPD-Turn"]) == ("local", "2")
+    assert "X-PPD-Session-Reset" not in second.headers
     d = stack.workers[second.headers["X-PPD-Decode-Worker"]]
     if where != "header":
         assert d.completions()[-1].body[where] == "conv-42"  # unknown-to-us fields pass through
+
+
+async def test_reused_session_id_with_a_new_history_is_a_new_conversation(make_stack: StackFactory) -> None:
+    """A second benchmark run with the same conversation ids: its Turn 1 must not join the old session."""
+    stack = await make_stack(mode="local")
+    sid = {"X-Session-ID": "small_tiny-s0-0"}
+    resets = stack.deps.metrics.session_resets
+    for run in range(2):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
+        first = await stack.chat(messages, headers=sid)
+        assert (first.path, first.reason, first.headers["X-PPD-Turn"]) == ("pd", "turn_one", "1")
+        assert first.headers.get("X-PPD-Session-Reset") == ("new_history" if run else None)
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "b"}]
+        second = await stack.chat(messages, headers=sid)
+        assert (second.path, second.headers["X-PPD-Turn"]) == ("local", "2")
+        assert "X-PPD-Session-Reset" not in second.headers
+        assert second.headers["X-PPD-Session-Id"] == "small_tiny-s0-0"
+    assert resets.labels("new_history")._value.get() == 1
+    assert resets.labels("fork")._value.get() == 0
+    # Another history under the same id that shares nothing with it: a new conversation again.
+    other = await stack.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                              {"role": "user", "content": "z"}], headers=sid)  # fmt: skip
+    assert (other.path, other.headers["X-PPD-Turn"], other.headers["X-PPD-Session-Reset"]) == (
+        "pd",
+        "1",
+        "new_history",
+    )
+
+
+async def test_named_session_edited_back_to_an_earlier_turn_is_a_fork(make_stack: StackFactory) -> None:
+    stack = await make_stack(mode="local")
+    sid = {"X-Session-ID": "conv-7"}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
+    first = await stack.chat(messages, headers=sid)
+    messages += [{"role": "assistant", "content": first.text}]
+    second = await stack.chat([*messages, {"role": "user", "content": "b"}], headers=sid)
+    assert second.headers["X-PPD-Turn"] == "2"
+    # The user edits turn 2: the history is turn 1's, which the id's latest state does not extend.
+    edited = await stack.chat([*messages, {"role": "user", "content": "b, reworded"}], headers=sid)
+    assert (edited.path, edited.headers["X-PPD-Turn"], edited.headers["X-PPD-Session-Reset"]) == (
+        "local",
+        "2",
+        "fork",
+    )
+    assert edited.headers["X-PPD-Decode-Worker"] == first.headers["X-PPD-Decode-Worker"]
+    assert edited.headers["X-PPD-Session-Id"] == "conv-7"
+    assert stack.deps.metrics.session_resets.labels("fork")._value.get() == 1
 
 
 async def test_completions_endpoint_with_session_id(make_stack: StackFactory) -> None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import shutil
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -12,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.decision_client import (
+    _MISSES_BEFORE_DOWN,
     DecisionClient,
     LiveSignals,
     RouteQuery,
@@ -24,9 +29,11 @@ from gateway.routing import Decision
 from gateway.settings import DecisionSettings, Settings, SettingsError
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from tests.gateway.fake_decision import FakeDecision
+from tests.gateway.processes import REPO, Process, start
 
 QUERY = RouteQuery("r1", 2, 40, 100, 900, 3.0, LiveSignals(decode_kv_usage=0.4))
 FALLBACK = Decision("pd", "fallback")
+TABLE = REPO / "tests" / "testdata" / "tables" / "good.ppdt"
 
 
 @pytest.fixture
@@ -268,3 +275,86 @@ def test_lb_policy_and_reopen_settings_are_checked() -> None:
         Settings.from_mapping({"decision": {"lb_policy": "ring_hash"}})
     with pytest.raises(SettingsError, match="health_reopen"):
         Settings.from_mapping({"decision": {"health_reopen_s": 5.0, "health_reopen_max_s": 1.0}})
+
+
+def _lines(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "gateway.decision_client" and text in r.getMessage()]
+
+
+async def test_a_few_slow_answers_are_not_logged_as_an_outage(
+    service: FakeDecision, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.decision_client")
+    client = await _client(service.address, deadline_ms=2000.0)
+    try:
+        assert not (await client.route(QUERY, FALLBACK)).fallback
+        service.delay_s = 5.0
+        client._deadline = 0.05
+        for _ in range(_MISSES_BEFORE_DOWN):  # a blip: well under a second of timeouts
+            assert (await client.route(QUERY, FALLBACK)).reason == "fallback_timeout"
+        service.delay_s = 0.0
+        client._deadline = 2.0
+        assert not (await client.route(QUERY, FALLBACK)).fallback
+    finally:
+        await client.close()
+    assert not _lines(caplog, "DecisionService unavailable")
+    assert not _lines(caplog, "available again")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+async def test_losing_the_service_and_its_return_are_logged_once_each(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+) -> None:
+    """A real `decision_service` process, killed (then started again on its port) or frozen (SIGSTOP, then
+    SIGCONT): one WARNING when it goes, one when it is back, however many requests fall back between."""
+    caplog.set_level(logging.INFO, logger="gateway.decision_client")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    shutil.copy(TABLE, tables / TABLE.name)
+
+    def serve(port: int, name: str) -> Process:
+        args = ["decision_service", "serve", "--tables", str(tables), "--port", str(port)]
+        return start([*args, "--metrics-port", "0"], tmp_path, name)
+
+    first = await asyncio.to_thread(serve, 0, "decision")
+    port = int(first.ready["grpc"])
+    again: Process | None = None
+    # A frozen service costs each call its whole deadline; kept well above CI scheduling noise.
+    client = await _client(f"127.0.0.1:{port}", deadline_ms=2000.0 if how == "killed" else 300.0)
+    try:
+        await _until(lambda: client.serving is True, "serving")
+        assert not (await client.route(QUERY, FALLBACK)).fallback
+        if how == "killed":
+            first.proc.kill()  # SIGKILL: no goodbye on the connection's side
+            first.proc.wait()
+        else:
+            first.proc.send_signal(signal.SIGSTOP)
+        for _ in range(2 * _MISSES_BEFORE_DOWN):
+            assert (await client.route(QUERY, FALLBACK)).fallback
+        await _until(lambda: _lines(caplog, "DecisionService unavailable"), "the loss is logged")
+        if how == "killed":
+            again = await asyncio.to_thread(serve, port, "decision-again")
+        else:
+            first.proc.send_signal(signal.SIGCONT)
+        client._deadline = 2.0
+        for _ in range(200):  # traffic goes on: the first answer (or the Watch's SERVING) ends the outage
+            if not (await client.route(QUERY, FALLBACK)).fallback:
+                break
+            await asyncio.sleep(0.05)
+        assert _lines(caplog, "DecisionService available again")
+        for _ in range(3):
+            decision = await client.route(QUERY, FALLBACK)
+            assert not decision.fallback, decision
+    finally:
+        await client.close()
+        if first.proc.poll() is None:
+            first.proc.send_signal(signal.SIGCONT)
+        first.stop()
+        if again is not None:
+            again.stop()
+    gone, back = _lines(caplog, "DecisionService unavailable"), _lines(caplog, "available again")
+    assert [r.levelno for r in gone] == [logging.WARNING]
+    assert [r.levelno for r in back] == [logging.WARNING]
+    assert "requests took the fallback meanwhile" in back[0].getMessage()
+    assert not _lines(caplog, "RouteStream broke")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -191,30 +192,39 @@ def test_decision_service_stopped_falls_back(cluster: Process, tmp: Path) -> Non
         gw.stop()
 
 
-def test_client_disconnect_aborts_the_workers_request(gateway: Process, cluster: Process) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_the_workers_request(
+    gateway: Process, cluster: Process, stream: bool
+) -> None:
+    """The served command (`python -m gateway serve`), not only the app: its server cancels the handler."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": "long"}],
-        "stream": True,
+        "messages": [{"role": "user", "content": f"long, stream={stream}"}],
+        "stream": stream,
         "max_tokens": 20000,
     }
-    req = urllib.request.Request(
-        _url(gateway) + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+    decoders = [w["url"] for w in cluster.ready["workers"] if w["role"] == "decode"]
+    generated = sum(_metric(d, "vllm:generation_tokens_total") for d in decoders)
+    data = json.dumps(body).encode()
+    client = socket.create_connection(("127.0.0.1", gateway.ready["http"]), timeout=30)
+    client.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(data), data)
     )
-    resp = urllib.request.urlopen(req, timeout=30)
-    d_url = _worker(cluster, resp.headers["X-PPD-Decode-Worker"])
-    generated = _metric(d_url, "vllm:generation_tokens_total")
-    assert resp.readline().startswith(b"data: ")
-    assert _metric(d_url, "vllm:num_requests_running") == 1
-    resp.close()  # the client goes away mid-stream
+    try:
+        for _ in range(1200):
+            if sum(_metric(d, "vllm:num_requests_running") for d in decoders) == 1:
+                break
+            time.sleep(0.05)
+        assert sum(_metric(d, "vllm:num_requests_running") for d in decoders) == 1
+    finally:
+        client.close()  # the client goes away mid-answer
     for _ in range(1200):  # the worker would need minutes to finish 20000 tokens by itself
-        if _metric(d_url, "vllm:num_requests_running") == 0:
+        if sum(_metric(d, "vllm:num_requests_running") for d in decoders) == 0:
             break
         time.sleep(0.05)
-    assert _metric(d_url, "vllm:num_requests_running") == 0
-    assert _metric(d_url, "vllm:generation_tokens_total") - generated < 20000
+    assert sum(_metric(d, "vllm:num_requests_running") for d in decoders) == 0
+    assert sum(_metric(d, "vllm:generation_tokens_total") for d in decoders) - generated < 20000
 
 
 def _metric(worker_url: str, prefix: str, contains: str = "") -> float:

@@ -3,6 +3,8 @@ rules checked one by one so a golden file can never silently encode a wrong rule
 
 Regenerate the expected halves after a deliberate change:
     PPD_UPDATE_GOLDEN=1 pytest tests/gateway/test_plan.py
+An updating run rewrites the files and then fails every case it rewrote, so a run with the switch left on
+can never pass by comparing the output with itself: review the diff, then run again without it.
 """
 
 from __future__ import annotations
@@ -71,10 +73,26 @@ def test_golden(path: Path) -> None:
     body_before = json.dumps(case["request"]["body"], sort_keys=True)
     got = _run(case)
     assert json.dumps(case["request"]["body"], sort_keys=True) == body_before, "plan mutated its input"
-    if os.environ.get("PPD_UPDATE_GOLDEN"):
+    check_golden(path, case, got, update=bool(os.environ.get("PPD_UPDATE_GOLDEN")))
+
+
+def check_golden(path: Path, case: dict[str, Any], got: dict[str, Any], *, update: bool) -> None:
+    """Compare with the file's expected half; when updating, rewrite it and fail (never a pass)."""
+    if update:
         case["expected"] = got
         path.write_text(json.dumps(case, indent=2, sort_keys=True) + "\n")
+        pytest.fail(f"{path.name} rewritten (PPD_UPDATE_GOLDEN); review the diff and rerun without it")
     assert got == case["expected"]
+
+
+def test_updating_a_golden_file_fails_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "case.json"
+    case: dict[str, Any] = {"expected": {"old": 1}}
+    with pytest.raises(pytest.fail.Exception, match="rewritten"):
+        check_golden(path, case, {"new": 2}, update=True)
+    assert json.loads(path.read_text())["expected"] == {"new": 2}
+    with pytest.raises(AssertionError):
+        check_golden(path, {"expected": {"old": 1}}, {"new": 2}, update=False)
 
 
 def test_there_are_golden_cases() -> None:

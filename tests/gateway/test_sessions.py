@@ -13,6 +13,7 @@ from gateway.sessions import (
     Session,
     content_key,
     explicit_key,
+    history_extends,
     split_history,
 )
 
@@ -169,3 +170,25 @@ def test_lone_surrogates_and_non_text_parts_hash() -> None:
 def test_field_boundaries_are_unambiguous() -> None:
     assert content_key(M, [u("ab"), u("c")]) != content_key(M, [u("a"), u("bc")])
     assert content_key("m1", [u("x")]) != content_key("m", [u("1x")])
+
+
+def test_a_history_extends_a_session_only_through_what_it_was_sent() -> None:
+    sent = [u("a"), a("one"), u("b")]
+    session = Session("s", turns=2, history_key=content_key(M, sent), history_messages=len(sent))
+
+    def check(messages: list[dict[str, Any]]) -> tuple[bool | None, str]:
+        upto = split_history(messages)[0]
+        chain = KeyChain(M)
+        verdict = history_extends(session, chain, messages, upto)
+        assert chain.key() == content_key(M, messages[:upto])  # the history is fed exactly once
+        return verdict, chain.key()
+
+    assert check([*sent, a("two"), u("c")])[0] is True
+    assert check([*sent, a("said otherwise"), u("c")])[0] is True  # the answer's form is not compared
+    assert check([*sent, a("two"), u("c"), a("three"), u("d")])[0] is True
+    assert check([u("a")])[0] is False  # a new conversation under the same id
+    assert check([u("a"), a("one"), u("b, edited")])[0] is False  # the last turn edited: a fork
+    assert check([u("A"), a("one"), u("b"), a("two"), u("c")])[0] is False
+    assert check([*sent, u("more"), a("two"), u("c")])[0] is False  # no answer right after what was sent
+    unknown = Session("s", turns=2)
+    assert history_extends(unknown, KeyChain(M), [u("x")], 0) is None

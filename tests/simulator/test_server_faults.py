@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from simulator.faults import Faults
-from simulator.profile import load_profile
+from simulator.profile import Profile, load_profile
 from simulator.topology import Topology
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import WorkerSettings
@@ -24,7 +24,10 @@ PROMPT = " ".join(f"token{i}" for i in range(60))
 
 
 async def start_group(
-    topology: str, worker_faults: dict[str, Faults] | None = None, **worker: Any
+    topology: str,
+    worker_faults: dict[str, Faults] | None = None,
+    profile: Profile | None = None,
+    **worker: Any,
 ) -> WorkerGroup:
     base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
     settings = GroupSettings(
@@ -34,7 +37,7 @@ async def start_group(
         worker_faults=worker_faults or {},
         spin_s=0.0,
     )
-    group = WorkerGroup(settings, load_profile())
+    group = WorkerGroup(settings, profile or load_profile())
     await group.start()
     return group
 
@@ -224,6 +227,38 @@ async def test_client_leaving_mid_stream_aborts_the_request(group: WorkerGroup) 
         await asyncio.sleep(0.01)
     assert d.engine.load() == 0
     assert (await complete(d.url))[0] == 200
+
+
+@pytest.mark.parametrize("leg", ["decode", "prefill"])
+async def test_client_leaving_a_non_streaming_request_aborts_it(leg: str) -> None:
+    """vLLM aborts a non-streaming request whose client went away, the P leg of P/D included."""
+    profile = None
+    body: dict[str, Any] = {"prompt": "hi", "max_tokens": 5000, "ignore_eos": True}
+    if leg == "prefill":  # a prefill of hours, surely still running when the client leaves
+        profile = load_profile().with_overrides(
+            {"hardware.flops_per_s": 1e8, "hardware.hbm_bytes_per_s": 1e8}
+        )
+        body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    g = await start_group("1P1D", profile=profile)
+    try:
+        w = g.worker("P0" if leg == "prefill" else "D0")
+        call = asyncio.create_task(complete(w.url, **body))
+        for _ in range(3000):
+            if w.driver.num_active == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert w.driver.num_active == 1
+        call.cancel()  # the client goes away: its connection closes
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(3000):
+            if w.driver.num_active == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert (w.driver.num_active, w.engine.load(), w.engine.running_count()) == (0, 0, 0)
+        assert w.engine.stats().num_pinned == 0  # an aborted P leg pins nothing for a D that never comes
+    finally:
+        await g.stop()
 
 
 async def test_a_downed_prefill_worker_fails_the_decode_leg(group: WorkerGroup) -> None:
