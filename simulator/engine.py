@@ -35,7 +35,11 @@ P/D roles (vLLM's NixlConnector pull protocol, vllm-protocol.md 1.3-1.6):
   P2pNccl emulation does). The request waits, out of the batch, until the driver calls
   ``kv_loaded(request_id, now, stall_s)``; then its last prompt token is recomputed in a 1-token chunk,
   which samples the first output token. ``stall_s`` is added to the duration of that step (the paper's
-  "blocking on the decode worker" mode). ``kv_failed`` ends it with reason ``error`` (HTTP 500 in vLLM).
+  "blocking on the decode worker" mode). ``kv_failed`` ends it with reason ``error`` (HTTP 500 in vLLM,
+  ``kv_load_failure_policy=fail``); ``kv_recompute`` sends it back to the front of the queue to prefill
+  its prompt here instead (``kv_load_failure_policy=recompute``: a fresh local lookup, then chunks).
+  Its prompt tokens count by source (``stats()``) once the KV arrived, or when recomputed, as vLLM's
+  prefill stats do: a pull that fails counts nothing as transferred.
 
 Bidirectional mode (vLLM's ``bidirectional_kv_xfer``, vllm-protocol.md 3.4; off unless a request asks):
 
@@ -330,6 +334,7 @@ class _Req:
         "content",
         "finish_d",
         "hashes",
+        "local_only",
         "looked_up",
         "n_prompt",
         "out",
@@ -361,6 +366,7 @@ class _Req:
         self.scan = 0
         self.cached = 0
         self.looked_up = False
+        self.local_only = False  # a failed pull being recomputed: never pull again
         self.stall = 0.0
 
 
@@ -458,10 +464,12 @@ class Engine:
         r = self._reqs.get(request_id)
         if r is None or r.state is not _S.PULLING:
             return False
-        if r.req.remote_prefill:
-            r.computed = r.n_prompt - 1
-        else:  # a bidirectional P leg: the pulled prefix is computed (and counts as cached)
-            r.computed = r.cached = min(r.req.remote_prefix_tokens, r.n_prompt - 1)
+        loaded = r.n_prompt - 1 if r.req.remote_prefill else min(r.req.remote_prefix_tokens, r.n_prompt - 1)
+        self._tok_hit += r.cached
+        self._tok_ext += loaded - r.cached
+        r.computed = loaded
+        if not r.req.remote_prefill:  # a bidirectional P leg: the pulled prefix counts as cached
+            r.cached = loaded
         r.stall = stall_s
         self._register_full_blocks(r, r.computed)
         r.state = _S.READY
@@ -482,6 +490,27 @@ class Engine:
         self._idle = False
         self._planned = None
         return Finished(request_id, FinishReason.ERROR, 0, r.n_prompt, r.cached)
+
+    def kv_recompute(self, request_id: str, now: float) -> bool:
+        """The pull failed and the prompt is computed here instead (``kv_load_failure_policy=recompute``).
+
+        Like vLLM's scheduler the request frees its blocks and is scheduled again from the front of
+        the queue: a fresh prefix-cache lookup (counted again, as vLLM does), then a local prefill.
+        False when the request is not waiting for KV.
+        """
+        del now
+        r = self._reqs.get(request_id)
+        if r is None or r.state is not _S.PULLING:
+            return False
+        self._free_blocks(r, register_outputs=False)
+        r.state = _S.WAITING
+        r.local_only = True
+        r.computed = r.cached = r.scan = 0
+        r.looked_up = False
+        self._waiting.appendleft(r)
+        self._idle = False
+        self._planned = None
+        return True
 
     def release(self, request_id: str, now: float) -> bool:
         """D read a pinned request's blocks (or gave up): unpin them (they stay in the prefix cache)."""
@@ -731,6 +760,7 @@ class Engine:
                 self._lookup(r)
             if (
                 (r.req.remote_prefill or (r.req.remote_prefix_tokens and self._worth_pulling(r)))
+                and not r.local_only
                 and r.out == 0
                 and r.computed == r.cached
                 and r.state is _S.WAITING
@@ -739,7 +769,7 @@ class Engine:
                 if pull is None:
                     self._undo_lookup(r)
                     break  # no room for its blocks yet
-                self._count_admission(r)
+                self._count_admission(r, by_source=pull.n_tokens == 0)  # else once the KV is in
                 self._waiting.popleft()
                 if pull.n_tokens > 0:
                     pulls.append(pull)
@@ -931,11 +961,12 @@ class Engine:
         r.computed = 0
         r.looked_up = False
 
-    def _count_admission(self, r: _Req) -> None:
+    def _count_admission(self, r: _Req, *, by_source: bool = True) -> None:
         if r.out == 0:  # a new, non-preempted request (vLLM's prefix-cache query rule)
             self._q += r.n_prompt
             self._hits += r.computed
-            self._tok_hit += r.computed
+            if by_source:
+                self._tok_hit += r.computed
 
     def _worth_pulling(self, r: _Req) -> bool:
         """A bidirectional P leg: vLLM pulls ``min(remote, n_prompt) − cached`` tokens unless that is
@@ -960,7 +991,6 @@ class Engine:
         r.state = _S.PULLING
         self._ext_q += end - r.cached
         self._ext_hits += loaded
-        self._tok_ext += loaded
         return KvPull(r.rid, n, r.cached)
 
     def _register_full_blocks(self, r: _Req, n_tokens: int) -> None:

@@ -138,6 +138,11 @@ class RealtimeDriver:
         if self.engine.kv_loaded(request_id, at, stall_s):
             self.wake()
 
+    def kv_recompute(self, request_id: str, at: float) -> None:
+        """The pull failed; the engine computes the prompt locally (`kv_load_failure_policy=recompute`)."""
+        if self.engine.kv_recompute(request_id, at):
+            self.wake()
+
     def kv_failed(self, request_id: str, at: float, message: str) -> None:
         if self.engine.kv_failed(request_id, at) is None:
             return

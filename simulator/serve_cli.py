@@ -11,6 +11,7 @@ import uvloop
 from simulator.api_error import ApiError
 from simulator.fabric import FabricSettings
 from simulator.faults import Faults
+from simulator.kv_load_policy import KV_LOAD_FAILURE_POLICIES, parse_policy_spec
 from simulator.link import TransferMode
 from simulator.profile import ProfileError, load_profile
 from simulator.realtime import DEFAULT_SPIN_S
@@ -130,6 +131,7 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
         for item in getattr(args, "worker_faults", None) or []:
             worker_id, _, raw = item.partition("=")
             worker_faults[worker_id] = worker.faults.updated(json.loads(raw))
+        policies = parse_policy_spec(args.kv_load_failure_policy, [w.id for w in topology.workers])
         nodes: dict[str, str] = {}
         for item in getattr(args, "node", None) or []:
             worker_id, _, node = item.partition("=")
@@ -146,6 +148,7 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
         fabric=fabric,
         worker_faults=worker_faults,
         nodes=nodes,
+        kv_load_failure_policies=policies,
         spin_s=args.spin_us / 1e6,
     )
 
@@ -169,6 +172,13 @@ def add_worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--role", choices=["prefill", "decode", "replica"], default="replica", help="P/D role")
     p.add_argument("--port", type=int, default=8000, help="port (0 = a free one, printed)")
     p.add_argument("--id", default=None, help="worker id (default P0, D0 or R0 by role)")
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=KV_LOAD_FAILURE_POLICIES,
+        default="fail",
+        help="what a failed KV load does (vLLM kv_load_failure_policy): fail = HTTP 500 (default), "
+        "recompute = compute the prompt locally",
+    )
     _common(p)
 
     def run(args: argparse.Namespace) -> int:
@@ -203,6 +213,13 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         action="append",
         metavar="ID=JSON",
         help="faults of one worker at start, e.g. D1='{\"error_rate\": 0.5}' (repeatable)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        default="fail",
+        metavar="SPEC",
+        help="what a failed KV load does (vLLM kv_load_failure_policy): fail (default) or recompute for "
+        "every worker, or ID=POLICY[,ID=POLICY...] for chosen ones (the others fail), e.g. D1=recompute",
     )
     _common(p)
 

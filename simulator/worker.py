@@ -9,14 +9,16 @@ Invariants:
   else is logged once and answered with HTTP 500 "Internal server error".
 - Rule 2: P/D follows NixlConnector pull mode: `do_remote_decode` -> one token, blocks pinned, the full
   `kv_transfer_params` returned; `do_remote_prefill` -> the engine pulls the tokens it does not hold
-  over the fabric's link, after checking the prefill worker's lease (expired -> HTTP 500, or an SSE error
-  event once the stream has started, as vLLM does).
+  over the fabric's link, after checking the prefill worker's lease (expired -> a failed KV load, rule 2c).
 - Rule 2b: bidirectional mode (`bidirectional_kv_xfer`, off by default) is the same pull with the roles
   swapped: a decode leg keeps its blocks pinned for `decoder_kv_blocks_ttl` and returns their params
   (`do_remote_decode: true`) on its final chunk; a prefill leg given such params pulls the prompt prefix
   it does not hold from that decode worker (unless below `kv_recompute_threshold`). Past the advertised
-  expiry the prefill worker declines the read and fails the request (HTTP 500, vLLM's default
-  `kv_load_failure_policy=fail`).
+  expiry the prefill worker declines the read.
+- Rule 2c: a failed KV load (expired lease, declined read, dead or unreachable remote) follows
+  `kv_load_failure_policy`: "fail" (vLLM's default) ends the request with HTTP 500 (an SSE error event
+  once streaming); "recompute" sends it back to the engine to prefill its prompt locally, and it answers
+  as any request does.
 - Rule 3: "down" behaves like a crashed process: the port closes, open connections are cut, requests in
   flight fail and the engine (prefix cache, pinned blocks) is lost; `down_for_s` brings up a fresh one.
 - Rule 3b: a client that goes away aborts its request, streaming or not (vLLM aborts a non-streaming
@@ -480,7 +482,7 @@ class Worker:
                 remote.engine_id,
             )
             self.metrics.on_lease_expired()
-            self.driver.kv_failed(pull.request_id, at, "KV blocks expired")
+            self._kv_load_failed(pull.request_id, at, "KV blocks expired")
             return
         source = self.fabric.source(remote.engine_id) if remote is not None else None
         if remote is not None and source is not None:
@@ -496,13 +498,23 @@ class Worker:
         self._pull_failed(pull.request_id, at)
 
     def _pull_failed(self, request_id: str, at: float) -> None:
+        self.metrics.on_transfer_failed()
+        self._kv_load_failed(request_id, at, "lease expired or KV source gone")
+
+    def _kv_load_failed(self, request_id: str, at: float, why: str) -> None:
+        """Rule 2c: vLLM's `kv_load_failure_policy` fails the request or computes its prompt here."""
+        recompute = self.settings.kv_load_failure_policy == "recompute"
         logger.warning(
-            "worker %s: KV load failed for %s (lease expired or prefill worker gone)",
+            "worker %s: KV load failed for %s (%s); %s",
             self.settings.worker_id,
             request_id,
+            why,
+            "recomputing the prompt locally" if recompute else "failing the request",
         )
-        self.metrics.on_transfer_failed()
-        self.driver.kv_failed(request_id, at, "KV load failed")
+        if recompute:
+            self.driver.kv_recompute(request_id, at)
+        else:
+            self.driver.kv_failed(request_id, at, f"KV load failed: {why}")
 
     def _transfer(self, pull: KvPull, at: float, source_node: str, release: Callable[[float], None]) -> None:
         driver = self.driver

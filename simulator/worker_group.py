@@ -21,6 +21,7 @@ import aiohttp
 from simulator.deadline_board import DeadlineBoard
 from simulator.fabric import Fabric, FabricSettings
 from simulator.faults import Faults
+from simulator.kv_load_policy import KvLoadFailurePolicy
 from simulator.profile import Profile
 from simulator.realtime import DEFAULT_SPIN_S, StepTiming
 from simulator.tokenizer import Llama3Tokenizer
@@ -43,6 +44,8 @@ class GroupSettings:
     fabric: FabricSettings = field(default_factory=FabricSettings)
     worker_faults: Mapping[str, Faults] = field(default_factory=dict)
     nodes: Mapping[str, str] = field(default_factory=dict)  # worker id -> node (default: its own)
+    # worker id -> kv_load_failure_policy (default: the worker settings')
+    kv_load_failure_policies: Mapping[str, KvLoadFailurePolicy] = field(default_factory=dict)
     spin_s: float = DEFAULT_SPIN_S
 
 
@@ -71,6 +74,9 @@ class WorkerGroup:
                 faults=faults,
                 fault_seed=i,
                 node=settings.nodes.get(spec.id, ""),
+                kv_load_failure_policy=settings.kv_load_failure_policies.get(
+                    spec.id, settings.worker.kv_load_failure_policy
+                ),
             )
             self.workers.append(
                 Worker(

@@ -2,7 +2,8 @@
 
 The KV-transfer fields mirror vLLM 0.33's `kv_connector_extra_config` of the NixlConnector
 (vllm-protocol.md 1.1): `kv_lease_duration`, `bidirectional_kv_xfer`, `decoder_kv_blocks_ttl` and
-`kv_recompute_threshold`.
+`kv_recompute_threshold`; `kv_load_failure_policy` mirrors its `kv_transfer_config` field (what a failed KV
+load does: "fail" answers HTTP 500, "recompute" computes the prompt locally).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from simulator.faults import Faults
+from simulator.kv_load_policy import KV_LOAD_FAILURE_POLICIES, KvLoadFailurePolicy
 from simulator.sampler import SamplerSettings
 from simulator.topology import Role
 
@@ -31,6 +33,7 @@ class WorkerSettings:
     bidirectional_kv_xfer: bool = False  # D returns its blocks' params; P pulls them on the next turn
     decoder_kv_blocks_ttl_s: float = 480.0  # how long D keeps a finished request's blocks (bidirectional)
     kv_recompute_threshold: int = 64  # fewer remote tokens than this are recomputed, not pulled
+    kv_load_failure_policy: KvLoadFailurePolicy = "fail"  # a failed pull: HTTP 500, or a local prefill
     enable_prompt_tokens_details: bool = False
     max_body_bytes: int = 32 * 1024 * 1024
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
@@ -48,6 +51,8 @@ class WorkerSettings:
             raise ValueError("decoder_kv_blocks_ttl_s must be > 0")
         if self.kv_recompute_threshold < 0:
             raise ValueError("kv_recompute_threshold must be >= 0")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}")
 
     @property
     def node_name(self) -> str:

@@ -260,6 +260,56 @@ def test_kv_failure_ends_the_request_with_error(profile: Profile) -> None:
     assert e.next_step_at() is None
 
 
+def test_kv_recompute_prefills_the_prompt_here_instead(profile: Profile) -> None:
+    """vLLM's kv_load_failure_policy=recompute: the failed pull becomes a local prefill past the local hit;
+    the prompt counts as computed and cached here, never as transferred."""
+    e = Engine(profile)
+    e.add_request(req("warm", 1, 500, 1), 0.0)  # 31 blocks (496 tokens) of the prompt cached here
+    end = drain(e)[-1].end
+    before = e.stats()
+    e.add_request(req("d", 1, 1000, 4, remote_prefill=True), end)
+    (pull,) = e.step(end).kv_pulls
+    assert pull.n_tokens == 1000 - 496
+    assert e.kv_recompute("d", end + 1.0)
+    assert not e.kv_recompute("d", end + 1.0)  # no longer waiting for KV
+    assert e.kv_failed("d", end + 1.0) is None
+    steps = drain(e, end + 1.0)
+    assert not any(s.kv_pulls for s in steps)
+    assert sum(c.n_new for s in steps for c in s.prefills) == 1000 - 496
+    (fin,) = steps[-1].finished
+    assert (fin.reason, fin.num_output_tokens, fin.num_cached_tokens) == (FinishReason.LENGTH, 4, 496)
+    st = e.stats()
+    assert st.prompt_tokens_external == 0
+    assert st.prompt_tokens_local_compute - before.prompt_tokens_local_compute == 1000 - 496
+    assert st.prompt_tokens_local_cache_hit - before.prompt_tokens_local_cache_hit == 496
+    assert e.pool.usage() == 0.0
+
+
+def test_kv_recompute_of_a_bidirectional_prefill_leg_still_pins_its_blocks(profile: Profile) -> None:
+    e = Engine(profile, EngineConfig(kv_recompute_threshold=0))
+    e.add_request(replace(req("p", 1, 1200, 64, remote_decode=True), remote_prefix_tokens=1000), 0.0)
+    (pull,) = e.step(0.0).kv_pulls
+    assert pull.n_tokens == 1000
+    assert e.kv_recompute("p", 0.5)
+    steps = drain(e, 0.5)
+    assert sum(c.n_new for s in steps for c in s.prefills) == 1200
+    (fin,) = (f for s in steps for f in s.finished)
+    assert (fin.kv_pinned, fin.num_output_tokens, fin.num_cached_tokens) == (True, 1, 0)
+    assert e.stats().external_prefix_cache_hits == 1000  # the connector's query was answered
+    assert e.stats().prompt_tokens_external == 0
+
+
+def test_a_pull_counts_its_prompt_sources_only_once_the_kv_arrived(profile: Profile) -> None:
+    """Like vLLM's prefill stats (reported with the first token): an aborted pull counts no source."""
+    e = Engine(profile)
+    e.add_request(req("d", 1, 1000, 4, remote_prefill=True), 0.0)
+    e.step(0.0)
+    assert e.stats().prompt_tokens_external == 0
+    assert e.abort("d", 1.0)
+    st = e.stats()
+    assert (st.prompt_tokens_external, st.prompt_tokens_local_cache_hit) == (0, 0)
+
+
 def test_abort_anywhere_frees_blocks(profile: Profile) -> None:
     e = Engine(profile, EngineConfig(max_num_seqs=1))
     e.add_request(req("run", 1, 300, 50), 0.0)
