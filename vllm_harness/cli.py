@@ -11,8 +11,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from simulator.kv_load_policy import PolicySpecError, parse_policy_spec
 from simulator.topology import Topology, TopologyError
-from vllm_harness.cluster import ClusterSettings, parse_failure_policies, run_cluster
+from vllm_harness.cluster import ClusterSettings, run_cluster
 from vllm_harness.prepare import PrepareError, prepare
 from vllm_harness.spec import default_root
 
@@ -113,8 +114,8 @@ def _cluster(args: argparse.Namespace) -> int:
         print(f"ppd-vllm cluster: {exc}", file=sys.stderr)
         return 2
     try:
-        default, policies = parse_failure_policies(args.kv_load_failure_policy, topology)
-    except ValueError as exc:
+        policies = parse_policy_spec(args.kv_load_failure_policy, [w.id for w in topology.workers])
+    except PolicySpecError as exc:
         print(f"ppd-vllm cluster: {exc}", file=sys.stderr)
         return 2
     try:
@@ -127,7 +128,6 @@ def _cluster(args: argparse.Namespace) -> int:
         host=args.host,
         pin=not args.no_pin,
         cpu_nixl_fixes=not args.no_cpu_nixl_fixes,
-        kv_load_failure_policy=default,
         failure_policies=policies,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,

@@ -28,18 +28,17 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, TextIO
 
+from simulator.kv_load_policy import KvLoadFailurePolicy
 from simulator.topology import Topology, WorkerSpec
 from table_builder.supervisor import Child, ChildError, ChildSpec, Supervisor
 from vllm_harness.prepare import Prepared, remote_script
 
 __all__ = [
     "ClusterSettings",
-    "FailurePolicy",
     "core_plan",
     "kv_transfer_config",
-    "parse_failure_policies",
     "rss_of_group",
     "run_cluster",
     "shared_memory_of_group",
@@ -48,7 +47,6 @@ __all__ = [
 
 logger = logging.getLogger("ppd-vllm")
 
-FailurePolicy = Literal["fail", "recompute"]
 _KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 _SHM = "/dev/shm/"  # noqa: S108 (only read: the files a worker's processes hold there)
 
@@ -66,34 +64,16 @@ class ClusterSettings:
     kv_cache_bytes: int = 128 * 1024 * 1024
     #: vLLM's CPU default is 128; its CPU attention needs a multiple of 32. Prefix hits come in steps of it.
     block_size: int = 32
-    kv_load_failure_policy: FailurePolicy = "fail"
+    kv_load_failure_policy: KvLoadFailurePolicy = "fail"
     #: Per worker id, overriding ``kv_load_failure_policy``.
-    failure_policies: Mapping[str, FailurePolicy] = field(default_factory=dict)
+    failure_policies: Mapping[str, KvLoadFailurePolicy] = field(default_factory=dict)
     ready_timeout_s: float = 240.0
     grace_s: float = 15.0
     extra_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
-def parse_failure_policies(spec: str, topology: Topology) -> tuple[FailurePolicy, dict[str, FailurePolicy]]:
-    """``fail`` / ``recompute`` for every worker, or ``ID=POLICY,...`` for chosen ones (others: fail)."""
-    known: dict[str, FailurePolicy] = {"fail": "fail", "recompute": "recompute"}
-    text = spec.strip()
-    if text in known:
-        return known[text], {}
-    ids = {w.id for w in topology.workers}
-    chosen: dict[str, FailurePolicy] = {}
-    for item in text.split(","):
-        worker, _, policy = item.strip().partition("=")
-        if worker not in ids:
-            raise ValueError(f"bad policy spec {spec!r}: no worker {worker!r} in {topology.name}")
-        if policy not in known:
-            raise ValueError(f"bad policy spec {spec!r}: policy must be fail or recompute, got {policy!r}")
-        chosen[worker] = known[policy]
-    return "fail", chosen
-
-
-def kv_transfer_config(role: str, *, failure_policy: FailurePolicy, cpu_buffer: bool) -> str | None:
+def kv_transfer_config(role: str, *, failure_policy: KvLoadFailurePolicy, cpu_buffer: bool) -> str | None:
     """The ``--kv-transfer-config`` JSON for a role (None for a replica: no P/D)."""
     kv_role = _KV_ROLE.get(role)
     if kv_role is None:

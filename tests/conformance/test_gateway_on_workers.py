@@ -7,6 +7,7 @@ vLLM they show where the KV really came from: pulled from P, hit in D's prefix c
 from __future__ import annotations
 
 import json
+import socket
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -130,6 +131,36 @@ def test_a_client_disconnect_aborts_the_request_on_the_worker(cluster: Cluster, 
     resp.close()  # the client goes away mid-stream
     eventually(lambda: cluster.metric(d, "vllm:num_requests_running") == 0, what=f"{d}'s request aborted")
     assert cluster.metric(d, "vllm:generation_tokens_total") - generated < 3000
+
+
+def test_a_non_streaming_client_disconnect_aborts_the_request_on_the_worker(
+    cluster: Cluster, gateway: Process
+) -> None:
+    body = json.dumps(
+        {
+            "model": cluster.model,
+            "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} a long answer, not streamed"}],
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+    ).encode()
+    decodes = cluster.ids("decode")
+
+    def running() -> float:
+        return sum(cluster.metric(d, "vllm:num_requests_running") for d in decodes)
+
+    generated = sum(cluster.metric(d, "vllm:generation_tokens_total") for d in decodes)
+    with socket.create_connection(("127.0.0.1", int(gateway.ready["http"])), timeout=60) as conn:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        eventually(lambda: running() == 1, what="the request running on a decode worker")
+    # The client went away before any answer: the worker must drop the request.
+    eventually(lambda: running() == 0, what="the request aborted on its worker")
+    assert sum(cluster.metric(d, "vllm:generation_tokens_total") for d in decodes) - generated < 3000
 
 
 @pytest.mark.crashes_workers

@@ -196,7 +196,7 @@ async def test_completion_stream_without_usage(group: WorkerGroup, http: aiohttp
 @pytest.mark.parametrize(
     ("raw", "status", "fragment"),
     [
-        (b"{not json", 400, "Invalid JSON"),
+        (b"{not json", 400, "json_invalid"),
         (
             b'{"prompt": "x", "stream_options": {"include_usage": true}}',
             400,

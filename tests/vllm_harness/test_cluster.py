@@ -12,7 +12,6 @@ from vllm_harness.cluster import (
     ClusterSettings,
     core_plan,
     kv_transfer_config,
-    parse_failure_policies,
     rss_of_group,
     shared_memory_of_group,
     worker_command,
@@ -59,20 +58,6 @@ def test_connector_config_per_role() -> None:
         "kv_load_failure_policy": "recompute",
     }
     assert kv_transfer_config("replica", failure_policy="fail", cpu_buffer=True) is None
-
-
-def test_failure_policy_spec() -> None:
-    topology = Topology.parse("1P2D")
-    assert parse_failure_policies("recompute", topology) == ("recompute", {})
-    assert parse_failure_policies("D1=recompute", topology) == ("fail", {"D1": "recompute"})
-    assert parse_failure_policies("D0=fail, D1=recompute", topology) == (
-        "fail",
-        {"D0": "fail", "D1": "recompute"},
-    )
-    with pytest.raises(ValueError, match="no worker 'D7'"):
-        parse_failure_policies("D7=recompute", topology)
-    with pytest.raises(ValueError, match="fail or recompute"):
-        parse_failure_policies("D1=retry", topology)
 
 
 def test_worker_command_pins_sets_the_side_channel_and_asks_for_the_cpu_fixes() -> None:
