@@ -332,6 +332,7 @@ class _Req:
         "cached",
         "computed",
         "content",
+        "ext_owed",
         "finish_d",
         "hashes",
         "local_only",
@@ -368,6 +369,9 @@ class _Req:
         self.looked_up = False
         self.local_only = False  # a failed pull being recomputed: never pull again
         self.stall = 0.0
+        # Tokens D computes that vLLM counts as pulled: after a full pull D recomputes the last prompt
+        # token for its logits, yet vLLM counts every pulled token as external_kv_transfer.
+        self.ext_owed = 0
 
 
 class Engine:
@@ -466,7 +470,11 @@ class Engine:
             return False
         loaded = r.n_prompt - 1 if r.req.remote_prefill else min(r.req.remote_prefix_tokens, r.n_prompt - 1)
         self._tok_hit += r.cached
-        self._tok_ext += loaded - r.cached
+        if r.req.remote_prefill:  # vLLM: num_external_computed_tokens = prompt - locally cached
+            self._tok_ext += r.n_prompt - r.cached
+            r.ext_owed = r.n_prompt - loaded
+        else:
+            self._tok_ext += loaded - r.cached
         r.computed = loaded
         if not r.req.remote_prefill:  # a bidirectional P leg: the pulled prefix counts as cached
             r.cached = loaded
@@ -807,7 +815,12 @@ class Engine:
         sampled: list[str],
     ) -> None:
         for r, n in chunks:
-            self._tok_compute += n
+            if r.ext_owed:
+                owed = min(n, r.ext_owed)
+                r.ext_owed -= owed
+                self._tok_compute += n - owed
+            else:
+                self._tok_compute += n
             r.computed += n
             self._register_full_blocks(r, r.computed)
             if r.computed < r.prefill_target:

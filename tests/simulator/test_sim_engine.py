@@ -186,7 +186,9 @@ def test_decode_side_pulls_then_recomputes_the_last_token(profile: Profile) -> N
     assert steps[-1].finished[0].num_output_tokens == 4
     st = e.stats()
     assert st.external_prefix_cache_hits == 999
-    assert st.prompt_tokens_external == 999
+    # As vLLM counts it: every pulled token is external, the recomputed last one included.
+    assert st.prompt_tokens_external == 1000
+    assert st.prompt_tokens_local_compute == 0
 
 
 def test_decode_side_pulls_only_uncached_tokens_unless_full(profile: Profile) -> None:
