@@ -237,10 +237,16 @@ def _unlink(paths: Iterable[Path]) -> list[Path]:
     return removed
 
 
-async def _kill_groups(pids: Sequence[int]) -> None:
+async def _kill_groups(pids: Sequence[int], *, settle_s: float = 10.0) -> None:
+    """SIGKILL each group, then wait (up to ``settle_s``) until none of its processes maps anything in
+    /dev/shm any more: a killed process lets go of its mappings only as it finishes exiting."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+    for _ in range(round(settle_s / 0.1)):
+        if not any(shared_memory_of_group(pid) for pid in pids):
+            return
+        await asyncio.sleep(0.1)
 
 
 async def _start_all(supervisor: Supervisor, specs: Sequence[ChildSpec]) -> list[Child]:
