@@ -22,6 +22,10 @@ Invariants:
 - Rule 4: concurrency is one event loop: handlers, the driver task and the fabric's timer task share
   state without locks; anything that outlives a request (side-channel calls, going down) is a task held
   in `_tasks` and cancelled by `stop()`.
+- Rule 5: no request holds the loop for long. Bodies are capped (`max_body_bytes`, 413), and parsing and
+  tokenization run as `simulator.protocol` steps with a loop turn between slices, so the other workers
+  of the process keep their step deadlines and SIGTERM is seen. Once `stop()` has begun, a request still
+  being parsed is answered 503 at its next slice, and handlers get `_SHUTDOWN_GRACE_S` to finish.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import aiohttp
 from aiohttp import web
@@ -51,10 +55,11 @@ from simulator.metrics import FinishedRequest, WorkerMetrics
 from simulator.protocol import (
     GenerationRequest,
     ServingLimits,
-    parse_chat,
-    parse_completion,
-    parse_detokenize,
-    parse_tokenize,
+    Steps,
+    chat_steps,
+    completion_steps,
+    detokenize_steps,
+    tokenize_steps,
 )
 from simulator.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
 from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
@@ -70,7 +75,10 @@ VLLM_VERSION = "0.33.0"
 _MODEL_ROUTES = ("/v1/", "/tokenize", "/detokenize")
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 _INTERNAL_ERROR = "Internal server error"
+_SHUTTING_DOWN = "The server is shutting down"
+_SHUTDOWN_GRACE_S = 3.0  # how long stop() lets requests in flight finish before cancelling them
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -114,6 +122,7 @@ class Worker:
         self._timing = timing
         self._board = board if board is not None else DeadlineBoard()  # shared by the drivers of one loop
         self._generation_requests = 0
+        self._closing = False  # stop() has begun: requests still being parsed are answered 503
         self._down = False  # requests are cut from the moment a crash is decided
         self._going_down = False  # the crash (closing the port, dropping the engine) has started
         self._restore_task: asyncio.Task[None] | None = None
@@ -170,7 +179,9 @@ class Worker:
 
     async def start(self) -> None:
         self.driver.start()
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, shutdown_timeout=_SHUTDOWN_GRACE_S
+        )
         await self._runner.setup()
         await self._listen(self.settings.port)
         if self.faults.down:
@@ -184,7 +195,12 @@ class Worker:
         if addresses:
             self.port = int(addresses[0][1])
 
+    def begin_stop(self) -> None:
+        """Refuse the requests still being parsed from now on (`stop()` does this first)."""
+        self._closing = True
+
     async def stop(self) -> None:
+        self.begin_stop()
         pending = [*self._tasks, *([self._restore_task] if self._restore_task is not None else [])]
         for task in pending:
             task.cancel()
@@ -300,6 +316,19 @@ class Worker:
         return web.Response(status=503)
 
     # ------------------------------------------------------------------ small routes
+    async def _run_steps(self, steps: Steps[T]) -> T:
+        """Run a parser's steps with a loop turn between slices (Rule 5)."""
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                value: T = done.value
+                return value
+            await asyncio.sleep(0)
+            if self._closing:
+                steps.close()
+                raise ApiError(503, _SHUTTING_DOWN)
+
     async def _read_json(self, request: web.Request) -> Any:
         raw = await request.read()
         try:
@@ -347,14 +376,16 @@ class Worker:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        ids, with_strs = parse_tokenize(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        ids, with_strs = await self._run_steps(tokenize_steps(body, self.tokenizer, self.limits))
         strs = [self.tokenizer.token_str(i) for i in ids] if with_strs else None
         body = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
         body["token_strs"] = strs
         return web.json_response(body)
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        ids = parse_detokenize(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        ids = await self._run_steps(detokenize_steps(body, self.tokenizer, self.limits))
         return web.json_response({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
 
     async def _load(self, request: web.Request) -> web.Response:
@@ -563,7 +594,7 @@ class Worker:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         try:
-            req = parse_completion(body, self.tokenizer, self.limits)
+            req = await self._run_steps(completion_steps(body, self.tokenizer, self.limits))
         except ApiError:
             self._release_rejected(body)
             raise
@@ -572,7 +603,7 @@ class Worker:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         try:
-            req = parse_chat(body, self.tokenizer, self.limits)
+            req = await self._run_steps(chat_steps(body, self.tokenizer, self.limits))
         except ApiError:
             self._release_rejected(body)
             raise
