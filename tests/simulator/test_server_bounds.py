@@ -138,3 +138,19 @@ def test_sigterm_while_a_huge_request_is_parsed_stops_the_worker(
         assert reply == b"" or reply.startswith((b"HTTP/1.1 503", b"HTTP/1.1 200"))
     _, err = proc.communicate(timeout=30)
     assert "Traceback" not in err
+
+
+def test_sigterm_while_a_body_trickles_in_stops_the_worker(worker: tuple[subprocess.Popen[str], str]) -> None:
+    """A client that never finishes its body holds shutdown for the grace (3 s), not aiohttp's 60 s."""
+    proc, url = worker
+    address = urlsplit(url)
+    assert address.hostname is not None
+    assert address.port is not None
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
+    head += "Content-Length: 1000000\r\n\r\n"
+    with socket.create_connection((address.hostname, address.port), timeout=REPLY_TIMEOUT_S) as slow:
+        slow.sendall(head.encode() + b'{"prompt": "')
+        assert _served(url)  # by now its headers are read and its handler waits for the body
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: proc.poll() is not None, deadline_s=30.0, what="the worker to exit after SIGTERM")
+        assert proc.returncode == 0
