@@ -585,7 +585,7 @@ class Worker:
         source = self.fabric.source(remote.engine_id)
         if source is not None:
             source.release_lease(remote.remote_request_id, now)
-        elif remote.host and remote.port:
+        elif remote.host and remote.port and not self._closing:  # no new side-channel call once stopping
             task = asyncio.create_task(self._side_channel(remote, "release"))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
