@@ -7,11 +7,11 @@ Invariants:
 - Rule 3: validation order follows vLLM: field types, `stream_options` without `stream`, model name,
   tokenization and context length, then sampling parameters (`min_tokens <= max_tokens`).
 - Rule 4: the work a body causes is linear in its size and comes in steps. `*_steps` functions are
-  generators that yield between slices of work (about `SLICE_CHARS` characters of text, or `SLICE_ITEMS`
-  messages or token ids) and return the parsed value; the server runs them on its event loop and lets
-  other requests in at each yield, and `parse_*` runs them to the end at once. A chat request with more
-  messages than can fit in the context window (each message renders to at least 5 tokens) is refused
-  before any message is read or tokenized.
+  generators that yield between slices of work (about `SLICE_CHARS` characters of text, `SLICE_MESSAGES`
+  messages or `SLICE_ITEMS` token ids) and return the parsed value; the server runs them on its event
+  loop and lets other requests in at each yield, and `parse_*` runs them to the end at once. A chat
+  request with more messages than can fit in the context window (each message renders to at least 5
+  tokens) is refused before any message is read or tokenized.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from simulator.api_error import ApiError
-from simulator.tokenizer import ChatMessage, Llama3Tokenizer, render_chat
+from simulator.tokenizer import ChatMessage, Llama3Tokenizer, render_chat_parts
 
 __all__ = [
     "SLICE_ITEMS",
+    "SLICE_MESSAGES",
     "GenerationRequest",
     "KvTransferRequest",
     "ServingLimits",
@@ -44,7 +45,8 @@ __all__ = [
 
 Kind = Literal["completion", "chat"]
 _MAX_SEED = 2**63 - 1
-SLICE_ITEMS = 1 << 14  # messages or token ids checked between two yields
+SLICE_ITEMS = 1 << 14  # token ids checked between two yields (~1 ms)
+SLICE_MESSAGES = 1 << 10  # messages (or text parts) validated or rendered between two yields (~2 ms)
 
 T = TypeVar("T")
 Steps = Generator[None, None, T]  # yields between slices of work, returns the parsed value
@@ -295,6 +297,15 @@ def _encode_steps(tokenizer: Llama3Tokenizer, text: str, *, add_special_tokens: 
     return ids
 
 
+def _render_steps(messages: list[ChatMessage], *, add_generation_prompt: bool) -> Steps[str]:
+    parts: list[str] = []
+    for i, part in enumerate(render_chat_parts(messages, add_generation_prompt=add_generation_prompt)):
+        parts.append(part)
+        if i % SLICE_MESSAGES == SLICE_MESSAGES - 1:
+            yield
+    return "".join(parts)
+
+
 def _all_ints(items: list[Any]) -> Steps[bool]:
     for start in range(0, len(items), SLICE_ITEMS):
         if not all(
@@ -441,7 +452,7 @@ def _chat_messages_steps(
             raise _too_long(limits, floor, floor_of_messages=len(raw))
     out: list[ChatMessage] = []
     for i, item in enumerate(raw):
-        if i % SLICE_ITEMS == SLICE_ITEMS - 1:
+        if i % SLICE_MESSAGES == SLICE_MESSAGES - 1:
             yield
         if not isinstance(item, Mapping):
             raise _bad(f"messages[{i}]: Input should be a valid dictionary", "messages")
@@ -463,7 +474,7 @@ def _text_parts_steps(i: int, parts: list[Any]) -> Steps[str]:
     """A content array of text parts, joined as vLLM joins them (one newline between parts)."""
     texts: list[str] = []
     for j, part in enumerate(parts):
-        if j % SLICE_ITEMS == SLICE_ITEMS - 1:
+        if j % SLICE_MESSAGES == SLICE_MESSAGES - 1:
             yield
         if not (isinstance(part, Mapping) and part.get("type") == "text"):
             raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
@@ -492,7 +503,7 @@ def chat_steps(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) 
     if "messages" not in body:
         raise _bad("messages: Field required", "messages")
     messages = yield from _chat_messages_steps(body["messages"], tokenizer, limits)
-    rendered = render_chat(messages, add_generation_prompt=add_generation_prompt)
+    rendered = yield from _render_steps(messages, add_generation_prompt=add_generation_prompt)
     prompt = yield from _encode_steps(tokenizer, rendered, add_special_tokens=add_special)
     return _generation_request(
         "chat",
@@ -524,7 +535,7 @@ def tokenize_steps(
         add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
         add_special = _opt_bool(body, "add_special_tokens", False)
         messages = yield from _chat_messages_steps(body["messages"], None, None)
-        rendered = render_chat(messages, add_generation_prompt=add_generation_prompt)
+        rendered = yield from _render_steps(messages, add_generation_prompt=add_generation_prompt)
         ids = yield from _encode_steps(tokenizer, rendered, add_special_tokens=add_special)
         return ids, strs
     if "prompt" not in body:

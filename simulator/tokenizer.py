@@ -20,10 +20,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import quicktok
 
-__all__ = ["BEGIN_OF_TEXT", "EOT_ID", "SLICE_CHARS", "ChatMessage", "Llama3Tokenizer", "render_chat"]
+__all__ = [
+    "BEGIN_OF_TEXT",
+    "EOT_ID",
+    "SLICE_CHARS",
+    "ChatMessage",
+    "Llama3Tokenizer",
+    "render_chat",
+    "render_chat_parts",
+]
 
 BEGIN_OF_TEXT = "<|begin_of_text|>"
 EOT_ID = "<|eot_id|>"
@@ -59,24 +68,28 @@ def render_chat(
     messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True, date_string: str = _DEFAULT_DATE
 ) -> str:
     """Render messages with the Llama-3.1-Instruct chat template (no tools)."""
-    parts = [BEGIN_OF_TEXT]
+    return "".join(
+        render_chat_parts(messages, add_generation_prompt=add_generation_prompt, date_string=date_string)
+    )
+
+
+def render_chat_parts(
+    messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True, date_string: str = _DEFAULT_DATE
+) -> Iterator[str]:
+    """`render_chat` as consecutive strings: the header (with the system message), then one per message."""
+    rest: Sequence[ChatMessage] = messages
     system = ""
-    rest = list(messages)
     if rest and rest[0].role == "system":
         system = rest[0].content.strip()
         rest = rest[1:]
-    parts.append("<|start_header_id|>system<|end_header_id|>\n\n")
-    parts.append("Cutting Knowledge Date: December 2023\n")
-    parts.append(f"Today Date: {date_string}\n\n")
-    parts.append(system)
-    parts.append(EOT_ID)
+    yield (
+        f"{BEGIN_OF_TEXT}<|start_header_id|>system<|end_header_id|>\n\n"
+        f"Cutting Knowledge Date: December 2023\nToday Date: {date_string}\n\n{system}{EOT_ID}"
+    )
     for message in rest:
-        parts.append(
-            f"<|start_header_id|>{message.role}<|end_header_id|>\n\n{message.content.strip()}{EOT_ID}"
-        )
+        yield f"<|start_header_id|>{message.role}<|end_header_id|>\n\n{message.content.strip()}{EOT_ID}"
     if add_generation_prompt:
-        parts.append("<|start_header_id|>assistant<|end_header_id|>\n\n")
-    return "".join(parts)
+        yield "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
 
 class Llama3Tokenizer:
@@ -149,7 +162,7 @@ class Llama3Tokenizer:
         ids: list[int] = []
         size = 0  # characters encoded into `ids` so far
         at = 0
-        for match in (*self._special_re.finditer(text), None):
+        for match in chain(self._special_re.finditer(text), (None,)):  # lazily: no list of all matches
             end = len(text) if match is None else match.start()
             if end - at <= slice_chars:  # the common case: a short run between two special tokens
                 if end > at:

@@ -62,7 +62,7 @@ from simulator.protocol import (
     tokenize_steps,
 )
 from simulator.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
-from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
+from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event, tokenize_body_steps
 from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
 from simulator.tokenizer import Llama3Tokenizer
 from simulator.worker_settings import WorkerSettings
@@ -378,10 +378,9 @@ class Worker:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
         ids, with_strs = await self._run_steps(tokenize_steps(body, self.tokenizer, self.limits))
-        strs = [self.tokenizer.token_str(i) for i in ids] if with_strs else None
-        body = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
-        body["token_strs"] = strs
-        return web.json_response(body)
+        token_str = self.tokenizer.token_str if with_strs else None
+        reply = tokenize_body_steps(ids, max_model_len=self.settings.max_model_len, token_str=token_str)
+        return web.Response(text=await self._run_steps(reply), content_type="application/json")
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)

@@ -4,6 +4,7 @@ between slices."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from simulator.protocol import (
     run_steps,
     tokenize_steps,
 )
+from simulator.responses import tokenize_body_steps
 from simulator.tokenizer import SLICE_CHARS, ChatMessage, Llama3Tokenizer
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -151,3 +153,23 @@ def test_parsers_yield_between_slices_and_agree_with_the_one_shot_parse() -> Non
     count, ids = _yields(detokenize_steps({"tokens": [1] * (3 * SLICE_ITEMS)}, TOK, LIMITS))
     assert count >= 3
     assert ids == [1] * (3 * SLICE_ITEMS)
+
+
+@pytest.mark.parametrize("with_strs", [False, True])
+def test_the_tokenize_reply_is_serialized_in_slices(with_strs: bool) -> None:
+    ids = [9906, 1917] * (SLICE_ITEMS + 1)
+    token_str = TOK.token_str if with_strs else None
+    count, text = _yields(tokenize_body_steps(ids, max_model_len=4096, token_str=token_str))
+    assert count >= (4 if with_strs else 2)
+    assert json.loads(text) == {
+        "count": len(ids),
+        "max_model_len": 4096,
+        "tokens": ids,
+        "token_strs": [TOK.token_str(i) for i in ids] if with_strs else None,
+    }
+    assert json.loads(run_steps(tokenize_body_steps([], max_model_len=1, token_str=token_str))) == {
+        "count": 0,
+        "max_model_len": 1,
+        "tokens": [],
+        "token_strs": [] if with_strs else None,
+    }
