@@ -6,31 +6,60 @@ Invariants:
 - Rule 2: unknown fields are accepted and ignored, as vLLM does (it logs them).
 - Rule 3: validation order follows vLLM: field types, `stream_options` without `stream`, model name,
   tokenization and context length, then sampling parameters (`min_tokens <= max_tokens`).
+- Rule 4: the work a body causes is linear in its size and comes in steps. `*_steps` functions are
+  generators that yield between slices of work (about `SLICE_CHARS` characters of text, `SLICE_MESSAGES`
+  messages or `SLICE_ITEMS` token ids) and return the parsed value; the server runs them on its event
+  loop and lets other requests in at each yield, and `parse_*` runs them to the end at once. A chat
+  request with more messages than can fit in the context window (each message renders to at least 5
+  tokens) is refused before any message is read or tokenized.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from simulator.api_error import ApiError
-from simulator.tokenizer import ChatMessage, Llama3Tokenizer
+from simulator.tokenizer import ChatMessage, Llama3Tokenizer, render_chat_parts
 
 __all__ = [
+    "SLICE_ITEMS",
+    "SLICE_MESSAGES",
     "GenerationRequest",
     "KvTransferRequest",
     "ServingLimits",
+    "Steps",
     "chat_messages",
+    "chat_steps",
+    "completion_steps",
+    "detokenize_steps",
     "parse_chat",
     "parse_completion",
     "parse_detokenize",
     "parse_tokenize",
+    "run_steps",
+    "tokenize_steps",
 ]
 
 Kind = Literal["completion", "chat"]
 _MAX_SEED = 2**63 - 1
+SLICE_ITEMS = 1 << 14  # token ids checked between two yields (~1 ms)
+SLICE_MESSAGES = 1 << 10  # messages (or text parts) validated or rendered between two yields (~2 ms)
+
+T = TypeVar("T")
+Steps = Generator[None, None, T]  # yields between slices of work, returns the parsed value
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run a `*_steps` generator to its end (no yielding to anyone)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            value: T = done.value
+            return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +235,18 @@ def _check_common_fields(body: Mapping[str, Any]) -> None:
         raise _bad("The simulator serves n=1 only.", "n")
 
 
+def _too_long(limits: ServingLimits, tokens: int, *, floor_of_messages: int | None = None) -> ApiError:
+    """vLLM's context-length error; with `floor_of_messages`, `tokens` is a lower bound from the count."""
+    has = f"{tokens} input tokens"
+    if floor_of_messages is not None:
+        has = f"at least {has} ({floor_of_messages} messages)"
+    return _bad(
+        f"This model's maximum context length is {limits.max_model_len} tokens. However, your request "
+        f"has {has}. Please reduce the length of the input messages.",
+        "input_tokens",
+    )
+
+
 def _token_limits(
     body: Mapping[str, Any],
     *,
@@ -214,11 +255,7 @@ def _token_limits(
     limits: ServingLimits,
 ) -> tuple[int, int]:
     if prompt_len > limits.max_model_len or (requested is None and prompt_len >= limits.max_model_len):
-        raise _bad(
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, your request "
-            f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
-            "input_tokens",
-        )
+        raise _too_long(limits, prompt_len)
     if requested is None:
         max_tokens = limits.max_model_len - prompt_len
     else:
@@ -254,18 +291,51 @@ def _request_id(body: Mapping[str, Any]) -> str | None:
     return _opt_str(body, "request_id")
 
 
-def _prompt_ids(raw: object, tokenizer: Llama3Tokenizer, *, add_special_tokens: bool) -> list[int]:
+def _encode_steps(tokenizer: Llama3Tokenizer, text: str, *, add_special_tokens: bool) -> Steps[list[int]]:
+    ids: list[int] = []
+    for piece in tokenizer.encode_pieces(text, add_special_tokens=add_special_tokens):
+        ids += piece
+        yield
+    return ids
+
+
+def _render_steps(messages: list[ChatMessage], *, add_generation_prompt: bool) -> Steps[str]:
+    parts: list[str] = []
+    for i, part in enumerate(render_chat_parts(messages, add_generation_prompt=add_generation_prompt)):
+        parts.append(part)
+        if i % SLICE_MESSAGES == SLICE_MESSAGES - 1:
+            yield
+    return "".join(parts)
+
+
+def _all_ints(items: list[Any]) -> Steps[bool]:
+    for start in range(0, len(items), SLICE_ITEMS):
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in items[start : start + SLICE_ITEMS]
+        ):
+            return False
+        yield
+    return True
+
+
+def _check_vocabulary(ids: list[int], tokenizer: Llama3Tokenizer, param: str) -> None:
+    if ids and not (tokenizer.is_known(min(ids)) and tokenizer.is_known(max(ids))):
+        bad = next(t for t in ids if not tokenizer.is_known(t))
+        raise _bad(f"Token id {bad} is out of vocabulary", param)
+
+
+def _prompt_ids_steps(
+    raw: object, tokenizer: Llama3Tokenizer, *, add_special_tokens: bool
+) -> Steps[list[int]]:
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
         raw = raw[0]  # a batch of one prompt
     if isinstance(raw, str):
-        return tokenizer.encode(raw, add_special_tokens=add_special_tokens)
+        return (yield from _encode_steps(tokenizer, raw, add_special_tokens=add_special_tokens))
     if isinstance(raw, list) and not raw:
         raise _bad("Prompt cannot be empty", "prompt")
-    if isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        ids = [int(t) for t in raw]
-        bad = [t for t in ids if not tokenizer.is_known(t)]
-        if bad:
-            raise _bad(f"Token id {bad[0]} is out of vocabulary", "prompt")
+    if isinstance(raw, list) and (yield from _all_ints(raw)):
+        ids: list[int] = raw
+        _check_vocabulary(ids, tokenizer, "prompt")
         return ids
     if isinstance(raw, list) and len(raw) > 1:
         raise _bad("The simulator serves one prompt per request.", "prompt")
@@ -335,6 +405,13 @@ def _generation_request(
 
 def parse_completion(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) -> GenerationRequest:
     """Validate a `/v1/completions` body."""
+    return run_steps(completion_steps(body, tokenizer, limits))
+
+
+def completion_steps(
+    body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits
+) -> Steps[GenerationRequest]:
+    """`parse_completion` in steps (Rule 4)."""
     if not isinstance(body, Mapping):
         raise _bad("Request body must be a JSON object")
     options = _options(body, limits)
@@ -345,7 +422,7 @@ def parse_completion(body: object, tokenizer: Llama3Tokenizer, limits: ServingLi
     add_special = _opt_bool(body, "add_special_tokens", True)
     if "prompt" not in body:
         raise _bad("prompt: Field required", "prompt")
-    prompt = _prompt_ids(body["prompt"], tokenizer, add_special_tokens=add_special)
+    prompt = yield from _prompt_ids_steps(body["prompt"], tokenizer, add_special_tokens=add_special)
     if not prompt:
         raise _bad("Prompt cannot be empty", "prompt")
     return _generation_request(
@@ -362,10 +439,23 @@ def parse_completion(body: object, tokenizer: Llama3Tokenizer, limits: ServingLi
 
 def chat_messages(raw: object) -> list[ChatMessage]:
     """Validate an OpenAI `messages` array of text messages."""
+    return run_steps(_chat_messages_steps(raw, None, None))
+
+
+def _chat_messages_steps(
+    raw: object, tokenizer: Llama3Tokenizer | None, limits: ServingLimits | None
+) -> Steps[list[ChatMessage]]:
+    """Validate `messages`; with `limits`, first refuse more messages than the context window can hold."""
     if not isinstance(raw, list) or not raw:
         raise _bad("messages: must be a non-empty list", "messages")
+    if tokenizer is not None and limits is not None:
+        floor = tokenizer.min_chat_tokens(len(raw))
+        if floor > limits.max_model_len:
+            raise _too_long(limits, floor, floor_of_messages=len(raw))
     out: list[ChatMessage] = []
     for i, item in enumerate(raw):
+        if i % SLICE_MESSAGES == SLICE_MESSAGES - 1:
+            yield
         if not isinstance(item, Mapping):
             raise _bad(f"messages[{i}]: Input should be a valid dictionary", "messages")
         role = item.get("role")
@@ -375,23 +465,35 @@ def chat_messages(raw: object) -> list[ChatMessage]:
         if content is None:
             content = ""
         if isinstance(content, list):
-            texts: list[str] = []
-            for part in content:
-                if not (isinstance(part, Mapping) and part.get("type") == "text"):
-                    raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise _bad(f"messages[{i}].content: text part without text", "messages")
-                texts.append(text)
-            content = "\n".join(texts)
+            content = yield from _text_parts_steps(i, content)
         if not isinstance(content, str):
             raise _bad(f"messages[{i}].content: Input should be a valid string", "messages")
         out.append(ChatMessage(role=role, content=content))
     return out
 
 
+def _text_parts_steps(i: int, parts: list[Any]) -> Steps[str]:
+    """A content array of text parts, joined as vLLM joins them (one newline between parts)."""
+    texts: list[str] = []
+    for j, part in enumerate(parts):
+        if j % SLICE_MESSAGES == SLICE_MESSAGES - 1:
+            yield
+        if not (isinstance(part, Mapping) and part.get("type") == "text"):
+            raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _bad(f"messages[{i}].content: text part without text", "messages")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def parse_chat(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) -> GenerationRequest:
     """Validate a `/v1/chat/completions` body (`max_completion_tokens` wins over `max_tokens`)."""
+    return run_steps(chat_steps(body, tokenizer, limits))
+
+
+def chat_steps(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) -> Steps[GenerationRequest]:
+    """`parse_chat` in steps (Rule 4)."""
     if not isinstance(body, Mapping):
         raise _bad("Request body must be a JSON object")
     options = _options(body, limits)
@@ -402,10 +504,9 @@ def parse_chat(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) 
     add_special = _opt_bool(body, "add_special_tokens", False)
     if "messages" not in body:
         raise _bad("messages: Field required", "messages")
-    messages = chat_messages(body["messages"])
-    prompt = tokenizer.encode_chat(
-        messages, add_generation_prompt=add_generation_prompt, add_special_tokens=add_special
-    )
+    messages = yield from _chat_messages_steps(body["messages"], tokenizer, limits)
+    rendered = yield from _render_steps(messages, add_generation_prompt=add_generation_prompt)
+    prompt = yield from _encode_steps(tokenizer, rendered, add_special_tokens=add_special)
     return _generation_request(
         "chat",
         body,
@@ -420,37 +521,46 @@ def parse_chat(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) 
 
 def parse_tokenize(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) -> tuple[list[int], bool]:
     """Validate a `/tokenize` body (completion or chat form); returns (ids, return_token_strs)."""
+    return run_steps(tokenize_steps(body, tokenizer, limits))
+
+
+def tokenize_steps(
+    body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits
+) -> Steps[tuple[list[int], bool]]:
+    """`parse_tokenize` in steps (Rule 4). Like vLLM's `/tokenize`, no context-length check: the reply
+    carries `max_model_len` for the client to compare."""
     if not isinstance(body, Mapping):
         raise _bad("Request body must be a JSON object")
     _model(body, limits)
     strs = _opt_bool(body, "return_token_strs", False)
     if "messages" in body:
-        messages = chat_messages(body["messages"])
-        ids = tokenizer.encode_chat(
-            messages,
-            add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
-            add_special_tokens=_opt_bool(body, "add_special_tokens", False),
-        )
+        add_generation_prompt = _opt_bool(body, "add_generation_prompt", True)
+        add_special = _opt_bool(body, "add_special_tokens", False)
+        messages = yield from _chat_messages_steps(body["messages"], None, None)
+        rendered = yield from _render_steps(messages, add_generation_prompt=add_generation_prompt)
+        ids = yield from _encode_steps(tokenizer, rendered, add_special_tokens=add_special)
         return ids, strs
     if "prompt" not in body:
         raise _bad("prompt: Field required", "prompt")
     prompt = body["prompt"]
     if not isinstance(prompt, str):
         raise _bad("prompt: Input should be a valid string", "prompt")
-    return tokenizer.encode(prompt, add_special_tokens=_opt_bool(body, "add_special_tokens", True)), strs
+    add_special = _opt_bool(body, "add_special_tokens", True)
+    return (yield from _encode_steps(tokenizer, prompt, add_special_tokens=add_special)), strs
 
 
 def parse_detokenize(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) -> list[int]:
     """Validate a `/detokenize` body; returns the token ids."""
+    return run_steps(detokenize_steps(body, tokenizer, limits))
+
+
+def detokenize_steps(body: object, tokenizer: Llama3Tokenizer, limits: ServingLimits) -> Steps[list[int]]:
+    """`parse_detokenize` in steps (Rule 4)."""
     if not isinstance(body, Mapping):
         raise _bad("Request body must be a JSON object")
     _model(body, limits)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in tokens
-    ):
+    if not isinstance(tokens, list) or not (yield from _all_ints(tokens)):
         raise _bad("tokens: Input should be a valid list of integers", "tokens")
-    bad = [t for t in tokens if not tokenizer.is_known(t)]
-    if bad:
-        raise _bad(f"Token id {bad[0]} is out of vocabulary", "tokens")
-    return [int(t) for t in tokens]
+    _check_vocabulary(tokens, tokenizer, "tokens")
+    return tokens

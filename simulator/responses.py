@@ -6,24 +6,49 @@ Invariants:
 - Rule 2: `kv_transfer_params` appears on the non-streaming body (null unless set) and, when streaming,
   only on the chunk that carries `finish_reason`.
 - Rule 3: SSE framing is `data: <compact json>\\n\\n`, ending with `data: [DONE]\\n\\n`.
+- Rule 4: a reply whose size follows the request's (`/tokenize`) is serialized in steps
+  (`simulator.protocol` Rule 4), so that a huge one does not hold the event loop.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.protocol import GenerationRequest
+from simulator.protocol import SLICE_ITEMS, GenerationRequest, Steps
 
-__all__ = ["SSE_DONE", "ResponseRenderer", "Usage", "sse_event"]
+__all__ = ["SSE_DONE", "ResponseRenderer", "Usage", "sse_event", "tokenize_body_steps"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def tokenize_body_steps(
+    ids: list[int], *, max_model_len: int, token_str: Callable[[int], str] | None
+) -> Steps[str]:
+    """The `/tokenize` reply `{count, max_model_len, tokens, token_strs}` as JSON text, `SLICE_ITEMS`
+    tokens per step (Rule 4); `token_strs` is null unless `token_str` is given."""
+    out = [f'{{"count": {len(ids)}, "max_model_len": {max_model_len}, "tokens": [']
+    for start in range(0, len(ids), SLICE_ITEMS):
+        out.append((", " if start else "") + json.dumps(ids[start : start + SLICE_ITEMS])[1:-1])
+        yield
+    out.append('], "token_strs": ')
+    if token_str is None:
+        out.append("null")
+    else:
+        out.append("[")
+        for start in range(0, len(ids), SLICE_ITEMS):
+            strs = [token_str(i) for i in ids[start : start + SLICE_ITEMS]]
+            out.append((", " if start else "") + json.dumps(strs)[1:-1])
+            yield
+        out.append("]")
+    out.append("}")
+    return "".join(out)
 
 
 @dataclass(frozen=True, slots=True)

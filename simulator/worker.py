@@ -28,6 +28,10 @@ Invariants:
 - Rule 4: concurrency is one event loop: handlers, the driver task and the fabric's timer task share
   state without locks; anything that outlives a request (side-channel calls, going down) is a task held
   in `_tasks` and cancelled by `stop()`.
+- Rule 5: no request holds the loop for long. Bodies are capped (`max_body_bytes`, 413), and parsing and
+  tokenization run as `simulator.protocol` steps with a loop turn between slices, so the other workers
+  of the process keep their step deadlines and SIGTERM is seen. Once `stop()` has begun, a request still
+  being parsed is answered 503 at its next slice, and handlers get `_SHUTDOWN_GRACE_S` to finish.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import aiohttp
 from aiohttp import web
@@ -57,13 +61,14 @@ from simulator.metrics import FinishedRequest, WorkerMetrics
 from simulator.protocol import (
     GenerationRequest,
     ServingLimits,
-    parse_chat,
-    parse_completion,
-    parse_detokenize,
-    parse_tokenize,
+    Steps,
+    chat_steps,
+    completion_steps,
+    detokenize_steps,
+    tokenize_steps,
 )
 from simulator.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
-from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event
+from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event, tokenize_body_steps
 from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
 from simulator.tokenizer import Llama3Tokenizer
 from simulator.worker_settings import WorkerSettings
@@ -76,7 +81,10 @@ VLLM_VERSION = "0.33.0"
 _MODEL_ROUTES = ("/v1/", "/tokenize", "/detokenize")
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 _INTERNAL_ERROR = "Internal server error"
+_SHUTTING_DOWN = "The server is shutting down"
+_SHUTDOWN_GRACE_S = 3.0  # how long stop() lets requests in flight finish before cancelling them
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -120,6 +128,7 @@ class Worker:
         self._timing = timing
         self._board = board if board is not None else DeadlineBoard()  # shared by the drivers of one loop
         self._generation_requests = 0
+        self._closing = False  # stop() has begun: requests still being parsed are answered 503
         self._down = False  # requests are cut from the moment a crash is decided
         self._going_down = False  # the crash (closing the port, dropping the engine) has started
         self._restore_task: asyncio.Task[None] | None = None
@@ -177,7 +186,11 @@ class Worker:
     async def start(self) -> None:
         self.driver.start()
         self._runner = web.AppRunner(
-            self.app, access_log=None, handle_signals=False, handler_cancellation=True
+            self.app,
+            access_log=None,
+            handle_signals=False,
+            handler_cancellation=True,
+            shutdown_timeout=_SHUTDOWN_GRACE_S,
         )
         await self._runner.setup()
         await self._listen(self.settings.port)
@@ -192,7 +205,12 @@ class Worker:
         if addresses:
             self.port = int(addresses[0][1])
 
+    def begin_stop(self) -> None:
+        """Refuse the requests still being parsed from now on (`stop()` does this first)."""
+        self._closing = True
+
     async def stop(self) -> None:
+        self.begin_stop()
         pending = [*self._tasks, *([self._restore_task] if self._restore_task is not None else [])]
         for task in pending:
             task.cancel()
@@ -312,6 +330,19 @@ class Worker:
         return web.Response(status=503)
 
     # ------------------------------------------------------------------ small routes
+    async def _run_steps(self, steps: Steps[T]) -> T:
+        """Run a parser's steps with a loop turn between slices (Rule 5)."""
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                value: T = done.value
+                return value
+            await asyncio.sleep(0)
+            if self._closing:
+                steps.close()
+                raise ApiError(503, _SHUTTING_DOWN)
+
     async def _read_json(self, request: web.Request) -> Any:
         raw = await request.read()
         try:
@@ -364,14 +395,15 @@ class Worker:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
-        ids, with_strs = parse_tokenize(await self._read_json(request), self.tokenizer, self.limits)
-        strs = [self.tokenizer.token_str(i) for i in ids] if with_strs else None
-        body = {"count": len(ids), "max_model_len": self.settings.max_model_len, "tokens": ids}
-        body["token_strs"] = strs
-        return web.json_response(body)
+        body = await self._read_json(request)
+        ids, with_strs = await self._run_steps(tokenize_steps(body, self.tokenizer, self.limits))
+        token_str = self.tokenizer.token_str if with_strs else None
+        reply = tokenize_body_steps(ids, max_model_len=self.settings.max_model_len, token_str=token_str)
+        return web.Response(text=await self._run_steps(reply), content_type="application/json")
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        ids = parse_detokenize(await self._read_json(request), self.tokenizer, self.limits)
+        body = await self._read_json(request)
+        ids = await self._run_steps(detokenize_steps(body, self.tokenizer, self.limits))
         return web.json_response({"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)})
 
     async def _load(self, request: web.Request) -> web.Response:
@@ -581,7 +613,7 @@ class Worker:
         source = self.fabric.source(remote.engine_id)
         if source is not None:
             source.release_lease(remote.remote_request_id, now)
-        elif remote.host and remote.port:
+        elif remote.host and remote.port and not self._closing:  # no new side-channel call once stopping
             task = asyncio.create_task(self._side_channel(remote, "release"))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -590,7 +622,7 @@ class Worker:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         try:
-            req = parse_completion(body, self.tokenizer, self.limits)
+            req = await self._run_steps(completion_steps(body, self.tokenizer, self.limits))
         except ApiError:
             self._release_rejected(body)
             raise
@@ -599,7 +631,7 @@ class Worker:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)
         try:
-            req = parse_chat(body, self.tokenizer, self.limits)
+            req = await self._run_steps(chat_steps(body, self.tokenizer, self.limits))
         except ApiError:
             self._release_rejected(body)
             raise

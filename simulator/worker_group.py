@@ -114,6 +114,8 @@ class WorkerGroup:
                         )
 
     async def stop(self) -> None:
+        for w in self.workers:  # every worker refuses half-parsed requests before the first one waits
+            w.begin_stop()
         for w in self.workers:
             await w.stop()
         await self.fabric.stop()

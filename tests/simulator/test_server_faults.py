@@ -281,7 +281,7 @@ async def test_an_unexpected_error_is_a_500_and_the_worker_lives_on(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(simulator.worker, "parse_completion", broken)
+    monkeypatch.setattr(simulator.worker, "completion_steps", broken)
     url = group.worker("D0").url
     status, body = await complete(url)
     assert status == 500

@@ -14,6 +14,7 @@ import pytest
 
 from simulator import native_build
 from simulator.cli import main as cli_main
+from tests.support.ci import require_tool
 
 # Preemption (small KV cache) and timeouts, both modes: the paths where a difference would show.
 SCRIPT = """
@@ -46,8 +47,8 @@ def _simulate_in_subprocess(cwd: Path, pythonpath: Path | None) -> dict[str, Any
     return result
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="mypyc needs a C compiler")
 def test_native_core_gives_byte_identical_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    require_tool("cc", "mypyc needs a C compiler")
     out = tmp_path / "native"
     assert cli_main(["build-native", "--out", str(out)]) == 0
     line = json.loads(capsys.readouterr().out)
