@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -164,6 +166,24 @@ def test_a_non_streaming_client_disconnect_aborts_the_request_on_the_worker(
     # The client went away before any answer: the worker must drop the request.
     eventually(lambda: running() == 0, what="the request aborted on its worker")
     assert sum(cluster.metric(d, "vllm:generation_tokens_total") for d in decodes) - generated < 3000
+
+
+def test_a_short_sharegpt_load_run_completes(cluster: Cluster, gateway: Process, tmp_path: Path) -> None:
+    out = tmp_path / "records.jsonl"
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "table_builder.bench_cli", "run",
+            "--url", f"http://127.0.0.1:{gateway.ready['http']}", "--workload", "sharegpt",
+            "--qps", "2", "--duration", "3", "--turns", "2", "--out", str(out), "--model", cluster.model,
+            "--max-context-tokens", "3000", "--max-output-tokens", "32", "--no-progress",
+        ],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records
+    assert all(r["ok"] for r in records), [r.get("error") for r in records if not r["ok"]]
+    assert {r["turn"] for r in records} == {1, 2}
 
 
 @pytest.mark.crashes_workers
