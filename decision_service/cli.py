@@ -46,7 +46,10 @@ def _parser(defaults: Settings) -> argparse.ArgumentParser:
     run.add_argument(
         "--default-key",
         default=defaults.default_key,
-        help="table key (<shape>/<model>) for requests without one; default: the first key in sorted order",
+        help=(
+            "table key (<shape>/<model>) for requests without one; default: the first key in sorted order "
+            "at the first load, pinned for the life of the process"
+        ),
     )
     run.add_argument(
         "--reload-interval",

@@ -30,8 +30,8 @@ class Settings:
     port: int = 0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
-    # Table key ("<shape>/<model>") answering requests without one. None: the only table when
-    # exactly one is loaded, else the first key in sorted order.
+    # Table key ("<shape>/<model>") answering requests without one. None: the first key in sorted
+    # order when tables first load, pinned for the life of the process (never re-pointed).
     default_key: str | None = None
     # Seconds between two stat() polls of the tables directory.
     reload_interval_s: float = 1.0

@@ -176,3 +176,16 @@ def test_any_single_byte_corruption_is_rejected_cleanly(position: int, xor: int)
     good[i] ^= xor or 1
     with pytest.raises(TableError):
         Table.from_bytes(bytes(good))
+
+
+def test_an_open_table_never_sees_its_file_rewritten_in_place(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "t.ppdt", synthetic_spec(seed=1))
+    table = Table.open(path)
+    before = table.figures.copy()
+    other = encode_table(synthetic_spec(seed=2))
+    assert len(other) == path.stat().st_size
+    with open(path, "r+b") as fh:  # same size, same inode: what `cp` over the file does
+        fh.write(other)
+    assert np.array_equal(table.figures, before)
+    assert not table.figures.flags.writeable
+    assert table.measured(1, 0, 0)
