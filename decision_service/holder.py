@@ -281,7 +281,9 @@ class TableHolder:
                 self._log_default_missing(default_key, routers)
         elif self._default_missing or not self._default_served_once:
             if self._default_served_once:
-                logger.warning("default table %s is back; requests without a table_key are served again", default_key)
+                logger.warning(
+                    "default table %s is back; requests without a table_key are served again", default_key
+                )
             elif self._default_configured:
                 logger.info("requests without a table_key go to %s", default_key)
             self._default_missing = False

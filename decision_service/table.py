@@ -15,11 +15,12 @@ the default decision, live-signal limits and provenance. The one array, ``figure
 (context, workload, qps, len(FIGURES)).
 
 Rule 1: a file is validated completely (checksum, header, axes against arrays, finite figures) before a
-``Table`` exists; a ``Table`` is therefore always good. Rule 3: ``Table.open`` reads the whole file into
-private memory once and validates that copy; nothing served ever reads the file again, so a file changed in
-place under a served table (truncated, overwritten) can neither crash the reader (no mapping to fault on)
-nor change what one RPC sees compared with another (the arrays are read-only views of immutable bytes). Rule 2: writing is deterministic (sorted JSON keys,
+``Table`` exists; a ``Table`` is therefore always good. Rule 2: writing is deterministic (sorted JSON keys,
 no clock): the same spec gives the same bytes. Publishing is atomic (temp file, fsync, rename).
+Rule 3: ``Table.open`` reads the whole file into private memory once and validates that copy; nothing
+served reads the file again. A file changed in place under a served table (truncated, overwritten) can
+therefore neither crash the reader (there is no mapping to fault on) nor change what one RPC sees
+compared with another (the arrays are read-only views of immutable bytes).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ Run against a real `serve` process, so that a crash fails this test instead of k
 
 from __future__ import annotations
 
+import asyncio
 import os
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -27,9 +28,12 @@ pytestmark = pytest.mark.integration
 
 
 def rejected_as(served: ServeProcess, reason: str) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
+    def scrape() -> str:
         with urllib.request.urlopen(served.metrics_url, timeout=10) as response:
-            text: str = response.read().decode()
+            return str(response.read().decode())
+
+    async def check() -> bool:
+        text = await asyncio.to_thread(scrape)
         return f'ppd_table_reloads_total{{result="{reason}"}} 1.0' in text
 
     return check
@@ -37,6 +41,11 @@ def rejected_as(served: ServeProcess, reason: str) -> Callable[[], Awaitable[boo
 
 def _figures(described: pb.DescribeTableResponse) -> np.ndarray:
     return np.array([[getattr(cell, name) for name in FIGURES] for cell in described.cells])
+
+
+def _rewrite_in_place(path: Path, blob: bytes) -> None:
+    with open(path, "r+b") as fh:  # same inode: what `cp` over a served file does
+        fh.write(blob)
 
 
 async def _assert_serves(stub: pb_grpc.DecisionServiceAsyncStub, expected: Table) -> None:
@@ -68,8 +77,7 @@ async def test_a_table_file_changed_in_place_neither_crashes_nor_splits_the_rpcs
             corrupt = bytearray(table_bytes(seed=2))
             corrupt[-1] ^= 0xFF
             assert len(corrupt) == path.stat().st_size
-            with open(path, "r+b") as fh:
-                fh.write(corrupt)
+            await asyncio.to_thread(_rewrite_in_place, path, bytes(corrupt))
             await eventually(rejected_as(served, "checksum"))
             await _assert_serves(stub, served_table)
 

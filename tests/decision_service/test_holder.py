@@ -272,7 +272,9 @@ def test_a_duplicate_gets_in_once_the_key_is_free(tables_dir: Path, metrics: Dec
     assert reloads(metrics, "duplicate_key") == 1
 
 
-def test_the_implicit_default_is_pinned_at_first_load(tables_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_implicit_default_is_pinned_at_first_load(
+    tables_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     write_table_file(tables_dir / "b.ppdt", key=OTHER_KEY)
     holder = TableHolder(tables_dir)
     with caplog.at_level(logging.INFO, logger="decision_service.holder"):
