@@ -344,7 +344,7 @@ def bench_core(loops: int) -> dict[str, float]:
         holder = TableHolder(Path(folder), listener=metrics)
         holder.scan()
         servicer = DecisionServicer(holder, metrics)
-        handler = per_call(lambda: servicer._decide(_REQUEST))
+        handler = per_call(lambda: servicer._decide(_REQUEST, holder.current))
     return {
         "route_us": per_call(lambda: router.route(query)),
         "check_and_route_us": per_call(lambda: checked_route(query)),
