@@ -47,8 +47,9 @@ _Context = grpc.aio.ServicerContext
 _DECISION = (pb.DECISION_PD, pb.DECISION_LOCAL)  # indexed by Verdict.local
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecisionService"].full_name
 
-# Batch items decided between two turns of the event loop: ~1 ms of handler time on a slow core.
-BATCH_SLICE: Final = 256
+# Batch items decided between two turns of the event loop (about 0.2 ms of handler time on a quiet
+# core). A unary call needs several turns of the loop to be answered, each waiting for one slice.
+BATCH_SLICE: Final = 32
 DEFAULT_MAX_BATCH_ITEMS: Final = 4096
 
 
@@ -209,12 +210,13 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
             await context.abort(_INVALID_ARGUMENT, why)
         decide = self._decide_item
         tables = self._holder.current  # one snapshot for the whole batch, even across a reload
-        responses: list[pb.RouteResponse] = []
+        answer = pb.RouteBatchResponse()
+        responses = answer.responses
         for start in range(0, len(items), BATCH_SLICE):
             if start:
                 await asyncio.sleep(0)  # let unary calls and streams in between slices
-            responses.extend(decide(item, tables) for item in items[start : start + BATCH_SLICE])
-        return pb.RouteBatchResponse(responses=responses)
+            responses.extend([decide(item, tables) for item in items[start : start + BATCH_SLICE]])
+        return answer
 
     async def RouteStream(  # noqa: N802
         self,
