@@ -30,12 +30,13 @@ import grpc
 from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, QueryError, Router, Verdict, check_query
+from decision_service.settings import DEFAULT_MAX_BATCH_ITEMS
 from decision_service.table import FORMAT_VERSION, Table, Weights
 from decision_service.wire import Malformed, RateLimitedLog, exactly_one, lenient
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 
-__all__ = ["BATCH_SLICE", "DEFAULT_MAX_BATCH_ITEMS", "DecisionServicer", "add_to_server"]
+__all__ = ["BATCH_SLICE", "DecisionServicer", "add_to_server"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["DecisionService"].full_name
 # Batch items decided between two turns of the event loop (about 0.2 ms of handler time on a quiet
 # core). A unary call needs several turns of the loop to be answered, each waiting for one slice.
 BATCH_SLICE: Final = 32
-DEFAULT_MAX_BATCH_ITEMS: Final = 4096
 
 
 class _Failure:

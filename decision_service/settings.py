@@ -15,9 +15,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Settings", "SettingsError"]
+__all__ = ["DEFAULT_MAX_BATCH_ITEMS", "Settings", "SettingsError"]
 
 _ENV_PREFIX = "PPD_DECISION_"
+DEFAULT_MAX_BATCH_ITEMS = 4096
 
 
 class SettingsError(ValueError):
@@ -43,7 +44,7 @@ class Settings:
     # Bind with SO_REUSEPORT so several processes share one port (implied by workers > 1).
     reuse_port: bool = False
     # Requests one RouteBatch may carry; a larger batch is refused whole (INVALID_ARGUMENT).
-    max_batch_items: int = 4096
+    max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS
     # Largest request message gRPC accepts (RESOURCE_EXHAUSTED beyond it); bounds what one frame costs
     # to parse before any limit is checked. 1 MiB holds a max-size batch with 200-byte request ids.
     max_message_bytes: int = 1 << 20
