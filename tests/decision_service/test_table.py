@@ -97,6 +97,7 @@ def test_negative_figure_is_rejected() -> None:
 @pytest.mark.parametrize("name", sorted(bad_cases()))
 def test_each_figure_and_header_check_has_a_fixture_and_rejects_it(name: str) -> None:
     reason, _, phrase = bad_cases()[name]
+    assert name.startswith(f"{reason}--")
     with pytest.raises(TableError) as info:
         Table.open(FIXTURES / f"bad_{name}.ppdt")
     assert info.value.reason == reason

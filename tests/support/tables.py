@@ -140,42 +140,43 @@ def bad_fixtures() -> dict[str, bytes]:
 
 def bad_cases() -> dict[str, tuple[str, bytes, str]]:
     """More corrupt files, one per check behind the `figures` and `header` reasons:
-    name -> (the reason the reader must give, the bytes, a phrase its message must hold)."""
+    "<reason>--<check>" -> (the reason the reader must give, the bytes, a phrase its message must hold).
+    The file name is `bad_<reason>--<check>.ppdt`: what precedes "--" is the reason, as for the others."""
     good = encode_table(synthetic_spec())
     return {
-        "figures_success_above_one": (
+        "figures--success_above_one": (
             "figures",
             _with_figures(_set_figure(_PD_SUCCESS, 1.5)),
             "success rates must be within 0..1",
         ),
-        "figures_zero_ttft": ("figures", _with_figures(_set_figure(_PD_TTFT, 0.0)), "zero TTFT or TPOT"),
-        "figures_zero_tpot": ("figures", _with_figures(_set_figure(_PD_TPOT, 0.0)), "zero TTFT or TPOT"),
-        "header_key_mismatch": (
+        "figures--zero_ttft": ("figures", _with_figures(_set_figure(_PD_TTFT, 0.0)), "zero TTFT or TPOT"),
+        "figures--zero_tpot": ("figures", _with_figures(_set_figure(_PD_TPOT, 0.0)), "zero TTFT or TPOT"),
+        "header--key_mismatch": (
             "header",
             patch_header(good, _set(("key",), "2P2D/llama-3.1-8b")),
             "is not shape/model",
         ),
-        "header_default_decision": (
+        "header--default_decision": (
             "header",
             patch_header(good, _set(("default_decision",), "maybe")),
             "default_decision must be 'pd' or 'local'",
         ),
-        "header_min_success_above_one": (
+        "header--min_success_above_one": (
             "header",
             patch_header(good, _set(("slo", "min_success"), 1.5)),
             "must be within 0..1",
         ),
-        "header_kv_limit_negative": (
+        "header--kv_limit_negative": (
             "header",
             patch_header(good, _set(("live", "max_decode_kv_usage"), -0.5)),
             "must be within 0..1",
         ),
-        "header_array_dtype": (
+        "header--array_dtype": (
             "header",
             patch_header(good, lambda h: h["arrays"][0].update(dtype="<f4")),
             "expected one <f8 array 'figures'",
         ),
-        "header_array_offset": (
+        "header--array_offset": (
             "header",
             patch_header(good, lambda h: h["arrays"][0].update(offset=h["arrays"][0]["offset"] - 64)),
             "does not end where the content ends",
