@@ -9,6 +9,8 @@ is the client. Server CPU is read from /proc/<pid>/stat (all threads), RSS from 
 - scaling: unary decisions/s with 1..N server processes on one port (SO_REUSEPORT)
 - core: in-process cost of check_query + Router.route (target <= 1 us)
 - memory: server RSS after warm-up vs after --rss-calls Route calls and --reloads reloads (target: within 10%)
+- contention: Route latency (1 in flight) while another process keeps max-size RouteBatch calls
+  (--max-batch-items, 4096) running, next to the same latency alone: what a batch costs unary callers
 
 Nothing here asserts: it prints figures (and `--json` writes them) for a person or a report to judge.
 `--small` runs every part at a size that fits the test suite.
@@ -27,7 +29,7 @@ import sys
 import tempfile
 import time
 import timeit
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,6 +44,7 @@ from decision_service.holder import TableHolder
 from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, Router, check_query
 from decision_service.servicer import DecisionServicer
+from decision_service.settings import Settings
 from decision_service.table import FIGURES, SUFFIX, Table, TableSpec, Weights, encode_table, write_table
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
@@ -73,6 +76,7 @@ class BenchConfig:
     rss_calls: int = 1_000_000
     reloads: int = 100
     core_loops: int = 1_000_000
+    contention_calls: int = 5_000
 
     @classmethod
     def small(cls) -> BenchConfig:
@@ -87,6 +91,7 @@ class BenchConfig:
             rss_calls=2_000,
             reloads=3,
             core_loops=20_000,
+            contention_calls=200,
         )
 
 
@@ -97,6 +102,8 @@ class Figures:
     scaling: dict[str, float] = field(default_factory=dict)
     core_us: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
+    # Route latency next to max-size RouteBatch calls, and alone.
+    contention: dict[str, float] = field(default_factory=dict)
     # The same measurements against an empty handler: what plain grpc.aio costs on this machine.
     floor: dict[str, dict[str, float]] = field(default_factory=dict)
     floor_latency_us: dict[str, float] = field(default_factory=dict)
@@ -226,6 +233,41 @@ async def _serve_floor() -> None:
     await server.stop(None)
 
 
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+def _batch_load(target: str, items: int) -> None:
+    """`--batch-load`: max-size RouteBatch calls back to back until SIGTERM, then one JSON line."""
+    stop = False
+
+    def stopping(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, stopping)
+    raw = pb.RouteBatchRequest(requests=[_REQUEST] * items).SerializeToString()  # once: a cheap client
+    batches = 0
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(
+            "/ppd.decision.v1.DecisionService/RouteBatch",
+            request_serializer=_identity,
+            response_deserializer=_identity,
+        )
+        answer = pb.RouteBatchResponse.FromString(call(raw))
+        if len(answer.responses) != items or answer.responses[0].HasField("error"):
+            raise RuntimeError(f"a batch of {items} was not answered item by item")
+        sys.stdout.write(json.dumps({"ready": True}) + "\n")
+        sys.stdout.flush()
+        start = time.perf_counter()
+        while not stop:
+            call(raw)
+            batches += 1
+        elapsed = time.perf_counter() - start
+    sys.stdout.write(json.dumps({"batches": batches, "seconds": elapsed}) + "\n")
+    sys.stdout.flush()
+
+
 # --- clients ------------------------------------------------------------------------------------
 
 
@@ -344,7 +386,7 @@ def bench_core(loops: int) -> dict[str, float]:
         holder = TableHolder(Path(folder), listener=metrics)
         holder.scan()
         servicer = DecisionServicer(holder, metrics)
-        handler = per_call(lambda: servicer._decide(_REQUEST))
+        handler = per_call(lambda: servicer._decide(_REQUEST, holder.current))
     return {
         "route_us": per_call(lambda: router.route(query)),
         "check_and_route_us": per_call(lambda: checked_route(query)),
@@ -383,6 +425,44 @@ def bench_memory(tables: Path, config: BenchConfig) -> dict[str, float]:
             "route_calls": done, "reloads": config.reloads}  # fmt: skip
 
 
+def bench_contention(
+    server: ServerProcess, config: BenchConfig, alone: Mapping[str, float]
+) -> dict[str, float]:
+    """Route latency while a second client process keeps max-size batches running on the server."""
+    items = Settings().max_batch_items
+    command = [
+        sys.executable,
+        "-m",
+        "decision_service.bench",
+        "--batch-load",
+        server.target,
+        "--batch-items",
+        str(items),
+    ]
+    loader = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert loader.stdout is not None
+        if not loader.stdout.readline():
+            raise RuntimeError(f"the batch loader exited with {loader.wait()} before its first batch")
+        during = measure_latency(server.target, config.contention_calls)
+        loader.send_signal(signal.SIGTERM)
+        done = json.loads(loader.stdout.readline())
+    finally:
+        if loader.poll() is None:
+            loader.kill()
+        loader.wait()
+        if loader.stdout is not None:
+            loader.stdout.close()
+    return {
+        "batch_items": items,
+        "batches_per_s": done["batches"] / done["seconds"],
+        "p50_us": during["p50"],
+        "p99_us": during["p99"],
+        "alone_p50_us": alone["p50"],
+        "alone_p99_us": alone["p99"],
+    }
+
+
 def run(config: BenchConfig, *, out: Any = None) -> Figures:
     """Run every part and print one line per figure to `out` (default: stdout)."""
     out = sys.stdout if out is None else out
@@ -406,6 +486,14 @@ def run(config: BenchConfig, *, out: Any = None) -> Figures:
             say(
                 f"Route latency, 1 in flight, {config.latency_calls} calls: p50 {lat['p50']:.0f} us, "
                 f"p90 {lat['p90']:.0f} us, p99 {lat['p99']:.0f} us, p99.9 {lat['p999']:.0f} us"
+            )
+            figures.contention = bench_contention(server, config, figures.latency_us)
+            con = figures.contention
+            say(
+                f"Route latency while {con['batch_items']:.0f}-item RouteBatch calls run "
+                f"({con['batches_per_s']:.1f} batches/s): "
+                f"p50 {con['p50_us']:.0f} us, p99 {con['p99_us']:.0f} us "
+                f"(alone: p50 {con['alone_p50_us']:.0f} us, p99 {con['alone_p99_us']:.0f} us)"
             )
             runs = {
                 "unary": (
@@ -474,12 +562,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--small", action="store_true", help="a quick run at test-suite size")
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-load", metavar="TARGET", help=argparse.SUPPRESS)
+    parser.add_argument("--batch-items", type=int, default=Settings().max_batch_items, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     parser.add_argument("--rss-calls", type=int, help="Route calls in the memory run (default 1,000,000)")
     parser.add_argument("--max-workers", type=int, help="largest number of server processes to scale to")
     args = parser.parse_args(argv)
     if args.serve_floor:
         uvloop.run(_serve_floor())
+        return 0
+    if args.batch_load:
+        _batch_load(args.batch_load, args.batch_items)
         return 0
     config = BenchConfig.small() if args.small else BenchConfig()
     overrides: dict[str, int] = {}

@@ -46,7 +46,10 @@ def _parser(defaults: Settings) -> argparse.ArgumentParser:
     run.add_argument(
         "--default-key",
         default=defaults.default_key,
-        help="table key (<shape>/<model>) for requests without one; default: the first key in sorted order",
+        help=(
+            "table key (<shape>/<model>) for requests without one; default: the first key in sorted order "
+            "at the first load, pinned for the life of the process"
+        ),
     )
     run.add_argument(
         "--reload-interval",
@@ -68,6 +71,27 @@ def _parser(defaults: Settings) -> argparse.ArgumentParser:
         action="store_true",
         default=defaults.reuse_port,
         help="bind with SO_REUSEPORT so other processes may serve the same port",
+    )
+    run.add_argument(
+        "--max-batch-items",
+        type=int,
+        default=defaults.max_batch_items,
+        help="requests one RouteBatch may carry; more is INVALID_ARGUMENT (default %(default)s)",
+    )
+    run.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=defaults.max_message_bytes,
+        help="largest request message accepted; more is RESOURCE_EXHAUSTED (default %(default)s)",
+    )
+    run.add_argument(
+        "--keepalive-min-ping-interval",
+        type=float,
+        default=defaults.keepalive_min_ping_interval_s,
+        help=(
+            "seconds: clients may ping this often, calls in flight or not; faster pings get GOAWAY "
+            "too_many_pings (default %(default)s; clients should ping at twice this or slower)"
+        ),
     )
     run.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
     return parser
@@ -103,6 +127,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             grace_s=args.grace,
             workers=args.workers,
             reuse_port=args.reuse_port or args.workers > 1,
+            max_batch_items=args.max_batch_items,
+            max_message_bytes=args.max_message_bytes,
+            keepalive_min_ping_interval_s=args.keepalive_min_ping_interval,
         )
     except SettingsError as exc:
         sys.stderr.write(f"ppd-decision serve: {exc}\n")

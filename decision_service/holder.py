@@ -11,6 +11,11 @@ Invariants:
    so a bad file yields one log line, not one per poll.
 4. Scans never overlap: `refresh()` serialises them with a lock and runs the blocking file work on
    a worker thread, off the event loop.
+5. The default key (requests without a `table_key`) never changes silently. Without a configured one,
+   the first key in sorted order is pinned the first time any table loads, for the life of the
+   holder. When the default table goes (its file removed or now holding another key), key-less
+   requests get UNAVAILABLE and the set is not `ready` (health NOT_SERVING) until it returns; the
+   loss is logged once at ERROR, the return at WARNING. They are never re-pointed to another table.
 """
 
 from __future__ import annotations
@@ -106,7 +111,11 @@ class TableHolder:
         listener: ReloadListener | None = None,
     ) -> None:
         self.directory = directory
-        self._configured_default = default_key
+        # The configured default, or once pinned (invariant 5) the implicit one; never changes after.
+        self._default_key = default_key
+        self._default_configured = default_key is not None
+        self._default_served_once = False
+        self._default_missing = False
         self._listener = listener
         self._loaded: dict[Path, _Loaded] = {}
         self._rejected: dict[Path, tuple[_Signature, str]] = {}
@@ -250,20 +259,51 @@ class TableHolder:
         entries = sorted(self._loaded.values(), key=lambda entry: entry.path)
         routers = {entry.table.key: entry.router for entry in entries}
         files = {entry.table.key: entry.path for entry in entries}
-        default_key = self._configured_default
-        if default_key is None and routers:
-            default_key = min(routers)
+        if self._default_key is None and routers:
+            self._default_key = min(routers)
+            others = ", ".join(key for key in sorted(routers) if key != self._default_key)
+            logger.info(
+                "requests without a table_key go to %s, pinned for the life of this process "
+                "(no --default-key given%s)",
+                self._default_key,
+                f"; also serving {others}" if others else "",
+            )
+        default_key = self._default_key
         default = None if default_key is None else routers.get(default_key)
-        if default_key != self.current.default_key and default is not None:
-            logger.info("requests without a table_key now go to %s", default_key)
         self.current = TableSet(routers=routers, files=files, default_key=default_key, default=default)
         if self._listener is not None:
             self._listener.tables_changed((e.table.key, e.table.version, e.path) for e in entries)
-        if default_key is not None and default is None:
+        if default_key is None:
+            return
+        if default is None:
+            if not self._default_missing:
+                self._default_missing = True
+                self._log_default_missing(default_key, routers)
+        elif self._default_missing or not self._default_served_once:
+            if self._default_served_once:
+                logger.warning(
+                    "default table %s is back; requests without a table_key are served again", default_key
+                )
+            elif self._default_configured:
+                logger.info("requests without a table_key go to %s", default_key)
+            self._default_missing = False
+            self._default_served_once = True
+
+    def _log_default_missing(self, default_key: str, routers: Mapping[str, Router]) -> None:
+        served = ", ".join(sorted(routers)) or "nothing"
+        if self._default_served_once:
+            logger.error(
+                "default table %s is gone (serving: %s); requests without a table_key get UNAVAILABLE "
+                "and health is NOT_SERVING until it returns%s",
+                default_key,
+                served,
+                "" if self._default_configured else "; the implicit default stays pinned, never re-pointed",
+            )
+        else:
             logger.warning(
                 "default table key %s is not loaded (serving: %s); requests without a key get UNAVAILABLE",
                 default_key,
-                ", ".join(sorted(routers)) or "nothing",
+                served,
             )
 
     def _report(self, result: str) -> None:

@@ -21,11 +21,11 @@ from grpc_reflection.v1alpha import reflection
 
 from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics, start_metrics_endpoint
-from decision_service.servicer import DecisionServicer
+from decision_service.servicer import DecisionServicer, add_to_server
 from decision_service.settings import Settings
-from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
+from ppd.decision.v1 import decision_pb2
 
-__all__ = ["SERVICE_NAME", "DecisionServer", "build_server", "serve"]
+__all__ = ["SERVICE_NAME", "DecisionServer", "build_server", "serve", "server_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +60,26 @@ class DecisionServer:
             await self.health.set(entry, status)
 
 
-def build_server(settings: Settings, holder: TableHolder, metrics: DecisionMetrics) -> DecisionServer:
-    """Register the services and bind the port; call `start()` on the result to serve."""
-    options = [
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """The gRPC core options of the server, from its settings."""
+    min_ping_ms = round(settings.keepalive_min_ping_interval_s * 1000)
+    return [
         # Several processes may share one port only when asked to (--workers/--reuse-port); by
         # default a second server on a busy port must fail instead of silently splitting traffic.
         ("grpc.so_reuseport", 1 if settings.reuse_port else 0),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        # Keepalive policy, agreed with the clients' keepalive (the gateway and Envoy ping every
+        # 10 s, also on a channel with no call in flight). gRPC's own default allows one ping per
+        # 5 minutes without data and answers the third early one with GOAWAY too_many_pings.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", min_ping_ms),
     ]
-    server = grpc.aio.server(options=options)
-    decision_pb2_grpc.add_DecisionServiceServicer_to_server(DecisionServicer(holder, metrics), server)
+
+
+def build_server(settings: Settings, holder: TableHolder, metrics: DecisionMetrics) -> DecisionServer:
+    """Register the services and bind the port; call `start()` on the result to serve."""
+    server = grpc.aio.server(options=server_options(settings))
+    add_to_server(DecisionServicer(holder, metrics, max_batch_items=settings.max_batch_items), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -3,7 +3,8 @@
 Only `cli.py` reads argv and the environment; everything below it receives a `Settings`.
 Environment variables (all optional) give the defaults the command-line flags override:
 PPD_DECISION_TABLES, PPD_DECISION_HOST, PPD_DECISION_PORT, PPD_DECISION_METRICS_PORT,
-PPD_DECISION_DEFAULT_KEY, PPD_DECISION_RELOAD_INTERVAL, PPD_DECISION_GRACE, PPD_DECISION_WORKERS.
+PPD_DECISION_DEFAULT_KEY, PPD_DECISION_RELOAD_INTERVAL, PPD_DECISION_GRACE, PPD_DECISION_WORKERS,
+PPD_DECISION_MAX_BATCH_ITEMS, PPD_DECISION_MAX_MESSAGE_BYTES, PPD_DECISION_KEEPALIVE_MIN_PING_INTERVAL.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Settings", "SettingsError"]
+__all__ = ["DEFAULT_MAX_BATCH_ITEMS", "Settings", "SettingsError"]
 
 _ENV_PREFIX = "PPD_DECISION_"
+DEFAULT_MAX_BATCH_ITEMS = 4096
 
 
 class SettingsError(ValueError):
@@ -30,8 +32,8 @@ class Settings:
     port: int = 0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
-    # Table key ("<shape>/<model>") answering requests without one. None: the only table when
-    # exactly one is loaded, else the first key in sorted order.
+    # Table key ("<shape>/<model>") answering requests without one. None: the first key in sorted
+    # order when tables first load, pinned for the life of the process (never re-pointed).
     default_key: str | None = None
     # Seconds between two stat() polls of the tables directory.
     reload_interval_s: float = 1.0
@@ -41,18 +43,31 @@ class Settings:
     workers: int = 1
     # Bind with SO_REUSEPORT so several processes share one port (implied by workers > 1).
     reuse_port: bool = False
+    # Requests one RouteBatch may carry; a larger batch is refused whole (INVALID_ARGUMENT).
+    max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS
+    # Largest request message gRPC accepts (RESOURCE_EXHAUSTED beyond it); bounds what one frame costs
+    # to parse before any limit is checked. 1 MiB holds a max-size batch with 200-byte request ids.
+    max_message_bytes: int = 1 << 20
+    # Keepalive policy: the shortest interval between a client's pings (with or without calls in
+    # flight) that is not "too many pings". Clients (the gateway, Envoy) ping every 10 s; half of that
+    # leaves room for timer jitter. Pings more often than this earn strikes and, after two, GOAWAY.
+    keepalive_min_ping_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise SettingsError(f"{name} must be in 0..65535, got {value}")
-        for name in ("reload_interval_s", "grace_s"):
+        for name in ("reload_interval_s", "grace_s", "keepalive_min_ping_interval_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise SettingsError(f"{name} must be a positive number of seconds, got {value}")
         if self.workers < 1:
             raise SettingsError(f"workers must be at least 1, got {self.workers}")
+        if self.max_batch_items < 1:
+            raise SettingsError(f"max_batch_items must be at least 1, got {self.max_batch_items}")
+        if self.max_message_bytes < 1024:
+            raise SettingsError(f"max_message_bytes must be at least 1024, got {self.max_message_bytes}")
         if self.default_key is not None and not self.default_key:
             raise SettingsError("default_key must not be empty")
 
@@ -69,6 +84,9 @@ class Settings:
             "RELOAD_INTERVAL": ("reload_interval_s", float),
             "GRACE": ("grace_s", float),
             "WORKERS": ("workers", int),
+            "MAX_BATCH_ITEMS": ("max_batch_items", int),
+            "MAX_MESSAGE_BYTES": ("max_message_bytes", int),
+            "KEEPALIVE_MIN_PING_INTERVAL": ("keepalive_min_ping_interval_s", float),
         }
         values: dict[str, Any] = {}
         for suffix, (name, convert) in converters.items():

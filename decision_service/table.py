@@ -17,15 +17,17 @@ the default decision, live-signal limits and provenance. The one array, ``figure
 Rule 1: a file is validated completely (checksum, header, axes against arrays, finite figures) before a
 ``Table`` exists; a ``Table`` is therefore always good. Rule 2: writing is deterministic (sorted JSON keys,
 no clock): the same spec gives the same bytes. Publishing is atomic (temp file, fsync, rename).
+Rule 3: ``Table.open`` reads the whole file into private memory once and validates that copy; nothing
+served reads the file again. A file changed in place under a served table (truncated, overwritten) can
+therefore neither crash the reader (there is no mapping to fault on) nor change what one RPC sees
+compared with another (the arrays are read-only views of immutable bytes).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
-import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -191,10 +193,10 @@ def write_table(path: str | os.PathLike[str], spec: TableSpec) -> Path:
 
 
 class Table:
-    """A validated, memory-mapped table. Immutable; ``close()`` releases the mapping."""
+    """A validated table held in private, immutable memory (see Rule 3). ``close()`` is kept for callers
+    that release tables explicitly; it only drops the arrays."""
 
     __slots__ = (
-        "_mmap",
         "axes",
         "default_decision",
         "default_weights",
@@ -212,8 +214,7 @@ class Table:
         "version",
     )
 
-    def __init__(self, parsed: _Parsed, path: Path | None, mapping: mmap.mmap | None) -> None:
-        self._mmap = mapping
+    def __init__(self, parsed: _Parsed, path: Path | None) -> None:
         self.path = path
         self.header = parsed.header
         self.axes = parsed.axes
@@ -233,39 +234,26 @@ class Table:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Table:
-        """Map and validate ``path``; raise TableError (never anything else for bad content)."""
+        """Read ``path`` into memory and validate that copy; raise TableError (never anything else for
+        bad content). A file being rewritten while it is read fails its checksum and is rejected."""
         p = Path(path)
         with open(p, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size == 0:
-                raise TableError("empty", f"{p} is an empty file")
-            mapping = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        try:
-            parsed = _decode(memoryview(mapping))
-        except BaseException:
-            # Views into the mapping may live on in the traceback; it is unmapped when they are freed.
-            with contextlib.suppress(BufferError):
-                mapping.close()
-            raise
-        return cls(parsed, p, mapping)
+            blob = fh.read()
+        if not blob:
+            raise TableError("empty", f"{p} is an empty file")
+        return cls(_decode(memoryview(blob)), p)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Table:
-        return cls(_decode(memoryview(blob)), None, None)
+        return cls(_decode(memoryview(bytes(blob))), None)
 
     def measured(self, c: int, w: int, q: int) -> bool:
         row = self.figures[c, w, q]
         return bool(row[6] > 0 and row[7] > 0)
 
     def close(self) -> None:
-        """Drop the mapping. Arrays of a closed table must not be used any more."""
+        """Drop the arrays. Arrays of a closed table must not be used any more."""
         self.figures = np.empty((0, 0, 0, len(FIGURES)))
-        if self._mmap is not None:
-            # A numpy view may still be alive (e.g. a DescribeTable in flight); the mapping is then
-            # released when that view is collected.
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
-            self._mmap = None
 
     def __repr__(self) -> str:
         return f"Table(key={self.key!r}, version={self.version!r}, path={str(self.path)!r})"

@@ -40,9 +40,12 @@ from gateway.settings import DecisionSettings
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 
 __all__ = [
+    "KEEPALIVE_TIMEOUT_MS",
+    "KEEPALIVE_TIME_MS",
     "DecisionClient",
     "LiveSignals",
     "RouteQuery",
+    "channel_options",
     "decision_from_response",
     "reopen_delays",
     "request_from_query",
@@ -62,6 +65,34 @@ _SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 _HealthWatch = grpc.aio.UnaryStreamMultiCallable[
     health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
 ]
+
+
+# Keepalive: a ping every 10 s, calls in flight or not, so a dead connection is found within 15 s.
+# It must agree with the server's policy, or the server answers GOAWAY too_many_pings: the decision
+# service accepts a ping every --keepalive-min-ping-interval seconds (5 by default, half of ours, to
+# leave room for timer jitter). Envoy's decision cluster pings its replicas at the same rate.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
+def channel_options(
+    lb_policy: str,
+    *,
+    keepalive_time_ms: int = KEEPALIVE_TIME_MS,
+    keepalive_timeout_ms: int = KEEPALIVE_TIMEOUT_MS,
+) -> list[tuple[str, str | int]]:
+    """The gRPC channel options of the gateway's connection to the DecisionService."""
+    return [
+        # round_robin spreads calls over every address a name resolves to (one per pod of a
+        # headless Service); pick_first keeps to one and fails over.
+        ("grpc.lb_policy_name", lb_policy),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive_timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
 
 
 def reopen_delays(first_s: float, most_s: float) -> Iterator[float]:
@@ -228,16 +259,7 @@ class DecisionClient:
             return
         self._channel = grpc.aio.insecure_channel(
             self._s.address,
-            options=[
-                # round_robin spreads calls over every address a name resolves to (one per pod of a
-                # headless Service); pick_first keeps to one and fails over.
-                ("grpc.lb_policy_name", self._s.lb_policy),
-                ("grpc.keepalive_time_ms", 10_000),
-                ("grpc.keepalive_timeout_ms", 5_000),
-                ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.initial_reconnect_backoff_ms", 200),
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ],
+            options=channel_options(self._s.lb_policy),
         )
         self._stub = decision_pb2_grpc.DecisionServiceStub(self._channel)
         self._channel.get_state(try_to_connect=True)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -41,11 +42,16 @@ class Running:
         return f"127.0.0.1:{self.server.port}"
 
 
-async def start_server(tables_dir: Path, *, default_key: str | None = None) -> Running:
+async def start_server(
+    tables_dir: Path, *, default_key: str | None = None, **settings_fields: Any
+) -> Running:
+    """A started server; `settings_fields` override other `Settings` fields (limits, keepalive)."""
     metrics = DecisionMetrics()
     holder = TableHolder(tables_dir, default_key=default_key, listener=metrics)
     await holder.refresh()
-    settings = Settings(tables_dir=tables_dir, host="127.0.0.1", port=0, default_key=default_key)
+    settings = Settings(
+        tables_dir=tables_dir, host="127.0.0.1", port=0, default_key=default_key, **settings_fields
+    )
     server = build_server(settings, holder, metrics)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

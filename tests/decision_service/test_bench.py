@@ -25,6 +25,7 @@ def test_small_run_prints_and_writes_every_figure(tmp_path: Path, capsys: pytest
         "2 server process(es) on one port",
         "memory: RSS",
         "floor (empty grpc.aio handler",
+        "Route latency while 4096-item RouteBatch calls run",
     ]
     for phrase in phrases:
         assert phrase in text
@@ -33,6 +34,9 @@ def test_small_run_prints_and_writes_every_figure(tmp_path: Path, capsys: pytest
     assert figures["memory"]["reloads"] == BenchConfig.small().reloads
     assert all(value > 0 for value in figures["scaling"].values())
     assert figures["latency_us"]["p50"] <= figures["latency_us"]["p99"]
+    assert figures["contention"]["batch_items"] == 4096
+    assert figures["contention"]["batches_per_s"] > 0
+    assert figures["contention"]["p50_us"] <= figures["contention"]["p99_us"]
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,7 +36,7 @@ def test_loads_every_valid_file_and_picks_a_default(tables_dir: Path, metrics: D
     report = holder.scan()
     assert len(report.loaded) == 2
     assert holder.current.keys() == [DEFAULT_KEY, OTHER_KEY]
-    assert holder.current.default_key == DEFAULT_KEY  # first in sorted order
+    assert holder.current.default_key == DEFAULT_KEY  # first in sorted order at the first load
     assert holder.current.ready
     assert reloads(metrics, "loaded") == 2
     assert metrics.registry.get_sample_value("ppd_tables_loaded") == 2
@@ -272,15 +272,64 @@ def test_a_duplicate_gets_in_once_the_key_is_free(tables_dir: Path, metrics: Dec
     assert reloads(metrics, "duplicate_key") == 1
 
 
-def test_the_default_follows_the_smallest_key_and_says_so(
+def test_the_implicit_default_is_pinned_at_first_load(
     tables_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     write_table_file(tables_dir / "b.ppdt", key=OTHER_KEY)
     holder = TableHolder(tables_dir)
     with caplog.at_level(logging.INFO, logger="decision_service.holder"):
         holder.scan()
+        write_table_file(tables_dir / "a.ppdt", key=DEFAULT_KEY)  # sorts first, arrives later
+        holder.scan()
+    assert holder.current.default_key == OTHER_KEY
+    default = holder.current.default
+    assert default is not None
+    assert default.table.key == OTHER_KEY
+    assert f"requests without a table_key go to {OTHER_KEY}, pinned" in caplog.text
+    assert f"go to {DEFAULT_KEY}" not in caplog.text
+
+
+def test_deleting_the_implicit_default_never_re_points_key_less_requests(
+    tables_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_table_file(tables_dir / "a.ppdt", key=DEFAULT_KEY)
+    write_table_file(tables_dir / "b.ppdt", key=OTHER_KEY)
+    holder = TableHolder(tables_dir)
+    holder.scan()
+    assert holder.current.default_key == DEFAULT_KEY
+    with caplog.at_level(logging.INFO, logger="decision_service.holder"):
+        (tables_dir / "a.ppdt").unlink()
+        holder.scan()
+        write_table_file(tables_dir / "c.ppdt", key="3P1D/llama-3.1-8b")  # another change while it is gone
+        holder.scan()
+    tables = holder.current
+    assert tables.default_key == DEFAULT_KEY  # still pinned, not the next key in sorted order
+    assert tables.default is None
+    assert not tables.ready
+    assert OTHER_KEY in tables.routers
+    gone = [r for r in caplog.records if "is gone" in r.getMessage()]
+    assert len(gone) == 1  # loud, and once
+    assert gone[0].levelno == logging.ERROR
+    assert DEFAULT_KEY in gone[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="decision_service.holder"):
         write_table_file(tables_dir / "a.ppdt", key=DEFAULT_KEY)
         holder.scan()
-    assert holder.current.default_key == DEFAULT_KEY
-    assert f"requests without a table_key now go to {OTHER_KEY}" in caplog.text
-    assert f"requests without a table_key now go to {DEFAULT_KEY}" in caplog.text
+    assert holder.current.ready
+    assert f"default table {DEFAULT_KEY} is back" in caplog.text
+
+
+def test_a_configured_default_that_goes_is_logged_once_at_error(
+    tables_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_table_file(tables_dir / "a.ppdt", key=DEFAULT_KEY)
+    write_table_file(tables_dir / "b.ppdt", key=OTHER_KEY)
+    holder = TableHolder(tables_dir, default_key=OTHER_KEY)
+    holder.scan()
+    with caplog.at_level(logging.ERROR, logger="decision_service.holder"):
+        (tables_dir / "b.ppdt").unlink()
+        holder.scan()
+    assert holder.current.default_key == OTHER_KEY
+    assert not holder.current.ready
+    [record] = caplog.records
+    assert f"default table {OTHER_KEY} is gone" in record.getMessage()

@@ -112,11 +112,47 @@ def test_local_failing_its_slo_forces_pd() -> None:
     assert (v.local, v.reason) == (False, Reason.LOCAL_FAILED_IN_CELL)
 
 
-def test_missing_qps_level_uses_nearest_measured_and_says_so(router: Router) -> None:
+def test_missing_qps_level_uses_nearest_measured_and_says_so(router: Router, table: Table) -> None:
+    # (small, tiny) has no data at 10 QPS; 8 and 12 are equally near. The rule names the lower level.
     v = router.route(Query(turn=2, n_in=8, n_out=64, n_ctx=100, qps=10.0))
     assert v.reason is Reason.NEAREST_CELL
-    assert v.qps_level in (8.0, 12.0)
-    assert "nearest measured level" in v.detail
+    assert v.qps_level == 8.0
+    assert "no measurements at 10 QPS; nearest measured level 8" in v.detail
+    # ...and it is scored with the 8-QPS cell's own figures: S = w_ttft*dTTFT - w_tpot*dTPOT, (1, 1).
+    pd_ttft, pd_tpot, lo_ttft, lo_tpot = (float(x) for x in table.figures[0, 0, 5, :4])
+    assert v.score == 1.0 * ((pd_ttft - lo_ttft) / pd_ttft) - 1.0 * ((lo_tpot - pd_tpot) / pd_tpot)
+
+
+def _uniform_table(pd_ttft: float, pd_tpot: float, local_ttft: float, local_tpot: float) -> Table:
+    """Every cell measured with the same figures, both modes meeting the SLO, default weights (1, 1)."""
+    spec = synthetic_spec(holes=False)
+    fig = spec.figures.copy()
+    fig[...] = (pd_ttft, pd_tpot, local_ttft, local_tpot, 1.0, 1.0, 40, 40)
+    return Table.from_bytes(encode_table(_with(spec, fig)))
+
+
+@pytest.mark.parametrize(
+    ("weights", "score", "local", "reason"),
+    [
+        # dTTFT = (64 - 16) / 64 = 0.75, dTPOT = (10 - 8) / 8 = 0.25: every number exact in binary.
+        (None, 0.5, True, Reason.TABLE),  # the table's default weights (1, 1)
+        (Weights(1.0, 2.0), 0.25, True, Reason.WEIGHTS),
+        (Weights(1.0, 3.0), 0.0, False, Reason.WEIGHTS),  # S = 0 is not > 0: PD
+        (Weights(1.0, 4.0), -0.25, False, Reason.WEIGHTS),
+        (Weights(2.0, 1.0), 1.25, True, Reason.WEIGHTS),
+        (Weights(0.5, 0.0), 0.375, True, Reason.WEIGHTS),
+    ],
+)
+def test_the_score_is_the_formula_exactly(
+    weights: Weights | None, score: float, local: bool, reason: Reason
+) -> None:
+    router = Router(_uniform_table(pd_ttft=64.0, pd_tpot=8.0, local_ttft=16.0, local_tpot=10.0))
+    v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, weights=weights))
+    assert v.score == score
+    assert (v.local, v.reason) == (local, reason)
+    assert v.default_local is True  # (1, 1) scores 0.5 in every cell
+    cell = router.cell(1, 5, 3)
+    assert (cell.delta_ttft, cell.delta_tpot) == (0.75, 0.25)
 
 
 def test_cell_without_any_data_gets_the_table_default_never_silently_local(router: Router) -> None:

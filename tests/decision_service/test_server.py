@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -11,8 +13,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from decision_service.metrics import DecisionMetrics
 from decision_service.server import SERVICE_NAME, build_server
 from decision_service.settings import Settings
-from tests.decision_service.harness import Running, eventually
-from tests.decision_service.tables import DEFAULT_KEY, write_table_file
+from tests.decision_service.harness import Running, eventually, start_server, turn2
+from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, write_table_file
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -86,3 +88,25 @@ async def test_watch_loop_and_health_follow_a_new_file(empty_server: Running) ->
     await eventually(serving)
     stop.set()
     await watcher
+
+
+async def test_deleting_the_implicit_default_is_not_serving_and_never_re_points(loaded_dir: Path) -> None:
+    write_table_file(loaded_dir / "2p2d.ppdt", key=OTHER_KEY)
+    served = await start_server(loaded_dir)  # no default key: 1P3D (first in sorted order) is pinned
+    try:
+        assert (await served.stub.Route(turn2())).table_key == DEFAULT_KEY
+        (loaded_dir / "1p3d.ppdt").unlink()
+        await served.holder.refresh()
+        assert await health_of(served, "") == NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await served.stub.Route(turn2())
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert DEFAULT_KEY in (caught.value.details() or "")
+        assert (await served.stub.Route(turn2(table_key=OTHER_KEY))).table_key == OTHER_KEY
+        write_table_file(loaded_dir / "1p3d.ppdt", key=DEFAULT_KEY)
+        await served.holder.refresh()
+        assert await health_of(served, "") == SERVING
+        assert (await served.stub.Route(turn2())).table_key == DEFAULT_KEY
+    finally:
+        await served.channel.close()
+        await served.server.stop(None)

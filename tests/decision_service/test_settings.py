@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 
 from decision_service.settings import Settings, SettingsError
+from decision_service.workers import worker_command
 
 
 def test_defaults_are_loopback_and_free_ports() -> None:
@@ -41,6 +43,12 @@ def test_from_env_reads_only_the_prefixed_variables() -> None:
         ({"PPD_DECISION_GRACE": "nan"}, "grace_s must be a positive"),
         ({"PPD_DECISION_WORKERS": "0"}, "workers must be at least 1"),
         ({"PPD_DECISION_DEFAULT_KEY": ""}, "default_key must not be empty"),
+        ({"PPD_DECISION_MAX_BATCH_ITEMS": "0"}, "max_batch_items must be at least 1"),
+        ({"PPD_DECISION_MAX_MESSAGE_BYTES": "100"}, "max_message_bytes must be at least 1024"),
+        (
+            {"PPD_DECISION_KEEPALIVE_MIN_PING_INTERVAL": "-1"},
+            "keepalive_min_ping_interval_s must be a positive",
+        ),
     ],
 )
 def test_bad_values_name_the_setting(environ: dict[str, str], message: str) -> None:
@@ -51,3 +59,24 @@ def test_bad_values_name_the_setting(environ: dict[str, str], message: str) -> N
 def test_with_changes_validates_again() -> None:
     with pytest.raises(SettingsError):
         Settings().with_changes(metrics_port=-1)
+
+
+def test_limits_and_keepalive_come_from_the_environment() -> None:
+    settings = Settings.from_env(
+        {
+            "PPD_DECISION_MAX_BATCH_ITEMS": "100",
+            "PPD_DECISION_MAX_MESSAGE_BYTES": "65536",
+            "PPD_DECISION_KEEPALIVE_MIN_PING_INTERVAL": "2.5",
+        }
+    )
+    assert (settings.max_batch_items, settings.max_message_bytes) == (100, 65536)
+    assert settings.keepalive_min_ping_interval_s == 2.5
+
+
+def test_workers_get_every_limit() -> None:
+    settings = Settings(max_batch_items=7, max_message_bytes=4096, keepalive_min_ping_interval_s=1.5)
+    command = worker_command(settings, port=1, metrics_port=2)
+    pairs = dict(itertools.pairwise(command))
+    assert pairs["--max-batch-items"] == "7"
+    assert pairs["--max-message-bytes"] == "4096"
+    assert float(pairs["--keepalive-min-ping-interval"]) == 1.5

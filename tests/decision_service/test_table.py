@@ -13,8 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decision_service.axes import paper_axes
-from decision_service.table import FIGURES, Table, TableError, TableSpec, Weights, encode_table, write_table
-from tests.support.tables import bad_fixtures, patch_header, synthetic_spec
+from decision_service.table import (
+    _REASONS,
+    FIGURES,
+    Table,
+    TableError,
+    TableSpec,
+    Weights,
+    encode_table,
+    write_table,
+)
+from tests.support.tables import bad_cases, bad_fixtures, patch_header, synthetic_spec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "testdata" / "tables"
 
@@ -22,6 +31,8 @@ FIXTURES = Path(__file__).resolve().parent.parent / "testdata" / "tables"
 def test_checked_in_fixtures_match_their_generator() -> None:
     for reason, blob in bad_fixtures().items():
         assert (FIXTURES / f"bad_{reason}.ppdt").read_bytes() == blob, reason
+    for name, (_, blob, _) in bad_cases().items():
+        assert (FIXTURES / f"bad_{name}.ppdt").read_bytes() == blob, name
     assert (FIXTURES / "good.ppdt").read_bytes() == encode_table(synthetic_spec())
 
 
@@ -74,6 +85,28 @@ def test_table_without_measurements_is_rejected() -> None:
 
 def test_header_missing_a_field_is_rejected() -> None:
     assert _reason_of("header") == "header"
+
+
+def test_negative_figure_is_rejected() -> None:
+    with pytest.raises(TableError) as info:
+        Table.open(FIXTURES / "bad_figures.ppdt")
+    assert info.value.reason == "figures"
+    assert "negative figure local_tpot_ms in cell (1, 4, 3)" in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(bad_cases()))
+def test_each_figure_and_header_check_has_a_fixture_and_rejects_it(name: str) -> None:
+    reason, _, phrase = bad_cases()[name]
+    assert name.startswith(f"{reason}--")
+    with pytest.raises(TableError) as info:
+        Table.open(FIXTURES / f"bad_{name}.ppdt")
+    assert info.value.reason == reason
+    assert phrase in str(info.value)
+
+
+def test_every_reader_reason_about_content_has_a_fixture() -> None:
+    covered = set(bad_fixtures()) | {reason for reason, _, _ in bad_cases().values()}
+    assert covered == set(_REASONS)
 
 
 def test_decode_guard_limits_round_trip() -> None:
@@ -176,3 +209,16 @@ def test_any_single_byte_corruption_is_rejected_cleanly(position: int, xor: int)
     good[i] ^= xor or 1
     with pytest.raises(TableError):
         Table.from_bytes(bytes(good))
+
+
+def test_an_open_table_never_sees_its_file_rewritten_in_place(tmp_path: Path) -> None:
+    path = write_table(tmp_path / "t.ppdt", synthetic_spec(seed=1))
+    table = Table.open(path)
+    before = table.figures.copy()
+    other = encode_table(synthetic_spec(seed=2))
+    assert len(other) == path.stat().st_size
+    with open(path, "r+b") as fh:  # same size, same inode: what `cp` over the file does
+        fh.write(other)
+    assert np.array_equal(table.figures, before)
+    assert not table.figures.flags.writeable
+    assert table.measured(1, 0, 0)

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from google.protobuf import descriptor_pb2
 
+from decision_service.settings import Settings
 from tests.deploy.envoy_harness import SCENARIOS, render, validate
 
 SCENARIO_NAMES = sorted(p.name for p in SCENARIOS.iterdir() if p.is_dir())
@@ -102,6 +103,21 @@ def test_decision_cluster_is_grpc_with_health_checks_outliers_and_retries(
     unary = next(r for r in routes if r["match"].get("prefix") == "/ppd.decision.v1.DecisionService/")
     assert "unavailable" in unary["route"]["retry_policy"]["retry_on"].split(",")
     assert unary["route"]["timeout"] != "0s"
+
+
+def test_decision_cluster_keepalive_agrees_with_the_servers_ping_policy(
+    tmp_path: Path, descriptor_set: Path
+) -> None:
+    """Envoy pings each replica no more often than the server's policy allows (twice its minimum
+    interval, for jitter), or the replica answers GOAWAY too_many_pings and Envoy reconnects."""
+    config = yaml.safe_load(rendered("decision", tmp_path, descriptor_set))
+    (cluster,) = config["static_resources"]["clusters"]
+    protocol = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    http2 = cluster["typed_extension_protocol_options"][protocol]["explicit_http_config"]
+    keepalive = http2["http2_protocol_options"]["connection_keepalive"]
+    interval_s = float(keepalive["interval"].removesuffix("s"))
+    assert interval_s >= 2 * Settings().keepalive_min_ping_interval_s
+    assert float(keepalive["timeout"].removesuffix("s")) > 0
 
 
 def test_gateway_cluster_hashes_on_the_session_header(tmp_path: Path, descriptor_set: Path) -> None:

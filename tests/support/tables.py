@@ -81,14 +81,43 @@ def _future_version(blob: bytes) -> bytes:
     return _resign(blob[:8] + struct.pack("<H", 99) + blob[10:-32])
 
 
-def _empty_cells() -> bytes:
-    spec = synthetic_spec(holes=False)
+def _with_figures(edit: Callable[[np.ndarray], None], *, holes: bool = False) -> bytes:
+    """A good table whose figure array `edit` changed in place after encoding (re-signed)."""
+    spec = synthetic_spec(holes=holes)
     blob = encode_table(spec)
     fig = spec.figures.copy()
-    fig[..., 6:] = 0
+    edit(fig)
     _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
     offset = json.loads(blob[16 : 16 + hlen])["arrays"][0]["offset"]
     return _resign(blob[:offset] + fig.astype("<f8").tobytes())
+
+
+def _empty_cells() -> bytes:
+    def unmeasure(fig: np.ndarray) -> None:
+        fig[..., 6:] = 0
+
+    return _with_figures(unmeasure)
+
+
+# Indices into FIGURES.
+_PD_TTFT, _PD_TPOT, _LOCAL_TPOT, _PD_SUCCESS = 0, 1, 3, 4
+
+
+def _set_figure(index: int, value: float) -> Callable[[np.ndarray], None]:
+    def edit(fig: np.ndarray) -> None:
+        fig[1, 4, 3, index] = value  # (large, mid_bal, 4 QPS): a measured cell
+
+    return edit
+
+
+def _set(path: tuple[str, ...], value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(header: dict[str, Any]) -> None:
+        section = header
+        for key in path[:-1]:
+            section = section[key]
+        section[path[-1]] = value
+
+    return edit
 
 
 def bad_fixtures() -> dict[str, bytes]:
@@ -105,6 +134,53 @@ def bad_fixtures() -> dict[str, bytes]:
         "nan": _nan_figures(good),
         "empty": _empty_cells(),
         "header": patch_header(good, lambda h: h.pop("model")),
+        "figures": _with_figures(_set_figure(_LOCAL_TPOT, -1.0)),
+    }
+
+
+def bad_cases() -> dict[str, tuple[str, bytes, str]]:
+    """More corrupt files, one per check behind the `figures` and `header` reasons:
+    "<reason>--<check>" -> (the reason the reader must give, the bytes, a phrase its message must hold).
+    The file name is `bad_<reason>--<check>.ppdt`: what precedes "--" is the reason, as for the others."""
+    good = encode_table(synthetic_spec())
+    return {
+        "figures--success_above_one": (
+            "figures",
+            _with_figures(_set_figure(_PD_SUCCESS, 1.5)),
+            "success rates must be within 0..1",
+        ),
+        "figures--zero_ttft": ("figures", _with_figures(_set_figure(_PD_TTFT, 0.0)), "zero TTFT or TPOT"),
+        "figures--zero_tpot": ("figures", _with_figures(_set_figure(_PD_TPOT, 0.0)), "zero TTFT or TPOT"),
+        "header--key_mismatch": (
+            "header",
+            patch_header(good, _set(("key",), "2P2D/llama-3.1-8b")),
+            "is not shape/model",
+        ),
+        "header--default_decision": (
+            "header",
+            patch_header(good, _set(("default_decision",), "maybe")),
+            "default_decision must be 'pd' or 'local'",
+        ),
+        "header--min_success_above_one": (
+            "header",
+            patch_header(good, _set(("slo", "min_success"), 1.5)),
+            "must be within 0..1",
+        ),
+        "header--kv_limit_negative": (
+            "header",
+            patch_header(good, _set(("live", "max_decode_kv_usage"), -0.5)),
+            "must be within 0..1",
+        ),
+        "header--array_dtype": (
+            "header",
+            patch_header(good, lambda h: h["arrays"][0].update(dtype="<f4")),
+            "expected one <f8 array 'figures'",
+        ),
+        "header--array_offset": (
+            "header",
+            patch_header(good, lambda h: h["arrays"][0].update(offset=h["arrays"][0]["offset"] - 64)),
+            "does not end where the content ends",
+        ),
     }
 
 
@@ -115,6 +191,10 @@ def write_fixtures(folder: Path) -> dict[str, Path]:
         path = folder / f"bad_{reason}.ppdt"
         path.write_bytes(blob)
         paths[reason] = path
+    for name, (_, blob, _) in bad_cases().items():
+        path = folder / f"bad_{name}.ppdt"
+        path.write_bytes(blob)
+        paths[name] = path
     good = folder / "good.ppdt"
     good.write_bytes(encode_table(synthetic_spec()))
     paths["good"] = good

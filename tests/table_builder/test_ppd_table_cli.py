@@ -232,7 +232,7 @@ def test_check_rejects_each_bad_fixture_with_its_reason(
     path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["check", str(path)]) == 1
-    reason = path.stem.removeprefix("bad_")
+    reason = path.stem.removeprefix("bad_").split("--")[0]  # bad_<reason>[--<check>].ppdt
     assert capsys.readouterr().out.startswith(f"FAIL {path}: {reason}: ")
 
 

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class DecisionServiceStub:
-    """Answers per-request routing decisions from memory-mapped offline tables.
+    """Answers per-request routing decisions from offline tables held in memory.
+    Unary methods take exactly one request message; a message that does not
+    parse, or a unary call with none or several, is INVALID_ARGUMENT.
     """
 
     def __init__(self, channel):
@@ -58,7 +60,9 @@ class DecisionServiceStub:
 
 
 class DecisionServiceServicer:
-    """Answers per-request routing decisions from memory-mapped offline tables.
+    """Answers per-request routing decisions from offline tables held in memory.
+    Unary methods take exactly one request message; a message that does not
+    parse, or a unary call with none or several, is INVALID_ARGUMENT.
     """
 
     def Route(self, request, context):
@@ -70,8 +74,10 @@ class DecisionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RouteBatch(self, request, context):
-        """Many decisions in one call. A bad item gets its own `error`; the others
-        are still answered, in order.
+        """Many decisions in one call, against one table snapshot. A bad item gets
+        its own `error`; the others are still answered, in order. More items
+        than the server's limit (--max-batch-items, 4096 by default) ->
+        INVALID_ARGUMENT for the whole call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,7 +85,8 @@ class DecisionServiceServicer:
 
     def RouteStream(self, request_iterator, context):
         """One long-lived stream for gateways: one response per request, in order.
-        A bad message gets a response with `error` set; the stream stays open.
+        A bad message (invalid input, or a frame that does not parse) gets a
+        response with `error` set; the stream stays open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,7 +131,9 @@ def add_DecisionServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DecisionService:
-    """Answers per-request routing decisions from memory-mapped offline tables.
+    """Answers per-request routing decisions from offline tables held in memory.
+    Unary methods take exactly one request message; a message that does not
+    parse, or a unary call with none or several, is INVALID_ARGUMENT.
     """
 
     @staticmethod

@@ -32,7 +32,10 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class DecisionServiceStub:
-    """Answers per-request routing decisions from memory-mapped offline tables."""
+    """Answers per-request routing decisions from offline tables held in memory.
+    Unary methods take exactly one request message; a message that does not
+    parse, or a unary call with none or several, is INVALID_ARGUMENT.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -43,19 +46,25 @@ class DecisionServiceStub:
     no table loaded yet -> UNAVAILABLE.
     """
     RouteBatch: _grpc.UnaryUnaryMultiCallable[_decision_pb2.RouteBatchRequest, _decision_pb2.RouteBatchResponse]
-    """Many decisions in one call. A bad item gets its own `error`; the others
-    are still answered, in order.
+    """Many decisions in one call, against one table snapshot. A bad item gets
+    its own `error`; the others are still answered, in order. More items
+    than the server's limit (--max-batch-items, 4096 by default) ->
+    INVALID_ARGUMENT for the whole call.
     """
     RouteStream: _grpc.StreamStreamMultiCallable[_decision_pb2.RouteRequest, _decision_pb2.RouteResponse]
     """One long-lived stream for gateways: one response per request, in order.
-    A bad message gets a response with `error` set; the stream stays open.
+    A bad message (invalid input, or a frame that does not parse) gets a
+    response with `error` set; the stream stays open.
     """
     DescribeTable: _grpc.UnaryUnaryMultiCallable[_decision_pb2.DescribeTableRequest, _decision_pb2.DescribeTableResponse]
     """The axes, every cell with its measured figures, and the provenance of a table."""
 
 @_typing.type_check_only
 class DecisionServiceAsyncStub(DecisionServiceStub):
-    """Answers per-request routing decisions from memory-mapped offline tables."""
+    """Answers per-request routing decisions from offline tables held in memory.
+    Unary methods take exactly one request message; a message that does not
+    parse, or a unary call with none or several, is INVALID_ARGUMENT.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Route: _aio.UnaryUnaryMultiCallable[_decision_pb2.RouteRequest, _decision_pb2.RouteResponse]  # type: ignore[assignment]
@@ -63,18 +72,24 @@ class DecisionServiceAsyncStub(DecisionServiceStub):
     no table loaded yet -> UNAVAILABLE.
     """
     RouteBatch: _aio.UnaryUnaryMultiCallable[_decision_pb2.RouteBatchRequest, _decision_pb2.RouteBatchResponse]  # type: ignore[assignment]
-    """Many decisions in one call. A bad item gets its own `error`; the others
-    are still answered, in order.
+    """Many decisions in one call, against one table snapshot. A bad item gets
+    its own `error`; the others are still answered, in order. More items
+    than the server's limit (--max-batch-items, 4096 by default) ->
+    INVALID_ARGUMENT for the whole call.
     """
     RouteStream: _aio.StreamStreamMultiCallable[_decision_pb2.RouteRequest, _decision_pb2.RouteResponse]  # type: ignore[assignment]
     """One long-lived stream for gateways: one response per request, in order.
-    A bad message gets a response with `error` set; the stream stays open.
+    A bad message (invalid input, or a frame that does not parse) gets a
+    response with `error` set; the stream stays open.
     """
     DescribeTable: _aio.UnaryUnaryMultiCallable[_decision_pb2.DescribeTableRequest, _decision_pb2.DescribeTableResponse]  # type: ignore[assignment]
     """The axes, every cell with its measured figures, and the provenance of a table."""
 
 class DecisionServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Answers per-request routing decisions from memory-mapped offline tables."""
+    """Answers per-request routing decisions from offline tables held in memory.
+    Unary methods take exactly one request message; a message that does not
+    parse, or a unary call with none or several, is INVALID_ARGUMENT.
+    """
 
     @_abc_1.abstractmethod
     def Route(
@@ -92,8 +107,10 @@ class DecisionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _decision_pb2.RouteBatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_decision_pb2.RouteBatchResponse, _abc.Awaitable[_decision_pb2.RouteBatchResponse]]:
-        """Many decisions in one call. A bad item gets its own `error`; the others
-        are still answered, in order.
+        """Many decisions in one call, against one table snapshot. A bad item gets
+        its own `error`; the others are still answered, in order. More items
+        than the server's limit (--max-batch-items, 4096 by default) ->
+        INVALID_ARGUMENT for the whole call.
         """
 
     @_abc_1.abstractmethod
@@ -103,7 +120,8 @@ class DecisionServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_decision_pb2.RouteResponse], _abc.AsyncIterator[_decision_pb2.RouteResponse]]:
         """One long-lived stream for gateways: one response per request, in order.
-        A bad message gets a response with `error` set; the stream stays open.
+        A bad message (invalid input, or a frame that does not parse) gets a
+        response with `error` set; the stream stays open.
         """
 
     @_abc_1.abstractmethod
