@@ -58,10 +58,10 @@ def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
 async def _serve(settings: Settings, port: int) -> None:
     from aiohttp import web
 
-    from gateway.app import create_app
+    from gateway.app import create_app, server_options
 
     app = create_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, **server_options(settings))
     await runner.setup()
     site = web.TCPSite(runner, settings.host, port, backlog=2048)
     await site.start()
