@@ -357,6 +357,7 @@ class WorkerPool:
                 "running": s.load.running,
                 "waiting": s.load.waiting,
                 "kv_usage": s.load.kv_usage,
+                "max_model_len": dict(s.models) if s.models is not None else None,
             }
             for s in self._workers.values()
         ]
