@@ -9,8 +9,9 @@ Rule 2 (model length): what the served model's length (`max_model_len`, learnt f
 will refuse. The prompt is counted as a *lower bound* of the worker's own count (chat-template, system
 preamble and special tokens the gateway cannot see are left out; text holding a special-token marker
 `<|` counts nothing), so the gateway never refuses what a worker would serve.
-Rule 3 (cost): the exact count runs only when a cheap upper bound (4 tokens per character, a byte-level
-BPE token covers at least one UTF-8 byte) says the request may not fit; ordinary requests pay nothing.
+Rule 3 (cost): the exact count runs only when a cheap upper bound (the text's UTF-8 bytes: a byte-level
+BPE token covers at least one byte; O(1) per ASCII string) says the request may not fit, so ordinary
+requests pay nothing for it (with a 128k-token model, only prompts over about 128 KB are counted).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ _CLIENT_ID = re.compile(r"[\x21-\x7e]+")
 # <|eot_id|> (ChatML's <|im_start|> role \n <|im_end|> likewise), never merged with the content.
 _FLOOR_TOKENS_PER_MESSAGE = 4
 _SPECIAL_MARKER = "<|"
-_MAX_TOKENS_PER_CHAR = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,22 +123,29 @@ def prompt_token_floor(
 
 
 def _prompt_token_ceiling(body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]) -> int:
-    """At least `prompt_token_floor`, in time linear in the number of messages, without tokenizing."""
+    """At least `prompt_token_floor`, without tokenizing."""
     if messages:
-        return sum(_MAX_TOKENS_PER_CHAR * _text_length(m) + _FLOOR_TOKENS_PER_MESSAGE for m in messages)
+        return sum(_message_bytes(m) + _FLOOR_TOKENS_PER_MESSAGE for m in messages)
     prompt = _single_prompt(body.get("prompt"))
-    return len(prompt) if isinstance(prompt, list) else _MAX_TOKENS_PER_CHAR * len(prompt)
+    return len(prompt) if isinstance(prompt, list) else _utf8_length(prompt)
 
 
-def _text_length(message: Mapping[str, Any]) -> int:
+def _message_bytes(message: Mapping[str, Any]) -> int:
     content = message.get("content")
     if isinstance(content, str):
-        return len(content)
+        return _utf8_length(content)
     if isinstance(content, list):
         return sum(
-            len(p["text"]) for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+            _utf8_length(p["text"])
+            for p in content
+            if isinstance(p, Mapping) and isinstance(p.get("text"), str)
         )
     return 0
+
+
+def _utf8_length(text: str) -> int:
+    # The parser refused lone surrogates, so every string encodes.
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def _single_prompt(prompt: Any) -> str | list[Any]:

@@ -94,7 +94,7 @@ def redact_url(url: str) -> str:
 
 
 def _check_url(url: str) -> None:
-    shown = redact_url(url[:200])
+    shown = redact_url(url)[:200]  # redacted before it is cut: a cut could keep half a password
     if len(url) > MAX_WORKER_URL_LENGTH:
         raise BadRequestError(f"worker url is longer than {MAX_WORKER_URL_LENGTH} characters", param="url")
     if any(c.isspace() or not c.isprintable() for c in url):

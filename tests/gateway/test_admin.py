@@ -78,6 +78,9 @@ async def test_worker_ids_are_validated(make_stack: StackFactory, worker_id: str
         "http://127.0.0.1:9/a b",
         "http://user:hunter2@127.0.0.1:9",
         "https://hunter2@127.0.0.1:9",
+        "http://user:hunter2@127.0.0.1:99999",
+        "http://user:hunter2@127.0.0.1:9/?q",
+        "http://user:" + "hunter2" * 40 + "@127.0.0.1:9",
         "http://" + "h" * 3000 + ":9",
     ],
 )
