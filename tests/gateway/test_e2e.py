@@ -226,23 +226,6 @@ def _metric(worker_url: str, prefix: str, contains: str = "") -> float:
     )
 
 
-def test_dead_decode_worker_rebinds_the_session(gateway: Process, cluster: Process) -> None:
-    """Runs last in this module: the downed worker stays down."""
-    client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": "rebind me"}]
-    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8)
-    old = first.headers["x-ppd-decode-worker"]
-    messages += [{"role": "assistant", "content": first.parse().choices[0].message.content}]
-    messages += [{"role": "user", "content": "still there?"}]
-    _faults(cluster, old, down=True)
-    second = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8)
-    assert second.parse().choices[0].message.content
-    assert second.headers["x-ppd-path"] == "pd"
-    assert second.headers["x-ppd-reason"] in ("decode_gone", "decode_unreachable")
-    assert second.headers["x-ppd-decode-worker"] != old
-    assert second.headers["x-ppd-turn"] == "2"
-
-
 def _admin(gateway: Process, path: str) -> Any:
     req = urllib.request.Request(_url(gateway) + path, headers={"Authorization": "Bearer tok"})
     with urllib.request.urlopen(req, timeout=10) as resp:
@@ -267,3 +250,20 @@ def test_a_request_past_the_models_length_never_reaches_a_worker(gateway: Proces
             client.chat.completions.create(model=MODEL, messages=long_prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
         assert "maximum context length is 131072" in str(info.value)
     assert sum(_metric(u, "vllm:prompt_tokens_total") for u in urls) == prompt_tokens
+
+
+def test_dead_decode_worker_rebinds_the_session(gateway: Process, cluster: Process) -> None:
+    """Runs last in this module: the downed worker stays down."""
+    client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "rebind me"}]
+    first = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8)
+    old = first.headers["x-ppd-decode-worker"]
+    messages += [{"role": "assistant", "content": first.parse().choices[0].message.content}]
+    messages += [{"role": "user", "content": "still there?"}]
+    _faults(cluster, old, down=True)
+    second = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=8)
+    assert second.parse().choices[0].message.content
+    assert second.headers["x-ppd-path"] == "pd"
+    assert second.headers["x-ppd-reason"] in ("decode_gone", "decode_unreachable")
+    assert second.headers["x-ppd-decode-worker"] != old
+    assert second.headers["x-ppd-turn"] == "2"
