@@ -32,7 +32,7 @@ from gateway.errors import (
 )
 from gateway.forwarding import Forwarder
 from gateway.metrics import GatewayMetrics
-from gateway.pool import WorkerPool, WorkerSpec
+from gateway.pool import WorkerPool, WorkerSpec, names_address
 from gateway.probe import PoolMonitor
 from gateway.psi import QpsMeter, Tokenizers
 from gateway.request_log import RequestLog
@@ -41,7 +41,7 @@ from gateway.settings import Settings
 from gateway.types import Clock, Role
 from gateway.upstream import Upstream
 
-__all__ = ["DEPS", "create_app"]
+__all__ = ["DEPS", "create_app", "server_options"]
 
 log = logging.getLogger(__name__)
 DEPS = web.AppKey("deps", Deps)
@@ -129,6 +129,13 @@ def create_app(
     app.router.add_post("/admin/workers", _register_worker)
     app.router.add_delete("/admin/workers/{worker_id}", _deregister_worker)
     return app
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """aiohttp server settings for the gateway's own listener. aiohttp closes a connection whose
+    request head is not complete `keepalive_timeout` after it opened (or after its last response):
+    that is the header-read timeout, and idle keep-alive connections go after the same time."""
+    return {"keepalive_timeout": settings.limits.header_timeout_s}
 
 
 async def _sweep(deps: Deps) -> None:
@@ -256,6 +263,7 @@ async def _register_worker(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("id", "role", "url")):
         raise BadRequestError('expected {"id": str, "role": prefill|decode|replica, "url": str}')
     spec = WorkerSpec(body["id"], body["role"], body["url"].rstrip("/"))
+    _refuse_own_services(request, deps, spec.url)
     new = deps.pool.register(spec)
     if new:
         log.info("worker %s (%s) registered at %s", spec.id, spec.role, spec.url)
@@ -263,6 +271,21 @@ async def _register_worker(request: web.Request) -> web.StreamResponse:
         {"id": spec.id, "registered": new, "heartbeat_expiry_s": deps.settings.pool.heartbeat_expiry_s},
         status=201 if new else 200,
     )
+
+
+def _refuse_own_services(request: web.Request, deps: Deps, url: str) -> None:
+    """A worker URL naming this gateway (the address the registration arrived on, the bind host,
+    loopback) or the DecisionService's gRPC port would have the gateway call itself or speak HTTP/1
+    to gRPC."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        host, port = str(sockname[0]), int(sockname[1])
+        if names_address(url, (host, deps.settings.host), port):
+            raise BadRequestError("worker url names this gateway's own address", param="url")
+    decision = deps.settings.decision.address.rpartition("///")[2]
+    host, sep, port_text = decision.rpartition(":")
+    if sep and port_text.isdigit() and names_address(url, (host,), int(port_text)):
+        raise BadRequestError("worker url names the DecisionService's gRPC address", param="url")
 
 
 async def _deregister_worker(request: web.Request) -> web.StreamResponse:

@@ -85,10 +85,15 @@ def _upstream_app(chunks: int, interval_s: float) -> web.Application:
     async def ok(request: web.Request) -> web.StreamResponse:
         return web.Response(text="")
 
+    async def models(request: web.Request) -> web.StreamResponse:
+        # vLLM's card: the gateway checks every request against max_model_len.
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "max_model_len": 131072}]})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", complete)
     app.router.add_get("/health", ok)
     app.router.add_get("/metrics", ok)
+    app.router.add_get("/v1/models", models)
     return app
 
 

@@ -58,12 +58,18 @@ def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
 async def _serve(settings: Settings, port: int) -> None:
     from aiohttp import web
 
-    from gateway.app import create_app
+    from gateway.app import create_app, server_options
     from gateway.http_log import server_logger
 
     app = create_app(settings)
     # Malformed requests: one concise line a minute at most, not a traceback each (http_log.py).
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=server_logger(log))
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        logger=server_logger(log),
+        **server_options(settings),
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, port, backlog=2048)
     await site.start()

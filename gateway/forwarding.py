@@ -1,7 +1,8 @@
 """One completion request end to end: find the session, measure ψ, decide, plan, call P and D,
 relay the answer, remember the turn.
 
-Rule 1: every check that can fail on the client's input runs before any worker is called.
+Rule 1: every check that can fail on the client's input runs before any worker is called (the body's
+fields and identifiers, the identifier headers, and the request against the served model's length).
 Rule 2: an upstream failure before the response has started becomes an HTTP status with an
 OpenAI-style body; after it started, an SSE error event and `data: [DONE]` (never a silent 200 with a
 truncated body).
@@ -36,6 +37,7 @@ from gateway.errors import (
     UpstreamTimeoutError,
     UpstreamUnreachableError,
 )
+from gateway.limits import check_client_id, check_model_length
 from gateway.openai_types import CompletionRequest, parse_completion_request
 from gateway.plan import (
     KV_FIELD,
@@ -138,7 +140,14 @@ class Forwarder:
             raise PayloadTooLargeError(
                 f"request body over the limit of {self._s.max_body_bytes} bytes"
             ) from None
-        req = parse_completion_request(raw, endpoint)
+        req = parse_completion_request(raw, endpoint, self._s.limits)
+        self._check_id_headers(request)
+        check_model_length(
+            req.body,
+            req.messages,
+            max_model_len=d.pool.max_model_len(req.model),
+            counter=d.tokenizers.encoding(req.model),
+        )
         mode = self._mode(request)
         turn = self._begin(request, req, mode, start)
         d.metrics.inflight.inc()
@@ -153,6 +162,12 @@ class Forwarder:
         finally:
             d.metrics.inflight.dec()
             self._finish(turn)
+
+    def _check_id_headers(self, request: web.Request) -> None:
+        for name in (SESSION_HEADER, WORKLOAD_HEADER):
+            value = request.headers.get(name)
+            if value:  # an empty header is no header
+                check_client_id(value, name, max_length=self._s.limits.max_id_length)
 
     def _mode(self, request: web.Request) -> Mode:
         override = request.headers.get(MODE_HEADER)

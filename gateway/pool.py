@@ -9,19 +9,40 @@ failed check does not count while real requests to the worker keep succeeding (a
 busy machine is not a dead worker).
 Rule 3: planning reads an immutable `PoolView` snapshot, never this mutable object, so the planner
 stays pure and one request sees one consistent pool.
+Rule 4: a worker id is 1-128 of `A-Z a-z 0-9 . _ : -` (it appears in URL paths, log lines and metric
+labels); a worker URL is http(s)://host[:port][/path], with no credentials (they would be printed in
+logs and listings: workers get `worker_api_key` instead), query or fragment. Error messages never
+echo a URL's credentials.
+Rule 5: the served models' `max_model_len`, read from each worker's `/v1/models`, is kept per worker;
+a request is checked against the smallest one any worker serving its model declares.
 Concurrency: owned by one event loop; no locks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import get_args
+from urllib.parse import SplitResult, urlsplit
 
 from gateway.errors import BadRequestError, NoWorkerError
 from gateway.types import Clock, Role
 
-__all__ = ["Load", "PoolView", "WorkerPool", "WorkerSpec", "WorkerView"]
+__all__ = [
+    "MAX_WORKER_URL_LENGTH",
+    "Load",
+    "PoolView",
+    "WorkerPool",
+    "WorkerSpec",
+    "WorkerView",
+    "names_address",
+    "redact_url",
+]
+
+_WORKER_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_WORKER_URL_LENGTH = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +61,84 @@ class WorkerSpec:
     url: str
 
     def __post_init__(self) -> None:
-        if not self.id:
-            raise BadRequestError("worker id must not be empty")
+        if _WORKER_ID.fullmatch(self.id) is None:
+            raise BadRequestError("worker id must be 1-128 characters of A-Z a-z 0-9 . _ : -", param="id")
         if self.role not in get_args(Role):
-            raise BadRequestError(f"worker role must be one of {get_args(Role)}, got {self.role!r}")
-        if not (self.url.startswith(("http://", "https://")) and len(self.url) > 8):
-            raise BadRequestError(f"worker url must be http(s)://host:port, got {self.url!r}")
+            raise BadRequestError(
+                f"worker role must be one of {get_args(Role)}, got {self.role!r}", param="role"
+            )
+        _check_url(self.url)
+
+
+def _split(url: str) -> SplitResult | None:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError:
+        return None
+    return parts
+
+
+def redact_url(url: str) -> str:
+    """The URL with any user:password@ replaced by ***@ (for messages; workers never carry one)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url if "@" not in url else "***@" + url.rsplit("@", 1)[1]
+    authority_end = min(
+        (i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0), default=len(rest)
+    )
+    authority = rest[:authority_end]
+    if "@" in authority:
+        authority = "***@" + authority.rsplit("@", 1)[1]
+    return f"{scheme}://{authority}{rest[authority_end:]}"
+
+
+def _check_url(url: str) -> None:
+    shown = redact_url(url)[:200]  # redacted before it is cut: a cut could keep half a password
+    if len(url) > MAX_WORKER_URL_LENGTH:
+        raise BadRequestError(f"worker url is longer than {MAX_WORKER_URL_LENGTH} characters", param="url")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise BadRequestError("worker url must not hold spaces or control characters", param="url")
+    parts = _split(url)
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadRequestError(f"worker url must be http(s)://host[:port][/path], got {shown!r}", param="url")
+    if parts.username is not None or parts.password is not None:
+        raise BadRequestError(
+            f"worker url must not carry credentials (user:password@), got {shown!r}; "
+            "workers are sent worker_api_key instead",
+            param="url",
+        )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise BadRequestError(f"worker url must not have a query or fragment, got {shown!r}", param="url")
+
+
+def names_address(url: str, hosts: Iterable[str], port: int) -> bool:
+    """Whether a connection to `url` would reach a listener on `port` bound to one of `hosts`, as far
+    as names tell: localhost and 0.0.0.0 reach loopback, a wildcard bind is reached on any loopback."""
+    parts = _split(url)
+    if parts is None or not parts.hostname:
+        return False
+    if (parts.port or (443 if parts.scheme == "https" else 80)) != port:
+        return False
+    host = parts.hostname.lower()
+    known = {h.lower().strip("[]") for h in hosts}
+    kind = _kind(host)
+    if kind != "remote" and any(_kind(h) == "wildcard" for h in known):
+        return True
+    reached = {"127.0.0.1", "::1"} if kind in ("localhost", "wildcard") else {host}
+    return bool(reached & known)
+
+
+def _kind(host: str) -> str:
+    if host == "localhost":
+        return "localhost"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return "remote"
+    if address.is_unspecified:
+        return "wildcard"
+    return "loopback" if address.is_loopback else "remote"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +188,7 @@ class _State:
         "last_ok",
         "last_pick",
         "load",
+        "models",
         "spec",
         "static",
     )
@@ -109,6 +203,8 @@ class _State:
         self.inflight = 0
         self.last_pick = 0
         self.last_heartbeat = now
+        # Served model id -> max_model_len, from /v1/models; None until read.
+        self.models: Mapping[str, int] | None = None
 
 
 class WorkerPool:
@@ -117,6 +213,7 @@ class WorkerPool:
         self._expiry = heartbeat_expiry_s
         self._workers: dict[str, _State] = {}
         self._picks = 0
+        self._max_model_len: dict[str, int] = {}
         now = clock()
         for spec in static:
             if spec.id in self._workers:
@@ -132,6 +229,7 @@ class WorkerPool:
                 raise BadRequestError(f"worker {spec.id!r} is statically configured")
             if state.spec != spec:
                 state.spec = spec
+                self.set_models(spec.id, None)
             state.last_heartbeat = now
             return False
         self._workers[spec.id] = _State(spec, static=False, now=now)
@@ -142,6 +240,7 @@ class WorkerPool:
         if state is None or state.static:
             return False
         del self._workers[worker_id]
+        self._index_models()
         return True
 
     def expire(self) -> list[str]:
@@ -150,7 +249,31 @@ class WorkerPool:
         gone = [w for w, s in self._workers.items() if not s.static and s.last_heartbeat < deadline]
         for worker_id in gone:
             del self._workers[worker_id]
+        if gone:
+            self._index_models()
         return gone
+
+    def needs_models(self, worker_id: str) -> bool:
+        state = self._workers.get(worker_id)
+        return state is not None and state.models is None
+
+    def set_models(self, worker_id: str, models: Mapping[str, int] | None) -> None:
+        """What the worker's /v1/models said (model id -> max_model_len); None: read it again."""
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.models = dict(models) if models is not None else None
+            self._index_models()
+
+    def max_model_len(self, model: str) -> int | None:
+        """The smallest max_model_len a worker serving `model` declared; None when none did."""
+        return self._max_model_len.get(model)
+
+    def _index_models(self) -> None:
+        smallest: dict[str, int] = {}
+        for state in self._workers.values():
+            for model, length in (state.models or {}).items():
+                smallest[model] = min(length, smallest.get(model, length))
+        self._max_model_len = smallest
 
     def specs(self) -> list[WorkerSpec]:
         return [s.spec for s in self._workers.values()]
@@ -234,6 +357,7 @@ class WorkerPool:
                 "running": s.load.running,
                 "waiting": s.load.waiting,
                 "kv_usage": s.load.kv_usage,
+                "max_model_len": dict(s.models) if s.models is not None else None,
             }
             for s in self._workers.values()
         ]

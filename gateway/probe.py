@@ -1,12 +1,15 @@
-"""Keeps the worker pool honest: active /health checks, load scraped from /metrics, heartbeat expiry.
+"""Keeps the worker pool honest: active /health checks, load scraped from /metrics, heartbeat expiry,
+and each worker's served models with their `max_model_len` from /v1/models.
 
 Runs as one background task per gateway; each round probes all workers concurrently, so one slow
-worker delays nobody else's check by more than the probe timeout.
+worker delays nobody else's check by more than the probe timeout. /v1/models is read once per worker
+(again after it was down: it may have restarted with another model length).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from gateway.errors import UpstreamError
@@ -16,7 +19,7 @@ from gateway.settings import PoolSettings
 from gateway.types import Role
 from gateway.upstream import Upstream
 
-__all__ = ["PoolMonitor", "load_from_metrics"]
+__all__ = ["PoolMonitor", "load_from_metrics", "models_from_cards"]
 
 log = logging.getLogger(__name__)
 _RUNNING = "vllm:num_requests_running"
@@ -48,6 +51,22 @@ def load_from_metrics(text: str) -> Load:
         else:
             kv = max(kv, value)
     return Load(running, waiting, kv)
+
+
+def models_from_cards(body: bytes) -> dict[str, int]:
+    """Model id -> max_model_len from a /v1/models answer (vLLM's ModelCard); cards without one skipped."""
+    try:
+        cards = json.loads(body).get("data")
+    except (ValueError, AttributeError):
+        return {}
+    models: dict[str, int] = {}
+    for card in cards if isinstance(cards, list) else ():
+        if not isinstance(card, dict):
+            continue
+        model, length = card.get("id"), card.get("max_model_len")
+        if isinstance(model, str) and isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            models[model] = length
+    return models
 
 
 class PoolMonitor:
@@ -94,7 +113,13 @@ class PoolMonitor:
         healthy = self._pool.is_live(spec.id)
         if was != healthy:
             log.warning("worker %s (%s) is now %s", spec.id, spec.url, "up" if healthy else "down")
-        if not healthy or not self._s.scrape_metrics:
+        if not healthy:
+            if not self._pool.needs_models(spec.id):
+                self._pool.set_models(spec.id, None)
+            return
+        if self._pool.needs_models(spec.id):
+            await self._read_models(spec)
+        if not self._s.scrape_metrics:
             return
         try:
             reply = await self._upstream.get(spec.url + "/metrics")
@@ -102,3 +127,10 @@ class PoolMonitor:
             return
         if reply.status == 200:
             self._pool.set_load(spec.id, load_from_metrics(reply.body.decode("utf-8", errors="replace")))
+
+    async def _read_models(self, spec: WorkerSpec) -> None:
+        try:
+            reply = await self._upstream.get(spec.url + "/v1/models")
+        except UpstreamError:
+            return  # read again next round
+        self._pool.set_models(spec.id, models_from_cards(reply.body) if reply.status == 200 else {})

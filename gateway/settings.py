@@ -2,6 +2,8 @@
 
 Every setting has a default (an empty file is a valid config); unknown keys are an error, so a typo
 never silently does nothing. `gateway/README.md` documents each key with an example.
+Secrets (`admin_token`, `worker_api_key`) are `Secret` strings: their value is used as is, but their
+repr, and so any printed Settings (`ppd-gateway check-config`), shows `'<redacted>'`.
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path as FsPath
 from typing import Any, Literal
 
+from gateway.limits import LimitSettings
 from gateway.pool import WorkerSpec
 from gateway.routing import Mode, parse_mode
 
 __all__ = [
     "DecisionSettings",
+    "LimitSettings",
     "LogSettings",
     "PolicySettings",
     "PoolSettings",
+    "Secret",
     "SessionSettings",
     "Settings",
     "SettingsError",
@@ -29,6 +34,18 @@ __all__ = [
 
 class SettingsError(ValueError):
     pass
+
+
+class Secret(str):
+    """A string whose repr never shows it (an empty one still reads as '')."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "'<redacted>'" if self else "''"
+
+
+_SECRETS = ("admin_token", "worker_api_key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +150,7 @@ class Settings:
     sessions: SessionSettings = field(default_factory=SessionSettings)
     pool: PoolSettings = field(default_factory=PoolSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -153,6 +171,7 @@ class Settings:
             "sessions": SessionSettings(**_section(SessionSettings, data.pop("sessions", {}), "sessions")),
             "pool": PoolSettings(**_section(PoolSettings, data.pop("pool", {}), "pool")),
             "log": LogSettings(**_section(LogSettings, data.pop("log", {}), "log")),
+            "limits": LimitSettings(**_section(LimitSettings, data.pop("limits", {}), "limits")),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -172,6 +191,9 @@ class Settings:
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
         top = _section(cls, data, "top level", skip=set(sections) | {"workers", "mode"})
+        for key in _SECRETS:
+            if key in top:
+                top[key] = Secret(top[key])
         settings = cls(**top, workers=specs, **({"mode": data["mode"]} if "mode" in data else {}), **sections)
         settings.validate()
         return settings
@@ -193,6 +215,11 @@ class Settings:
             raise SettingsError("sessions.ttl_s and sessions.max_entries must be positive")
         if self.max_body_bytes <= 0:
             raise SettingsError("max_body_bytes must be positive")
+        limits = self.limits
+        if limits.max_messages < 1 or limits.max_id_length < 1 or limits.header_timeout_s <= 0:
+            raise SettingsError(
+                "limits.max_messages and limits.max_id_length must be >= 1, limits.header_timeout_s positive"
+            )
 
 
 def _section(cls: type[Any], raw: Any, name: str, *, skip: set[str] | None = None) -> dict[str, Any]:

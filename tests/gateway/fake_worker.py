@@ -43,6 +43,8 @@ class FakeWorker:
     aborted_event: asyncio.Event = field(default_factory=asyncio.Event)
     started_event: asyncio.Event = field(default_factory=asyncio.Event)
     running: int = 0
+    # Declared in the /v1/models card (vLLM's ModelCard field); None leaves it out.
+    max_model_len: int | None = 8192
     server: TestServer | None = None
 
     @property
@@ -82,7 +84,9 @@ class FakeWorker:
         return web.Response(text=text)
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        card = {"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm", "root": MODEL}
+        card: dict[str, Any] = {"id": MODEL, "object": "model", "owned_by": "vllm", "root": MODEL}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
         return web.json_response({"object": "list", "data": [card]})
 
     async def _tokenize(self, request: web.Request) -> web.StreamResponse:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import select
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import main
+from gateway.settings import Settings
 from tests.gateway.processes import REPO, start
 
 
@@ -57,3 +62,43 @@ def test_python_dash_m_gateway_help() -> None:
         [sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True, check=True
     )
     assert "serve" in out.stdout
+
+
+def test_check_config_redacts_the_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "g.toml"
+    config.write_text('admin_token = "adm-hunter2"\nworker_api_key = "key-hunter2"\n')
+    assert main(["check-config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    assert "admin_token='<redacted>'" in out
+    assert "worker_api_key='<redacted>'" in out
+    settings = Settings.from_toml(config)
+    assert (settings.admin_token, settings.worker_api_key) == ("adm-hunter2", "key-hunter2")  # still usable
+    assert f"Bearer {settings.worker_api_key}" == "Bearer key-hunter2"
+
+
+@pytest.mark.integration
+def test_a_connection_trickling_its_headers_is_closed(tmp_path: Path) -> None:
+    config = tmp_path / "g.toml"
+    config.write_text('mode = "local"\n[limits]\nheader_timeout_s = 0.5\n')
+    proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp_path, "gateway")
+    try:
+        port = proc.ready["http"]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as prompt:
+            prompt.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")  # a whole head at once: served
+            assert prompt.recv(64).startswith(b"HTTP/1.1 503")
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            head = itertools.cycle(b"GET /health HTTP/1.1\r\nX-Slow: " + b"a" * 64)
+            deadline = time.monotonic() + 60  # the header would take minutes to finish
+            closed = False
+            while not closed and time.monotonic() < deadline:
+                try:
+                    slow.sendall(bytes([next(head)]))
+                    readable, _, _ = select.select([slow], [], [], 0.1)
+                    closed = bool(readable) and slow.recv(64) == b""
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+            assert closed, "the server kept a connection open that never finished its headers"
+    finally:
+        assert proc.stop() == 0
+    assert "Traceback" not in proc.stderr()

@@ -236,6 +236,32 @@ def _metric(worker_url: str, prefix: str, contains: str = "") -> float:
     )
 
 
+def _admin(gateway: Process, path: str) -> Any:
+    req = urllib.request.Request(_url(gateway) + path, headers={"Authorization": "Bearer tok"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_a_request_past_the_models_length_never_reaches_a_worker(gateway: Process, cluster: Process) -> None:
+    """The issue's case: max_tokens 10^9 with a long prompt ran a whole prefill on P before D said 400."""
+    for _ in range(600):  # the gateway reads each simulated worker's /v1/models card once it is up
+        workers = _admin(gateway, "/admin/workers")["workers"]
+        if all(w["max_model_len"] == {MODEL: 131072} for w in workers):
+            break
+        time.sleep(0.05)
+    assert all(w["max_model_len"] == {MODEL: 131072} for w in workers)  # simulate --max-model-len default
+    urls = [w["url"] for w in cluster.ready["workers"]]
+    assert all("vllm:prompt_tokens_total" in _http(u + "/metrics")[1].decode() for u in urls)
+    prompt_tokens = sum(_metric(u, "vllm:prompt_tokens_total") for u in urls)
+    client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)
+    long_prompt = [{"role": "user", "content": "word " * 20_000}]
+    for max_tokens in (10**9, 131072, 120_000):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=long_prompt, max_tokens=max_tokens)  # type: ignore[arg-type]
+        assert "maximum context length is 131072" in str(info.value)
+    assert sum(_metric(u, "vllm:prompt_tokens_total") for u in urls) == prompt_tokens
+
+
 def test_dead_decode_worker_rebinds_the_session(gateway: Process, cluster: Process) -> None:
     """Runs last in this module: the downed worker stays down."""
     client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)

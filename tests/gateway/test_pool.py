@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import BadRequestError, NoWorkerError
-from gateway.pool import Load, PoolView, WorkerPool, WorkerSpec, WorkerView
+from gateway.pool import Load, PoolView, WorkerPool, WorkerSpec, WorkerView, names_address, redact_url
 from gateway.probe import load_from_metrics
 
 
@@ -138,3 +138,61 @@ def test_failed_checks_are_forgiven_while_requests_succeed() -> None:
     pool.record_check("D0", False, unhealthy_after=2, served_within_s=4.0)
     pool.record_check("D0", False, unhealthy_after=2, served_within_s=4.0)
     assert not pool.is_live("D0")
+
+
+def test_max_model_len_is_the_smallest_declared_and_forgotten_with_its_worker() -> None:
+    clock = FakeClock()
+    pool = WorkerPool(STATIC, heartbeat_expiry_s=30, clock=clock)
+    assert pool.max_model_len("m") is None
+    assert pool.needs_models("P0")
+    pool.set_models("P0", {"m": 8192, "other": 100})
+    pool.register(WorkerSpec("D1", "decode", "http://d1:1"))
+    pool.set_models("D1", {"m": 4096})
+    assert not pool.needs_models("D1")
+    assert (pool.max_model_len("m"), pool.max_model_len("other"), pool.max_model_len("x")) == (
+        4096,
+        100,
+        None,
+    )
+    pool.register(WorkerSpec("D1", "decode", "http://d1:2"))  # moved: its card is read again
+    assert pool.needs_models("D1")
+    assert pool.max_model_len("m") == 8192
+    pool.set_models("D1", {"m": 2048})
+    assert pool.deregister("D1")
+    assert pool.max_model_len("m") == 8192
+    pool.set_models("P0", None)
+    assert pool.max_model_len("m") is None
+
+
+@pytest.mark.parametrize(
+    ("url", "hosts", "port", "expected"),
+    [
+        ("http://127.0.0.1:8000", ("127.0.0.1",), 8000, True),
+        ("http://127.0.0.1:8001", ("127.0.0.1",), 8000, False),
+        ("http://localhost:8000/v1", ("127.0.0.1",), 8000, True),
+        ("http://0.0.0.0:8000", ("127.0.0.1",), 8000, True),
+        ("http://127.0.0.2:8000", ("127.0.0.1",), 8000, False),
+        ("http://127.0.0.2:8000", ("0.0.0.0",), 8000, True),
+        ("http://[::1]:8000", ("::",), 8000, True),
+        ("http://10.0.0.5:8000", ("0.0.0.0",), 8000, False),
+        ("http://10.0.0.5:8000", ("10.0.0.5", "0.0.0.0"), 8000, True),
+        ("http://GW.example:80", ("gw.example",), 80, True),
+        ("https://gw.example", ("gw.example",), 443, True),
+        ("http://gw.example", ("gw.example",), 443, False),
+    ],
+)
+def test_names_address(url: str, hosts: tuple[str, ...], port: int, expected: bool) -> None:
+    assert names_address(url, hosts, port) is expected
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("http://u:p@h:1/x", "http://***@h:1/x"),
+        ("http://h:1/a@b", "http://h:1/a@b"),
+        ("https://token@h", "https://***@h"),
+        ("u:p@h:1", "***@h:1"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Load, WorkerPool, WorkerSpec
-from gateway.probe import PoolMonitor
+from gateway.probe import PoolMonitor, models_from_cards
 from gateway.settings import PoolSettings, TimeoutSettings
 from gateway.upstream import Upstream
-from tests.gateway.fake_worker import FakeWorker
+from tests.gateway.fake_worker import MODEL, FakeWorker
 
 
 async def test_checks_mark_down_after_two_failures_and_scrape_load() -> None:
@@ -46,3 +48,48 @@ async def test_checks_mark_down_after_two_failures_and_scrape_load() -> None:
         await session.close()
         await d0.close()
         await d1.close()
+
+
+async def test_max_model_len_is_read_from_v1_models_and_again_after_a_worker_was_down() -> None:
+    d0 = await FakeWorker("D0", "decode").start()
+    d1 = await FakeWorker("D1", "decode", max_model_len=None).start()
+    pool = WorkerPool(
+        [WorkerSpec("D0", "decode", d0.url), WorkerSpec("D1", "decode", d1.url)],
+        heartbeat_expiry_s=30,
+        clock=lambda: 0.0,
+    )
+    session = Upstream.create_session()
+    settings = PoolSettings(unhealthy_after=1)
+    monitor = PoolMonitor(pool, Upstream(session, TimeoutSettings(probe_s=2.0)), settings, GatewayMetrics())
+    try:
+        await monitor.check_once()
+        assert pool.max_model_len(MODEL) == 8192  # D1's card declares none
+        assert not pool.needs_models("D1")  # read once, not on every round
+        d0.knobs.healthy = False
+        await monitor.check_once()
+        assert pool.max_model_len(MODEL) is None
+        d0.max_model_len = 4096  # restarted with another length
+        d0.knobs.healthy = True
+        await monitor.check_once()
+        assert pool.max_model_len(MODEL) == 4096
+    finally:
+        await session.close()
+        await d0.close()
+        await d1.close()
+
+
+def test_models_from_cards() -> None:
+    body = {
+        "object": "list",
+        "data": [
+            {"id": "a", "max_model_len": 100},
+            {"id": "b"},
+            {"id": "c", "max_model_len": True},
+            {"id": "d", "max_model_len": -1},
+            "junk",
+        ],
+    }
+    assert models_from_cards(json.dumps(body).encode()) == {"a": 100}
+    assert models_from_cards(b"not json") == {}
+    assert models_from_cards(b"[1]") == {}
+    assert models_from_cards(b'{"data": 3}') == {}

@@ -84,3 +84,12 @@ def test_unreadable_file(tmp_path: Path) -> None:
     bad.write_text("mode = ")
     with pytest.raises(SettingsError, match="cannot read"):
         Settings.from_toml(bad)
+
+
+def test_limits_are_configurable_and_checked() -> None:
+    s = Settings.from_mapping({"limits": {"max_messages": 10, "max_id_length": 64, "header_timeout_s": 5}})
+    assert (s.limits.max_messages, s.limits.max_id_length, s.limits.header_timeout_s) == (10, 64, 5.0)
+    assert Settings.from_toml(EXAMPLE).limits == Settings().limits  # the example shows the defaults
+    for bad in ({"max_messages": 0}, {"max_id_length": 0}, {"header_timeout_s": 0}, {"max_bytes": 1}):
+        with pytest.raises(SettingsError):
+            Settings.from_mapping({"limits": bad})
