@@ -9,9 +9,7 @@ prefill leg.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +21,7 @@ from simulator.topology import Role, Topology, WorkerSpec
 from simulator.worker import Worker
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from tests.simulator.client import post, sse
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -54,28 +53,6 @@ async def start_alone(worker_id: str, role: Role, **worker: Any) -> WorkerGroup:
     )
     await group.start()
     return group
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
-    async with http.post(url, json=body) as response:
-        return response.status, await response.json(content_type=None)
-
-
-async def sse(http: aiohttp.ClientSession, url: str, body: Any) -> list[Any]:
-    async with http.post(url, json=body) as response:
-        assert response.status == 200
-        text = await response.text()
-    return [
-        block[6:] if block == "data: [DONE]" else json.loads(block[6:])
-        for block in text.split("\n\n")
-        if block
-    ]
 
 
 async def metric(

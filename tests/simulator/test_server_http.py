@@ -17,6 +17,7 @@ from simulator.sampler import SamplerSettings
 from simulator.topology import Role, Topology, WorkerSpec
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from tests.simulator.client import post, sse
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -38,33 +39,6 @@ async def group() -> AsyncIterator[WorkerGroup]:
     g = await start_group(enable_prompt_tokens_details=True)
     yield g
     await g.stop()
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> tuple[int, Any]:
-    async with http.post(url, json=body, headers=headers) as response:
-        return response.status, await response.json(content_type=None)
-
-
-async def sse(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> list[Any]:
-    """The decoded `data:` events of a stream, `[DONE]` as the string."""
-    async with http.post(url, json=body, headers=headers) as response:
-        assert response.status == 200
-        assert response.headers["Content-Type"].startswith("text/event-stream")
-        text = await response.text()
-    events: list[Any] = []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        assert block.startswith("data: ")
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:

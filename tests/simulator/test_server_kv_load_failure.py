@@ -13,7 +13,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -27,6 +27,7 @@ from simulator.topology import Role, Topology, WorkerSpec
 from simulator.worker import Worker
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from tests.simulator.client import post, sse
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -46,12 +47,6 @@ INTERNAL_ERROR = {
 }
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
 async def start(topology: Topology, **worker: Any) -> WorkerGroup:
     base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
     group = WorkerGroup(
@@ -64,22 +59,6 @@ async def start(topology: Topology, **worker: Any) -> WorkerGroup:
 def alone(worker_id: str, role: Role) -> Topology:
     """One worker with a fabric of its own, as if it ran in its own process."""
     return Topology(name=worker_id, workers=(WorkerSpec(id=worker_id, role=role),))
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
-    async with http.post(url, json=body) as response:
-        return response.status, await response.json(content_type=None)
-
-
-async def sse(http: aiohttp.ClientSession, url: str, body: Any) -> list[Any]:
-    async with http.post(url, json=body) as response:
-        assert response.status == 200
-        text = await response.text()
-    return [
-        block[6:] if block == "data: [DONE]" else json.loads(block[6:])
-        for block in text.split("\n\n")
-        if block
-    ]
 
 
 def by_source(text: str, source: str) -> float:
