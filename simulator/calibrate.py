@@ -1,6 +1,6 @@
 """Calibration: the paper's interference micro-benchmark and KV transfer figures, in virtual time.
 
-The micro-benchmark (emulator-model.md 3.1): B decode requests share a warmed 2,048-token prefix
+The micro-benchmark (docs/emulator-model.md 3.1): B decode requests share a warmed 2,048-token prefix
 (a few own tokens each, 64 output tokens, ``ignore_eos``); N "full" prefills (1,024 unrelated tokens)
 or N "append" prefills (1,024 new tokens on the shared prefix) join them. All B + N requests are
 admitted one every δ (decodes first). The figure is the mean decode TPOT, (e2e − TTFT) / 63, against
@@ -8,8 +8,8 @@ a decode-only run. The profile runs with cascade attention on (section 3.3).
 
 Targets, tolerances and the benchmark settings are data: ``simulator/calibration/targets.json``.
 The raw check replays the January-2026 configuration (its own settings in the same file) and compares
-the absolute mean decode TPOT with ``paper_jan2026_tpot.json`` (summarised from
-``/work/shared/data/calibration/``) for several batch sizes.
+the absolute mean decode TPOT with ``paper_jan2026_tpot.json`` (the paper artifact's January-2026 raw
+results, summarised; docs/emulator-model.md 3.1) for several batch sizes.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _bench(raw: dict[str, Any]) -> Microbench:
 
 
 def interference_figures(profile: Profile, targets: dict[str, Any] | None = None) -> list[Figure]:
-    """The six interference figures of emulator-model.md 3.3, target vs model."""
+    """The six interference figures of docs/emulator-model.md 3.3, target vs model."""
     targets = targets or load_targets()
     bench = _bench(targets["microbench"])
     prof = profile.with_overrides(bench.profile_overrides)
@@ -175,7 +175,7 @@ def interference_figures(profile: Profile, targets: dict[str, Any] | None = None
 
 
 def kv_transfer_figures(profile: Profile, targets: dict[str, Any] | None = None) -> list[Figure]:
-    """Time to move a 5,115-token context over each link preset, alone (emulator-model.md 3.4)."""
+    """Time to move a 5,115-token context over each link preset, alone (docs/emulator-model.md 3.4)."""
     targets = targets or load_targets()
     spec = targets["kv_transfer"]
     rel = targets["relative_tolerance"]

@@ -1,4 +1,4 @@
-"""The step cost model of emulator-model.md section 2.2 (pure arithmetic over a :class:`Profile`).
+"""The step cost model of docs/emulator-model.md section 2.2 (pure arithmetic over a :class:`Profile`).
 
 One engine step holds decode requests (context cᵢ each) and prefill chunks (nⱼ new tokens after cⱼ
 cached ones). With N = Σnⱼ + #decodes and S = the sequences sampled in the step::

@@ -24,7 +24,7 @@ Driving it (the whole protocol)::
   ``horizon`` and stop at the first finish. Pass the time of the next event that could reach this
   engine. A run lists no ``sampled`` ids; every running request got ``n_steps`` tokens.
 
-P/D roles (vLLM's NixlConnector pull protocol, vllm-protocol.md 1.3-1.6):
+P/D roles (vLLM's NixlConnector pull protocol, docs/vllm-protocol.md 1.3-1.6):
 
 - ``remote_decode=True`` (P side): prefill only, one output token, finish reason ``length``; the blocks
   stay pinned (``Finished.kv_pinned``) until ``release(request_id)`` (D read them) or the lease expires
@@ -41,7 +41,7 @@ P/D roles (vLLM's NixlConnector pull protocol, vllm-protocol.md 1.3-1.6):
   Its prompt tokens count by source (``stats()``) once the KV arrived, or when recomputed, as vLLM's
   prefill stats do: a pull that fails counts nothing as transferred.
 
-Bidirectional mode (vLLM's ``bidirectional_kv_xfer``, vllm-protocol.md 3.4; off unless a request asks):
+Bidirectional mode (vLLM's ``bidirectional_kv_xfer``, docs/vllm-protocol.md 3.4; off unless a request asks):
 
 - ``kv_ttl_s`` (D side): when the request finishes its blocks, output blocks included, stay pinned for
   that long (``decoder_kv_blocks_ttl``, no heartbeats) so that the next turn's prefill can read them;
@@ -296,7 +296,7 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """What vLLM's /metrics shows for one engine (names in vllm-protocol.md 4.3)."""
+    """What vLLM's /metrics shows for one engine (names in docs/vllm-protocol.md 4.3)."""
 
     num_running: int
     num_waiting: int
@@ -926,7 +926,7 @@ class Engine:
         return self._cascade_kv_read(total)
 
     def _cascade_kv_read(self, total: int) -> float:
-        """KV tokens read by decode attention with vLLM's cascade rule (emulator-model.md 3.3)."""
+        """KV tokens read by decode attention with vLLM's cascade rule (docs/emulator-model.md 3.3)."""
         bs = self._bs
         casc = self.profile.cascade
         pool = self.pool

@@ -1,4 +1,4 @@
-"""The KV link between a prefill and a decode node, sans-I/O (emulator-model.md 3.4).
+"""The KV link between a prefill and a decode node, sans-I/O (docs/emulator-model.md 3.4).
 
 Three modes:
 

@@ -1,4 +1,4 @@
-"""Model and hardware as data: the parameter table of emulator-model.md section 2.
+"""Model and hardware as data: the parameter table of docs/emulator-model.md section 2.
 
 A profile is a JSON file shipped under ``simulator/profiles/`` (or any path). Every number the cost
 model, the scheduler defaults, the link presets and the proxy overheads use comes from it; the code
@@ -133,7 +133,7 @@ class LinkSpec:
 
 @dataclass(frozen=True, slots=True)
 class OverheadSpec:
-    """Fixed proxy-path overheads of the paper's testbed (emulator-model.md 3.4), used by the cluster sim."""
+    """Fixed proxy-path overheads of the paper's testbed (docs/emulator-model.md 3.4), for the cluster sim."""
 
     pd_s: float
     local_s: float

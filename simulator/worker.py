@@ -670,7 +670,7 @@ class Worker:
         remote_decode = kv is not None and kv.do_remote_decode
         remote_prefill = kv is not None and kv.do_remote_prefill and not remote_decode
         bidirectional = self.settings.bidirectional_kv_xfer
-        # A P leg carrying a decode worker's params (the next turn, vllm-protocol.md 3.4).
+        # A P leg carrying a decode worker's params (the next turn, docs/vllm-protocol.md 3.4).
         from_decoder = (
             bidirectional
             and kv is not None
@@ -734,7 +734,7 @@ class Worker:
     def kv_params_for(
         self, internal_id: str, handle: JobHandle, req: GenerationRequest
     ) -> dict[str, Any] | None:
-        """The `kv_transfer_params` of a finished request whose blocks are pinned: P's (vllm-protocol.md
+        """The `kv_transfer_params` of a finished request whose blocks are pinned: P's (docs/vllm-protocol.md
         1.3), or in bidirectional mode D's (3.4: the roles swapped, with the blocks' expiry time)."""
         if not handle.kv_pinned:
             return None

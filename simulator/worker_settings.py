@@ -1,7 +1,7 @@
 """Start-up settings of one simulated worker (read once, frozen).
 
 The KV-transfer fields mirror vLLM 0.33's `kv_connector_extra_config` of the NixlConnector
-(vllm-protocol.md 1.1): `kv_lease_duration`, `bidirectional_kv_xfer`, `decoder_kv_blocks_ttl` and
+(docs/vllm-protocol.md 1.1): `kv_lease_duration`, `bidirectional_kv_xfer`, `decoder_kv_blocks_ttl` and
 `kv_recompute_threshold`; `kv_load_failure_policy` mirrors its `kv_transfer_config` field (what a failed KV
 load does: "fail" answers HTTP 500, "recompute" computes the prompt locally).
 """

@@ -27,7 +27,7 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 KUBERNETES_VERSIONS = ("1.30", "1.37")
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 DECISION_SERVICE = decision_pb2.DESCRIPTOR.services_by_name["DecisionService"].full_name
-# KVTransferConfig's fields in vLLM 0.33 (vllm-protocol.md 1.1); extra keys are rejected there.
+# KVTransferConfig's fields in vLLM 0.33 (docs/vllm-protocol.md 1.1); extra keys are rejected there.
 KV_TRANSFER_FIELDS = {
     "kv_connector", "engine_id", "kv_buffer_device", "kv_role", "kv_port", "kv_connector_extra_config",
     "kv_connector_module_path", "enable_permute_local_kv", "kv_load_failure_policy",
@@ -383,7 +383,7 @@ def test_vllm_workers_follow_the_nixl_launch_contract(overlay: str, role: str) -
 
 
 def test_prefill_and_decode_use_the_documented_ports() -> None:
-    """vllm-protocol.md 1.1: P on 8100 with side channel 5600, D on 8200 with 5601."""
+    """docs/vllm-protocol.md 1.1: P on 8100 with side channel 5600, D on 8200 with 5601."""
     docs = rendered("1p3d")
     assert ports_of(container(one(docs, "StatefulSet", "vllm-prefill"))) == {"http": 8100, "nixl": 5600}
     assert ports_of(container(one(docs, "StatefulSet", "vllm-decode"))) == {"http": 8200, "nixl": 5601}

@@ -1,5 +1,5 @@
 """deploy/vllm: the launch scripts are valid bash, and what they would run (--dry-run) agrees
-with the NixlConnector launch contract of vllm-protocol.md 1.1 for every shape."""
+with the NixlConnector launch contract of docs/vllm-protocol.md 1.1 for every shape."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_shape_starts_its_workers_with_the_nixl_contract(shape: str) -> None:
 
 
 def test_first_workers_use_the_documented_ports() -> None:
-    """vllm-protocol.md 1.1: P on 8100 with side channel 5600, D on 8200 with 5601."""
+    """docs/vllm-protocol.md 1.1: P on 8100 with side channel 5600, D on 8200 with 5601."""
     first = {lc.role: lc for lc in reversed(dry_run("1P3D"))}
     assert (first["prefill"].flag("--port"), first["prefill"].env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == (
         "8100",

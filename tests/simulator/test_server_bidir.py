@@ -1,4 +1,4 @@
-"""Bidirectional KV mode (vLLM's `bidirectional_kv_xfer`, vllm-protocol.md 3.4) over real HTTP on 127.0.0.1.
+"""Bidirectional KV mode (vLLM's `bidirectional_kv_xfer`, docs/vllm-protocol.md 3.4) over HTTP on 127.0.0.1.
 
 Turn 1 goes P -> D as a proxy sends it; D's final chunk then carries its own `kv_transfer_params`
 (`do_remote_decode: true`) and D keeps the blocks. Turn 2 goes to P with D's params (as the multi-turn
@@ -73,7 +73,7 @@ def chat(history: list[dict[str, str]], max_tokens: int, **extra: Any) -> dict[s
 
 
 def p_leg(client: dict[str, Any], kv: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg a proxy derives from a client body (vllm-protocol.md 1.2, 3.4)."""
+    """The prefill leg a proxy derives from a client body (docs/vllm-protocol.md 1.2, 3.4)."""
     body = {k: v for k, v in client.items() if k not in ("stream_options", "min_tokens")}
     return body | {"stream": False, "max_tokens": 1, "kv_transfer_params": kv}
 

@@ -1,4 +1,4 @@
-"""The profile loads as data and the cost model reproduces the reference table (emulator-model.md 2.4)."""
+"""The profile loads as data; the cost model reproduces the reference table (docs/emulator-model.md 2.4)."""
 
 from __future__ import annotations
 
