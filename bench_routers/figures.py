@@ -4,8 +4,9 @@ Rule 1: added TTFT is a router's percentile minus the direct path's percentile a
         the same run (p50 - p50, p99 - p99), in milliseconds.
 Rule 2: router CPU per 1,000 requests is the CPU seconds its process tree used during its own batches,
         divided by the requests it was sent (completed or not), times 1,000; the worker's the same.
-Rule 3: a ratio is ours / SGLang's; None (printed "n/a") when SGLang's figure is missing or not
-        positive, so a ratio never changes sign or divides by noise around zero.
+Rule 3: a ratio is ours / SGLang's; None (printed "n/a") when either figure is missing or not
+        positive (an added latency at or below zero is noise), so a ratio never changes sign or
+        divides by noise around zero; the figures themselves are printed beside it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _per_1k(cpu_s: float | None, requests: int) -> float | None:
 
 
 def ratio(ours: float | None, peer: float | None) -> float | None:
-    if ours is None or peer is None or peer <= 0:
+    if ours is None or peer is None or ours <= 0 or peer <= 0:
         return None
     return round(ours / peer, 3)
 
