@@ -10,7 +10,7 @@ import pytest
 
 from table_builder.stack import StackCommands, StackSettings, gateway_config, run_stack
 from table_builder.supervisor import ChildError, ChildSpec, Supervisor
-from tests.decision_service.harness import eventually
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 

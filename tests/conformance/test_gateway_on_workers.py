@@ -19,8 +19,9 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conformance.workers import Cluster, eventually
+from tests.conformance.workers import Cluster
 from tests.gateway.processes import Process, start
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
 #: Prefix-cache hits come in whole KV blocks (32 tokens on vLLM's CPU backend, 16 in the simulator).
@@ -66,9 +67,10 @@ class Conversation:
 
     def turn(self, text: str, *, mode: str | None = None, max_tokens: int = 8) -> tuple[Any, Any]:
         self.messages.append({"role": "user", "content": f"{self.session} {text}"})
-        raw = _client(self.gateway, mode, self.session).chat.completions.with_raw_response.create(
-            model=self.cluster.model, messages=self.messages, max_tokens=max_tokens, temperature=0
-        )
+        with _client(self.gateway, mode, self.session) as client:  # its connections closed after
+            raw = client.chat.completions.with_raw_response.create(
+                model=self.cluster.model, messages=self.messages, max_tokens=max_tokens, temperature=0
+            )
         answer = raw.parse()
         self.messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
         return raw.headers, answer
@@ -134,7 +136,11 @@ def test_a_client_disconnect_aborts_the_request_on_the_worker(cluster: Cluster, 
     assert resp.readline().startswith(b"data: ")
     assert cluster.metric(d, "vllm:num_requests_running") == 1
     resp.close()  # the client goes away mid-stream
-    eventually(lambda: cluster.metric(d, "vllm:num_requests_running") == 0, what=f"{d}'s request aborted")
+    wait_until(
+        lambda: cluster.metric(d, "vllm:num_requests_running") == 0,
+        deadline_s=60.0,
+        what=f"{d}'s request aborted",
+    )
     assert cluster.metric(d, "vllm:generation_tokens_total") - generated < 3000
 
 
@@ -162,9 +168,9 @@ def test_a_non_streaming_client_disconnect_aborts_the_request_on_the_worker(
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        eventually(lambda: running() == 1, what="the request running on a decode worker")
+        wait_until(lambda: running() == 1, deadline_s=60.0, what="the request running on a decode worker")
     # The client went away before any answer: the worker must drop the request.
-    eventually(lambda: running() == 0, what="the request aborted on its worker")
+    wait_until(lambda: running() == 0, deadline_s=60.0, what="the request aborted on its worker")
     assert sum(cluster.metric(d, "vllm:generation_tokens_total") for d in decodes) - generated < 3000
 
 

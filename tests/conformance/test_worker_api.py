@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from simulator.tokenizer import ChatMessage, Llama3Tokenizer
-from tests.conformance.workers import Cluster, eventually, http
+from tests.conformance.workers import Cluster, http
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -253,4 +254,6 @@ def test_a_dead_remote_follows_the_kv_load_failure_policy(cluster: Cluster, deco
     else:
         assert reply.json()["usage"]["prompt_tokens"] == n
         assert after["local_compute"] - before["local_compute"] >= n - 32  # all but a cached block
-    eventually(lambda: http(cluster.url(decode) + "/health").status == 200, what=f"{decode} healthy")
+    wait_until(
+        lambda: http(cluster.url(decode) + "/health").status == 200, deadline_s=60.0, what=f"{decode} healthy"
+    )

@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.processes import Process
 
-__all__ = ["Cluster", "Response", "eventually", "http"]
+__all__ = ["Cluster", "Response", "http"]
 
 
 @dataclass(frozen=True)
@@ -41,15 +40,6 @@ def http(url: str, body: Any = None, *, raw: bytes | None = None, timeout_s: flo
             return Response(resp.status, resp.read())
     except urllib.error.HTTPError as exc:
         return Response(exc.code, exc.read())
-
-
-def eventually(check: Callable[[], bool], *, timeout_s: float = 60.0, what: str = "condition") -> None:
-    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout_s`` (generous: CI is noisy)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout_s:g} s")
-        time.sleep(0.1)
 
 
 @dataclass

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,15 +14,6 @@ from decision_service.server import DecisionServer, build_server
 from decision_service.settings import Settings
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0) -> None:
-    """Poll `check` until it holds; fail after `timeout_s` (a deadline, not a sleep-as-sync)."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.02)
 
 
 @dataclass

@@ -15,9 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
-from tests.decision_service.harness import eventually, turn2
+from tests.decision_service.harness import turn2
 from tests.decision_service.process import ServeProcess, serve_process
 from tests.decision_service.tables import DEFAULT_KEY, version_of, write_table_file
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,10 @@ import pytest
 from decision_service.table import FIGURES, Table
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
-from tests.decision_service.harness import eventually, turn2
+from tests.decision_service.harness import turn2
 from tests.decision_service.process import ServeProcess, serve_process
 from tests.decision_service.tables import table_bytes, write_table_file
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,8 @@ import pytest
 from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
 from decision_service.table import Table
-from tests.decision_service.harness import eventually
 from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, version_of, write_table_file
+from tests.support.polling import eventually
 from tests.support.tables import bad_fixtures
 
 

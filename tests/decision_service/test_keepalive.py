@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decision_service.server import server_options
 from decision_service.settings import Settings
 from gateway.decision_client import KEEPALIVE_TIME_MS, channel_options
-from tests.decision_service.harness import eventually, start_server
+from tests.decision_service.harness import start_server
+from tests.support.polling import eventually
 
 CLIENT_PING_MS = 200
 READY = grpc.ChannelConnectivity.READY

@@ -13,8 +13,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from decision_service.metrics import DecisionMetrics
 from decision_service.server import SERVICE_NAME, build_server
 from decision_service.settings import Settings
-from tests.decision_service.harness import Running, eventually, start_server, turn2
+from tests.decision_service.harness import Running, start_server, turn2
 from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, write_table_file
+from tests.support.polling import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

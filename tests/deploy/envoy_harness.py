@@ -25,7 +25,8 @@ from typing import Any
 
 import yaml
 
-from tests.deploy.processes import REPO, wait_until
+from tests.deploy.processes import REPO
+from tests.support.polling import wait_until
 
 SCENARIOS = REPO / "deploy" / "envoy"
 

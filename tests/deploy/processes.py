@@ -121,12 +121,3 @@ def _read_line(proc: subprocess.Popen[bytes], deadline_s: float) -> str:
                 raise ChildFailedError(f"exited with {code} before announcing itself")
             buf += chunk
     return buf.split(b"\n", 1)[0].decode()
-
-
-def wait_until(predicate: Any, *, deadline_s: float, what: str, poll_s: float = 0.05) -> None:
-    """Poll `predicate()` until it is true; fail naming `what` once the deadline passes."""
-    end = time.monotonic() + deadline_s
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {deadline_s} s waiting for {what}")
-        time.sleep(poll_s)

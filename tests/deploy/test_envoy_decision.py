@@ -23,7 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from tests.deploy.envoy_harness import SCENARIOS, Envoy
-from tests.deploy.processes import REPO, Announced, wait_until
+from tests.deploy.processes import REPO, Announced
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from tests.deploy.envoy_harness import SCENARIOS, Envoy
-from tests.deploy.processes import Announced, wait_until
+from tests.deploy.processes import Announced
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
 

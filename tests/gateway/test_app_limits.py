@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.decision_service.harness import eventually
 from tests.gateway.conftest import MODEL, Reply, Stack, StackFactory
+from tests.support.polling import eventually
 
 CHAT = "/v1/chat/completions"
 

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.deploy.processes import wait_until
+from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
