@@ -65,13 +65,11 @@ class ClusterSettings:
     kv_cache_bytes: int = 128 * 1024 * 1024
     #: vLLM's CPU default is 128; its CPU attention needs a multiple of 32. Prefix hits come in steps of it.
     block_size: int = 32
-    kv_load_failure_policy: KvLoadFailurePolicy = "fail"
-    #: Per worker id, overriding ``kv_load_failure_policy``.
+    #: ``kv_load_failure_policy`` per worker id; a worker not named gets vLLM's default, "fail".
     failure_policies: Mapping[str, KvLoadFailurePolicy] = field(default_factory=dict)
     ready_timeout_s: float = 240.0
     grace_s: float = 15.0
     extra_args: tuple[str, ...] = ()
-    extra_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def kv_transfer_config(role: str, *, failure_policy: KvLoadFailurePolicy, cpu_buffer: bool) -> str | None:
@@ -132,7 +130,7 @@ def worker_command(
         "--kv-cache-memory-bytes", str(settings.kv_cache_bytes), "--block-size", str(settings.block_size),
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    policy = settings.failure_policies.get(worker.id, settings.kv_load_failure_policy)
+    policy = settings.failure_policies.get(worker.id, "fail")
     kv = kv_transfer_config(worker.role, failure_policy=policy, cpu_buffer=True)
     if kv is not None:
         serve += ["--kv-transfer-config", kv]
@@ -162,7 +160,6 @@ def worker_command(
     if settings.cpu_nixl_fixes:
         env["PPD_VLLM_NIXL_NO_PROGRESS_THREAD"] = "1"
         env["PPD_VLLM_NIXL_NO_KV_PIN"] = "1"
-    env.update(settings.extra_env)
     return tuple(argv), env
 
 
@@ -327,7 +324,7 @@ async def run_cluster(
     try:
         await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
-            return 0  # a signal while starting: the finally clause stops what has started
+            return 0  # a signal while starting: the finally clause ends the starts and the workers
         started = starting.result()
         ready = {
             "topology": settings.topology.name,
@@ -353,10 +350,13 @@ async def run_cluster(
         logger.error("%s; stopping every worker", exc)
     finally:
         stopper.cancel()
+        # A stop while starting: end the starts first, so every worker already spawned is registered
+        # (asyncio kills one whose spawn was cut short) and none is left waiting for its ready line.
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
         pids = [child.proc.pid for child in supervisor.children]
         await supervisor.stop_all()
         await _kill_groups(pids)  # engine processes a worker left behind go with its group
-        await asyncio.gather(starting, return_exceptions=True)
         # What a clean stop's resource trackers did not unlink (after a SIGKILL, say).
         leftover = _unlink_unheld(path for paths in shm.values() for path in paths)
         if leftover:

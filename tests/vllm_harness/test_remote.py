@@ -17,7 +17,7 @@ _PROBE = """
 import importlib.metadata, json, os, runpy, sys
 sys.argv = ["serve_worker.py"]
 runpy.run_path(sys.argv_path, run_name="serve_worker")
-out = {"version": importlib.metadata.version("vllm"), "affinity_call": None, "prog_thread": None}
+out = {"version": importlib.metadata.version("vllm"), "prog_thread": None}
 before = os.sched_getaffinity(0)
 os.sched_setaffinity(0, {max(before)})
 out["affinity_kept"] = os.sched_getaffinity(0) == before

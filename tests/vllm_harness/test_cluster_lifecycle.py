@@ -1,0 +1,58 @@
+"""The launcher's failure paths with real processes and no vLLM: our own interpreter runs
+serve_worker.py, which cannot import NIXL or vLLM, so every worker dies before it is ready."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from simulator.topology import Topology
+from vllm_harness.cluster import ClusterSettings, run_cluster
+from vllm_harness.prepare import Prepared
+
+pytestmark = pytest.mark.integration
+
+
+def _prepared(python: Path, tmp_path: Path) -> Prepared:
+    return Prepared(python=python, model=tmp_path, served_model="llama-3-tiny-random", vllm_version="0.32.0")
+
+
+async def test_a_worker_that_dies_before_it_is_ready_fails_the_cluster_with_its_last_words(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = ClusterSettings(topology=Topology.parse("1P1D"), pin=False, ready_timeout_s=120)
+    out = io.StringIO()
+    code = await run_cluster(_prepared(Path(sys.executable), tmp_path), settings, out, asyncio.Event())
+    assert code == 1
+    assert out.getvalue() == ""  # no ready line for a cluster that is not up
+    assert "exited with code 1 before it was ready" in caplog.text
+    assert "ModuleNotFoundError" in caplog.text  # the worker's own stderr (no NIXL, no vLLM here)
+
+
+async def test_a_stop_while_the_workers_start_ends_the_cluster_cleanly(tmp_path: Path) -> None:
+    never_ready = tmp_path / "python"
+    never_ready.write_text("#!/bin/sh\nexec sleep 300\n")
+    never_ready.chmod(0o755)
+    settings = ClusterSettings(topology=Topology.parse("1P1D"), pin=False, ready_timeout_s=300, grace_s=5)
+    stop = asyncio.Event()
+    stop.set()  # Ctrl-C before any worker is up
+    out = io.StringIO()
+    async with asyncio.timeout(60):
+        code = await run_cluster(_prepared(never_ready, tmp_path), settings, out, stop)
+    assert code == 0
+    assert out.getvalue() == ""
+    assert not _running("sleep 300")  # no worker outlives the cluster
+
+
+def _running(command: str) -> bool:
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if cmdline.read_bytes().replace(b"\0", b" ").strip() == command.encode():
+                return True
+        except OSError:
+            continue
+    return False
