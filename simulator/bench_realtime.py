@@ -27,11 +27,11 @@ from typing import Any, TextIO
 import aiohttp
 import uvloop
 
-from simulator.profile import load_profile
-from simulator.realtime import DEFAULT_SPIN_S, StepTiming
-from simulator.topology import Topology
-from simulator.worker_group import GroupSettings, WorkerGroup
-from simulator.worker_settings import WorkerSettings
+from simulator.core.profile import load_profile
+from simulator.core.topology import Topology
+from simulator.core.worker_settings import WorkerSettings
+from simulator.server.realtime import DEFAULT_SPIN_S, StepTiming
+from simulator.server.worker_group import GroupSettings, WorkerGroup
 
 __all__ = ["BenchResult", "add_arguments", "print_result", "run_bench", "run_from_args"]
 

@@ -19,13 +19,18 @@ import sys
 import time
 from typing import Any
 
-from simulator.cluster import ClusterConfig, simulate
-from simulator.link import TransferMode
-from simulator.native_build import native_state
-from simulator.profile import load_profile
-from simulator.routing import TableRouter
-from simulator.topology import Topology
-from simulator.workload import Conversation, sharegpt_like, synthetic_conversations, turn_list_conversations
+from simulator.core.cluster import ClusterConfig, simulate
+from simulator.core.link import TransferMode
+from simulator.core.profile import load_profile
+from simulator.core.routing import TableRouter
+from simulator.core.topology import Topology
+from simulator.core.workload import (
+    Conversation,
+    sharegpt_like,
+    synthetic_conversations,
+    turn_list_conversations,
+)
+from simulator.tools.native_build import native_state
 
 __all__ = ["add_arguments", "main", "run_bench", "summarise"]
 

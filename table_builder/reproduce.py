@@ -1,4 +1,4 @@
-"""Produce the reproduction report's records on the virtual-time cluster simulation (``simulator.cluster``).
+"""The reproduction report's records, on the virtual-time cluster simulation (``simulator.core.cluster``).
 
 Three experiments, all on the same seeded arrivals so modes are compared on identical traffic:
 
@@ -9,7 +9,7 @@ Three experiments, all on the same seeded arrivals so modes are compared on iden
 3. the link sweep (Figure 5): 1P3D, ``pd`` and ``ppd`` over each interconnect of the profile, at one QPS.
 
 ``ppd`` routes with the decision service's own rule over the table found for the shape in ``tables``
-(``simulator.routing.TableRouter``); a shape without a table gets no ``ppd`` runs, and the manifest
+(``simulator.core.routing.TableRouter``); a shape without a table gets no ``ppd`` runs, and the manifest
 says so. Records go to ``<out>/<experiment>/<run_id>.jsonl`` (written atomically), the manifest to
 ``<out>/manifest.json``. The simulator is imported only here, and only when a run is asked for.
 """
@@ -148,11 +148,11 @@ def _simulate(
     run: _Run, settings: ReproduceSettings, lists: Sequence[Sequence[tuple[int, int]]]
 ) -> list[Record]:
     from decision_service.table import Weights
-    from simulator.cluster import ClusterConfig, simulate
-    from simulator.profile import load_profile
-    from simulator.routing import TableRouter
-    from simulator.topology import Topology
-    from simulator.workload import turn_list_conversations
+    from simulator.core.cluster import ClusterConfig, simulate
+    from simulator.core.profile import load_profile
+    from simulator.core.routing import TableRouter
+    from simulator.core.topology import Topology
+    from simulator.core.workload import turn_list_conversations
 
     conversations = turn_list_conversations(
         lists, run.qps, run.duration_s, workload=settings.workload, seed=settings.seed
@@ -174,7 +174,7 @@ def _simulate(
 
 
 def _link_gb_s(profile: str, link: str) -> float:
-    from simulator.profile import load_profile
+    from simulator.core.profile import load_profile
 
     return float(load_profile(profile).link(link).bandwidth_bytes_per_s) / 1e9
 
@@ -213,7 +213,7 @@ def reproduce(settings: ReproduceSettings, out: Path, *, progress: bool = False)
                 )
             bar.update(1)
     manifest = Manifest(
-        engine=f"virtual-time cluster simulation (simulator.cluster, {settings.profile})",
+        engine=f"virtual-time cluster simulation (simulator.core.cluster, {settings.profile})",
         seed=settings.seed,
         notes=" ".join(notes),
         runs=runs,

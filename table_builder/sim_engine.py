@@ -1,6 +1,6 @@
 """The ``sim`` sweep engine: one grid point = one run of the simulator's virtual-time P/D cluster.
 
-``simulator.cluster.simulate`` runs Poisson two-turn conversations of one synthetic workload through a
+``simulator.core.cluster.simulate`` runs Poisson two-turn conversations of one synthetic workload through a
 simulated cluster of the point's shape, in the point's static mode, with the calibrated cost model of a
 profile (default Llama-3.1-8B on H100), and returns one record per request sent. Records are checked
 against the schema here (``Record.from_dict``), so a simulator bug cannot slip a bad record into a table.
@@ -27,8 +27,8 @@ __all__ = ["SimEngine", "simulator_fingerprint"]
 
 
 def simulator_fingerprint() -> str:
-    """The fingerprint of the simulator package in use (``simulator.fingerprint``)."""
-    from simulator.fingerprint import source_fingerprint
+    """The fingerprint of the simulator package in use (``simulator.tools.fingerprint``)."""
+    from simulator.tools.fingerprint import source_fingerprint
 
     return source_fingerprint()
 
@@ -60,10 +60,10 @@ class SimEngine:
         return zlib.crc32(f"{self.seed}/{point.workload.name}/{point.qps:g}".encode())
 
     def run(self, point: GridPoint) -> list[Record]:
-        from simulator.cluster import ClusterConfig, simulate
-        from simulator.profile import load_profile
-        from simulator.topology import Topology
-        from simulator.workload import turn_list_conversations
+        from simulator.core.cluster import ClusterConfig, simulate
+        from simulator.core.profile import load_profile
+        from simulator.core.topology import Topology
+        from simulator.core.workload import turn_list_conversations
 
         first, second = point.workload.first, point.workload.second
         conversations = turn_list_conversations(

@@ -11,8 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from simulator.kv_load_policy import PolicySpecError, parse_policy_spec
-from simulator.topology import Topology, TopologyError
+from simulator.core.kv_load_policy import PolicySpecError, parse_policy_spec
+from simulator.core.topology import Topology, TopologyError
 from vllm_harness.cluster import ClusterSettings, run_cluster
 from vllm_harness.prepare import PrepareError, prepare
 from vllm_harness.spec import default_root

@@ -1,7 +1,7 @@
 """vLLM's OpenAI-style error: one exception type for the wire layer, rendered as vLLM renders it.
 
 ApiError (Exception)            -> HTTP `status`, body {"error": {message, type, param, code}}
-  raised by simulator.protocol  (validation: 400, unknown model: 404, huge body: 413)
+  raised by simulator.core.protocol  (validation: 400, unknown model: 404, huge body: 413)
   raised by simulator.server    (injected faults: 500/503, expired KV lease: 500)
 """
 

@@ -1,7 +1,7 @@
 """A P/D cluster in virtual time: arrivals -> routing -> P/D engines and KV links -> benchmark records.
 
 Everything is one discrete-event loop over a heap; no clock, no sockets. Engines are the same
-:class:`~simulator.engine.Engine` the HTTP workers run, in fast-forward mode.
+:class:`~simulator.core.engine.Engine` the HTTP workers run, in fast-forward mode.
 
 Paths of one request (turn *k* of a conversation, prompt = the ``n_ctx`` tokens before it + ``n_in``):
 
@@ -16,7 +16,7 @@ Paths of one request (turn *k* of a conversation, prompt = the ``n_ctx`` tokens 
 Routing: turn 1 takes ``pd`` (``replica`` in replica mode) on the least-loaded P and D, and the
 conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``fraction:<x>`` (a fixed
 share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`LocalPolicy`,
-normally :class:`simulator.routing.TableRouter`: the decision service's pure rule over a table).
+normally :class:`simulator.core.routing.TableRouter`: the decision service's pure rule over a table).
 A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
 its engines, and ends its conversation.
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from decision_service.route import Query
-from simulator.engine import (
+from simulator.core.engine import (
     Engine,
     EngineConfig,
     EngineRequest,
@@ -50,11 +50,11 @@ from simulator.engine import (
     KvPullMode,
     StepResult,
 )
-from simulator.kv_cache import StreamBlocks
-from simulator.link import Link, TransferMode
-from simulator.profile import Profile
-from simulator.topology import Topology
-from simulator.workload import Conversation
+from simulator.core.kv_cache import StreamBlocks
+from simulator.core.link import Link, TransferMode
+from simulator.core.profile import Profile
+from simulator.core.topology import Topology
+from simulator.core.workload import Conversation
 
 __all__ = [
     "ClusterConfig",

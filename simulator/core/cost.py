@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from simulator.profile import Profile
+from simulator.core.profile import Profile
 
 __all__ = ["CostModel"]
 

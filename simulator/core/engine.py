@@ -2,8 +2,8 @@
 
 No clock is read and nothing blocks: every method takes ``now`` (seconds, any epoch) and the caller
 (a driver) decides when time passes. The same object runs under the real-time HTTP worker (asyncio,
-absolute deadlines) and under the discrete-event drivers (:mod:`simulator.virtual`,
-:mod:`simulator.cluster`).
+absolute deadlines) and under the discrete-event drivers (:mod:`simulator.core.virtual`,
+:mod:`simulator.core.cluster`).
 
 Driving it (the whole protocol)::
 
@@ -68,7 +68,8 @@ Scheduler rules (vLLM V1 with chunked prefill):
 
 Other queries: ``stats()`` (vLLM metric values), ``load()`` (unfinished requests), ``has_request``,
 ``num_output_tokens``, ``remote_block_ids`` (ids for ``kv_transfer_params``), ``lease_expires_at``,
-``expire_leases(now)``, ``pool`` (the :class:`~simulator.kv_cache.BlockPool`; ``pool.reset_prefix_cache()``).
+``expire_leases(now)``, ``pool`` (the :class:`~simulator.core.kv_cache.BlockPool`;
+``pool.reset_prefix_cache()``).
 
 Step log (the format both drivers record, compared by tests): ``StepResult.log_entry()`` gives
 ``{"t": start, "dt": duration, "n": n_steps, "decode": [ids], "prefill": [[id, n_new, n_cached]],
@@ -86,9 +87,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from simulator.cost import CostModel
-from simulator.kv_cache import BlockContent, BlockPool, StreamBlocks, TokenBlocks
-from simulator.profile import Profile
+from simulator.core.cost import CostModel
+from simulator.core.kv_cache import BlockContent, BlockPool, StreamBlocks, TokenBlocks
+from simulator.core.profile import Profile
 
 __all__ = [
     "Engine",

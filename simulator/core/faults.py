@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.api_error import ApiError
+from simulator.core.api_error import ApiError
 
 __all__ = ["Faults"]
 

@@ -24,7 +24,7 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-from simulator.profile import LinkSpec
+from simulator.core.profile import LinkSpec
 
 __all__ = ["Link", "TransferDone", "TransferMode"]
 

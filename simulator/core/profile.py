@@ -1,6 +1,6 @@
 """Model and hardware as data: the parameter table of docs/emulator-model.md section 2.
 
-A profile is a JSON file shipped under ``simulator/profiles/`` (or any path). Every number the cost
+A profile is a JSON file shipped under ``simulator/core/profiles/`` (or any path). Every number the cost
 model, the scheduler defaults, the link presets and the proxy overheads use comes from it; the code
 holds formulas only. ``load_profile()`` reads one into a frozen :class:`Profile`; ``with_overrides``
 derives variants (for example ``cascade.enabled=true`` for the interference micro-benchmark).
@@ -194,7 +194,7 @@ class Profile:
 
 def available_profiles() -> list[str]:
     """Names of the profiles shipped as package data."""
-    folder = resources.files("simulator.profiles")
+    folder = resources.files("simulator.core.profiles")
     return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
 
 
@@ -208,7 +208,7 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> Profile:
             raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from exc
         source = str(path)
     else:
-        ref = resources.files("simulator.profiles").joinpath(f"{name_or_path}.json")
+        ref = resources.files("simulator.core.profiles").joinpath(f"{name_or_path}.json")
         if not ref.is_file():
             raise ProfileError(
                 f"unknown profile {name_or_path!r} (shipped: {', '.join(available_profiles())})"

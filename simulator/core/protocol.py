@@ -21,8 +21,8 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar
 
-from simulator.api_error import ApiError
-from simulator.tokenizer import ChatMessage, Llama3Tokenizer, render_chat_parts
+from simulator.core.api_error import ApiError
+from simulator.core.tokenizer import ChatMessage, Llama3Tokenizer, render_chat_parts
 
 __all__ = [
     "SLICE_ITEMS",

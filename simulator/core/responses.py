@@ -7,7 +7,7 @@ Invariants:
   only on the chunk that carries `finish_reason`.
 - Rule 3: SSE framing is `data: <compact json>\\n\\n`, ending with `data: [DONE]\\n\\n`.
 - Rule 4: a reply whose size follows the request's (`/tokenize`) is serialized in steps
-  (`simulator.protocol` Rule 4), so that a huge one does not hold the event loop.
+  (`simulator.core.protocol` Rule 4), so that a huge one does not hold the event loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simulator.protocol import SLICE_ITEMS, GenerationRequest, Steps
+from simulator.core.protocol import SLICE_ITEMS, GenerationRequest, Steps
 
 __all__ = ["SSE_DONE", "ResponseRenderer", "Usage", "sse_event", "tokenize_body_steps"]
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from simulator.tokenizer import Llama3Tokenizer
+from simulator.core.tokenizer import Llama3Tokenizer
 
 __all__ = [
     "UNLIMITED_MEAN_TOKENS",
@@ -135,7 +135,7 @@ def sample_output(
 class GeneratedBlocks:
     """Chained block hashes over prompt + generated output, computed lazily.
 
-    Uses exactly the chaining of :class:`simulator.kv_cache.TokenBlocks` (hash((parent, tokens of the
+    Uses exactly the chaining of :class:`simulator.core.kv_cache.TokenBlocks` (hash((parent, tokens of the
     block))), so a later prompt that contains this output as real tokens hits the same cached blocks.
     """
 

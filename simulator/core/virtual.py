@@ -1,6 +1,6 @@
 """The discrete-event driver of one engine in virtual time (no HTTP, no clock, no sleeping).
 
-``run_engine(engine, arrivals)`` feeds timed arrivals to an :class:`~simulator.engine.Engine` and
+``run_engine(engine, arrivals)`` feeds timed arrivals to an :class:`~simulator.core.engine.Engine` and
 steps it exactly as the real-time worker does: a request that arrives while a step runs joins the
 next step; a step's tokens are delivered at its end. It returns the step log (the format of
 ``StepResult.log_entry``) and per-request first-token and finish times, so a test can feed the
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from simulator.engine import Engine, EngineRequest, Finished
+from simulator.core.engine import Engine, EngineRequest, Finished
 
 __all__ = ["RequestTimes", "VirtualRun", "run_engine"]
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from simulator.faults import Faults
-from simulator.kv_load_policy import KV_LOAD_FAILURE_POLICIES, KvLoadFailurePolicy
-from simulator.sampler import SamplerSettings
-from simulator.topology import Role
+from simulator.core.faults import Faults
+from simulator.core.kv_load_policy import KV_LOAD_FAILURE_POLICIES, KvLoadFailurePolicy
+from simulator.core.sampler import SamplerSettings
+from simulator.core.topology import Role
 
 __all__ = ["DEFAULT_MODEL", "WorkerSettings"]
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from simulator.background import BackgroundTask
-from simulator.link import Link, TransferDone, TransferMode
-from simulator.profile import Profile
+from simulator.core.link import Link, TransferDone, TransferMode
+from simulator.core.profile import Profile
+from simulator.server.background import BackgroundTask
 
 __all__ = ["Fabric", "FabricSettings", "KvSource"]
 

@@ -6,7 +6,7 @@ Invariants:
   accumulate; a step after an idle period starts at the moment work arrived.
 - Rule 2: a step's tokens are delivered together, right after its deadline, in one pass over
   `result.sampled` / `result.finished`; a request that arrives while a step runs joins the next step
-  (the same rule as :func:`simulator.virtual.run_engine`, so both produce the same step log).
+  (the same rule as :func:`simulator.core.virtual.run_engine`, so both produce the same step log).
 - Rule 3: only the driver task calls `engine.step`; other coroutines add, abort or complete KV loads
   and then `wake()` it. Everything runs on one event loop, so no locks are needed.
 
@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from simulator.background import BackgroundTask
-from simulator.deadline_board import DeadlineBoard
-from simulator.engine import Engine, EngineRequest, Finished, FinishReason, KvPull, StepResult
-from simulator.jobs import Emission, JobHandle
+from simulator.core.engine import Engine, EngineRequest, Finished, FinishReason, KvPull, StepResult
+from simulator.server.background import BackgroundTask
+from simulator.server.deadline_board import DeadlineBoard
+from simulator.server.jobs import Emission, JobHandle
 
 __all__ = ["DEFAULT_SPIN_S", "LOOKAHEAD_S", "SLICE_TOKENS", "RealtimeDriver", "StepTiming"]
 

@@ -1,4 +1,4 @@
-"""The `worker` and `cluster` sub-commands of `ppd-sim` (registered in :mod:`simulator.cli`)."""
+"""The `worker` and `cluster` sub-commands of `ppd-sim` (registered in :mod:`simulator.tools.cli`)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import sys
 
 import uvloop
 
-from simulator.api_error import ApiError
-from simulator.fabric import FabricSettings
-from simulator.faults import Faults
-from simulator.kv_load_policy import KV_LOAD_FAILURE_POLICIES, parse_policy_spec
-from simulator.link import TransferMode
-from simulator.profile import ProfileError, load_profile
-from simulator.realtime import DEFAULT_SPIN_S
-from simulator.sampler import SamplerSettings
-from simulator.topology import Role, Topology, TopologyError, WorkerSpec
-from simulator.worker_group import GroupSettings, WorkerGroup, serve_group
-from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from simulator.core.api_error import ApiError
+from simulator.core.faults import Faults
+from simulator.core.kv_load_policy import KV_LOAD_FAILURE_POLICIES, parse_policy_spec
+from simulator.core.link import TransferMode
+from simulator.core.profile import ProfileError, load_profile
+from simulator.core.sampler import SamplerSettings
+from simulator.core.topology import Role, Topology, TopologyError, WorkerSpec
+from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
+from simulator.server.fabric import FabricSettings
+from simulator.server.realtime import DEFAULT_SPIN_S
+from simulator.server.worker_group import GroupSettings, WorkerGroup, serve_group
 
 __all__ = ["add_cluster", "add_worker"]
 

@@ -29,7 +29,7 @@ Invariants:
   state without locks; anything that outlives a request (side-channel calls, going down) is a task held
   in `_tasks` and cancelled by `stop()`.
 - Rule 5: no request holds the loop for long. Bodies are capped (`max_body_bytes`, 413), and parsing and
-  tokenization run as `simulator.protocol` steps with a loop turn between slices, so the other workers
+  tokenization run as `simulator.core.protocol` steps with a loop turn between slices, so the other workers
   of the process keep their step deadlines and SIGTERM is seen. Once `stop()` has begun, a request still
   being parsed is answered 503 at its next slice, and handlers get `_SHUTDOWN_GRACE_S` to finish.
 """
@@ -50,15 +50,11 @@ from typing import Any, Protocol, TypeVar, cast
 import aiohttp
 from aiohttp import web
 
-from simulator.api_error import ApiError
-from simulator.deadline_board import DeadlineBoard
-from simulator.engine import Engine, EngineConfig, EngineRequest, KvPull, StepResult
-from simulator.fabric import Fabric
-from simulator.faults import Faults
-from simulator.jobs import Emission, JobHandle
-from simulator.link import TransferDone
-from simulator.metrics import FinishedRequest, WorkerMetrics
-from simulator.protocol import (
+from simulator.core.api_error import ApiError
+from simulator.core.engine import Engine, EngineConfig, EngineRequest, KvPull, StepResult
+from simulator.core.faults import Faults
+from simulator.core.link import TransferDone
+from simulator.core.protocol import (
     GenerationRequest,
     ServingLimits,
     Steps,
@@ -67,11 +63,15 @@ from simulator.protocol import (
     detokenize_steps,
     tokenize_steps,
 )
-from simulator.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
-from simulator.responses import SSE_DONE, ResponseRenderer, Usage, sse_event, tokenize_body_steps
-from simulator.sampler import GeneratedBlocks, SampledOutput, sample_output
-from simulator.tokenizer import Llama3Tokenizer
-from simulator.worker_settings import WorkerSettings
+from simulator.core.responses import SSE_DONE, ResponseRenderer, Usage, sse_event, tokenize_body_steps
+from simulator.core.sampler import GeneratedBlocks, SampledOutput, sample_output
+from simulator.core.tokenizer import Llama3Tokenizer
+from simulator.core.worker_settings import WorkerSettings
+from simulator.server.deadline_board import DeadlineBoard
+from simulator.server.fabric import Fabric
+from simulator.server.jobs import Emission, JobHandle
+from simulator.server.metrics import FinishedRequest, WorkerMetrics
+from simulator.server.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
 
 __all__ = ["VLLM_VERSION", "Worker"]
 

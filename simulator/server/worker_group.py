@@ -18,16 +18,16 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from simulator.deadline_board import DeadlineBoard
-from simulator.fabric import Fabric, FabricSettings
-from simulator.faults import Faults
-from simulator.kv_load_policy import KvLoadFailurePolicy
-from simulator.profile import Profile
-from simulator.realtime import DEFAULT_SPIN_S, StepTiming
-from simulator.tokenizer import Llama3Tokenizer
-from simulator.topology import Topology
-from simulator.worker import Worker
-from simulator.worker_settings import WorkerSettings
+from simulator.core.faults import Faults
+from simulator.core.kv_load_policy import KvLoadFailurePolicy
+from simulator.core.profile import Profile
+from simulator.core.tokenizer import Llama3Tokenizer
+from simulator.core.topology import Topology
+from simulator.core.worker_settings import WorkerSettings
+from simulator.server.deadline_board import DeadlineBoard
+from simulator.server.fabric import Fabric, FabricSettings
+from simulator.server.realtime import DEFAULT_SPIN_S, StepTiming
+from simulator.server.worker import Worker
 
 __all__ = ["GroupSettings", "WorkerGroup", "serve_group"]
 

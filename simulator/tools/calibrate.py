@@ -6,7 +6,7 @@ or N "append" prefills (1,024 new tokens on the shared prefix) join them. All B 
 admitted one every δ (decodes first). The figure is the mean decode TPOT, (e2e − TTFT) / 63, against
 a decode-only run. The profile runs with cascade attention on (section 3.3).
 
-Targets, tolerances and the benchmark settings are data: ``simulator/calibration/targets.json``.
+Targets, tolerances and the benchmark settings are data: ``simulator/tools/calibration/targets.json``.
 The raw check replays the January-2026 configuration (its own settings in the same file) and compares
 the absolute mean decode TPOT with ``paper_jan2026_tpot.json`` (the paper artifact's January-2026 raw
 results, summarised; docs/emulator-model.md 3.1) for several batch sizes.
@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any, TextIO
 
-from simulator.engine import Engine, EngineConfig, EngineRequest
-from simulator.kv_cache import PrefixedBlocks, StreamBlocks
-from simulator.link import Link, TransferMode
-from simulator.profile import Profile, load_profile
-from simulator.virtual import run_engine
+from simulator.core.engine import Engine, EngineConfig, EngineRequest
+from simulator.core.kv_cache import PrefixedBlocks, StreamBlocks
+from simulator.core.link import Link, TransferMode
+from simulator.core.profile import Profile, load_profile
+from simulator.core.virtual import run_engine
 
 __all__ = [
     "Figure",
@@ -65,13 +65,13 @@ class Figure:
 
 
 def load_targets() -> dict[str, Any]:
-    text = resources.files("simulator.calibration").joinpath("targets.json").read_text(encoding="utf-8")
+    text = resources.files("simulator.tools.calibration").joinpath("targets.json").read_text(encoding="utf-8")
     data: dict[str, Any] = json.loads(text)
     return data
 
 
 def _load_data(name: str) -> dict[str, Any]:
-    text = resources.files("simulator.calibration").joinpath(name).read_text(encoding="utf-8")
+    text = resources.files("simulator.tools.calibration").joinpath(name).read_text(encoding="utf-8")
     data: dict[str, Any] = json.loads(text)
     return data
 

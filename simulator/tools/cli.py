@@ -36,7 +36,7 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
 
     def run(args: argparse.Namespace) -> int:
-        from simulator.calibrate import run_calibration
+        from simulator.tools.calibrate import run_calibration
 
         return run_calibration(args.profile, as_json=args.json, raw=args.raw, out=sys.stdout)
 
@@ -70,7 +70,7 @@ _BUILD_NATIVE = _ModuleCommand(
     "compile the virtual-time core with mypyc into a folder to put on PYTHONPATH (about 2x faster)",
     "Copy the simulator package to OUT/simulator and compile its hot modules there with "
     "mypyc; run with PYTHONPATH=OUT to use them. Prints one JSON line.",
-    "simulator.native_build",
+    "simulator.tools.native_build",
 )
 _BENCH_REALTIME = _ModuleCommand(
     "bench-realtime",
@@ -82,7 +82,7 @@ _BENCH_REALTIME = _ModuleCommand(
 
 
 def _registry() -> list[Registrar]:
-    from simulator.serve_cli import add_cluster, add_worker
+    from simulator.server.serve_cli import add_cluster, add_worker
 
     return [_add_calibrate, _BENCH_VIRTUAL, _BUILD_NATIVE, add_worker, add_cluster, _BENCH_REALTIME]
 

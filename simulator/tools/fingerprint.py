@@ -13,8 +13,8 @@ from pathlib import Path
 
 __all__ = ["PACKAGE_ROOT", "source_fingerprint"]
 
-#: The folder of the ``simulator`` package this process imported.
-PACKAGE_ROOT = Path(__file__).resolve().parent
+#: The folder of the ``simulator`` package this process imported (this module is ``simulator/tools/``).
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
 def source_fingerprint(root: Path = PACKAGE_ROOT) -> str:

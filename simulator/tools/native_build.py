@@ -1,9 +1,9 @@
 """An optional compiled copy of the virtual-time simulation core (mypyc), for benchmarks and long sweeps.
 
 ``ppd-sim build-native [--out build/native]`` copies the ``simulator`` package to ``OUT/simulator`` and
-compiles the modules of ``NATIVE_MODULES`` there with mypyc (it ships with mypy, a dev dependency; it
-needs a C compiler). The source tree is not touched, and nothing changes unless a run puts ``OUT``
-first on ``PYTHONPATH``::
+compiles the modules of ``NATIVE_MODULES`` (all in ``simulator/core/``) there with mypyc (it ships with
+mypy, a dev dependency; it needs a C compiler). The source tree is not touched, and nothing changes
+unless a run puts ``OUT`` first on ``PYTHONPATH``::
 
     ppd-sim build-native && PYTHONPATH=build/native ppd-sim bench-virtual
 
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from simulator.fingerprint import PACKAGE_ROOT, source_fingerprint
+from simulator.tools.fingerprint import PACKAGE_ROOT, source_fingerprint
 
 __all__ = [
     "NATIVE_MODULES",
@@ -44,8 +44,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The modules simulate() spends its time in (see the README's "Virtual time" section).
+# The modules simulate() spends its time in (see the README's "Virtual time" section), all in the
+# pure core: ``simulator.core.<name>``.
 NATIVE_MODULES = ("kv_cache", "cost", "engine", "link", "cluster")
+_CORE = "core"
 
 #: Written into the compiled copy: the source folder it was made from (to detect a stale copy).
 SOURCE_NOTE = "native_source.txt"
@@ -53,7 +55,7 @@ SOURCE_NOTE = "native_source.txt"
 
 def is_native() -> bool:
     """Whether the engine module in use is a compiled one."""
-    from simulator import engine
+    from simulator.core import engine
 
     return not (engine.__file__ or "").endswith(".py")
 
@@ -98,7 +100,7 @@ def build(out: Path) -> list[Path]:
     env = dict(os.environ)
     # mypyc type-checks the copy; the rest of the project (imports of the simulator) comes from here.
     env["MYPYPATH"] = str(PACKAGE_ROOT.parent)
-    sources = [f"simulator/{name}.py" for name in NATIVE_MODULES]
+    sources = [f"simulator/{_CORE}/{name}.py" for name in NATIVE_MODULES]
     log.info("compiling %s into %s", ", ".join(NATIVE_MODULES), target)
     proc = subprocess.run(
         [sys.executable, "-m", "mypyc", *sources],
@@ -110,7 +112,7 @@ def build(out: Path) -> list[Path]:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"mypyc failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    built = sorted(p for name in NATIVE_MODULES for p in target.glob(f"{name}.*.so"))
+    built = sorted(p for name in NATIVE_MODULES for p in (target / _CORE).glob(f"{name}.*.so"))
     if len(built) != len(NATIVE_MODULES):
         raise RuntimeError(f"mypyc built {len(built)} of {len(NATIVE_MODULES)} modules:\n{proc.stdout}")
     return built

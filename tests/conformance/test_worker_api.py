@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from simulator.tokenizer import ChatMessage, Llama3Tokenizer
+from simulator.core.tokenizer import ChatMessage, Llama3Tokenizer
 from tests.conformance.workers import Cluster, http
 from tests.support.polling import wait_until
 

@@ -16,11 +16,11 @@ from aiohttp.test_utils import TestServer
 
 from gateway.app import DEPS, create_app
 from gateway.settings import Settings
-from simulator.profile import Profile, load_profile
-from simulator.topology import Topology
-from simulator.worker import Worker
-from simulator.worker_group import GroupSettings, WorkerGroup
-from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from simulator.core.profile import Profile, load_profile
+from simulator.core.topology import Topology
+from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
+from simulator.server.worker import Worker
+from simulator.server.worker_group import GroupSettings, WorkerGroup
 
 pytestmark = pytest.mark.integration
 

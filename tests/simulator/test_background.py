@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from simulator.background import BackgroundTask
+from simulator.server.background import BackgroundTask
 
 
 async def test_start_is_idempotent_and_stop_cancels_and_allows_a_restart() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.kv_load_policy import PolicySpecError, parse_policy_spec
-from simulator.worker_settings import WorkerSettings
+from simulator.core.kv_load_policy import PolicySpecError, parse_policy_spec
+from simulator.core.worker_settings import WorkerSettings
 
 WORKERS = ("P0", "D0", "D1")
 

@@ -10,11 +10,11 @@ import asyncio
 
 import pytest
 
-from simulator.deadline_board import DeadlineBoard
-from simulator.engine import Engine, EngineConfig, StepResult
-from simulator.jobs import Emission, JobHandle
-from simulator.profile import load_profile
-from simulator.realtime import SLICE_TOKENS, RealtimeDriver
+from simulator.core.engine import Engine, EngineConfig, StepResult
+from simulator.core.profile import load_profile
+from simulator.server.deadline_board import DeadlineBoard
+from simulator.server.jobs import Emission, JobHandle
+from simulator.server.realtime import SLICE_TOKENS, RealtimeDriver
 
 
 def test_board_reports_only_other_drivers_deadlines() -> None:

@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from simulator.faults import Faults
-from simulator.profile import Profile, load_profile
-from simulator.topology import Topology
-from simulator.worker_group import GroupSettings, WorkerGroup
-from simulator.worker_settings import WorkerSettings
+from simulator.core.faults import Faults
+from simulator.core.profile import Profile, load_profile
+from simulator.core.topology import Topology
+from simulator.core.worker_settings import WorkerSettings
+from simulator.server.worker_group import GroupSettings, WorkerGroup
 
 pytestmark = pytest.mark.integration
 
@@ -276,12 +276,12 @@ async def test_a_downed_prefill_worker_fails_the_decode_leg(group: WorkerGroup) 
 async def test_an_unexpected_error_is_a_500_and_the_worker_lives_on(
     group: WorkerGroup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import simulator.worker
+    import simulator.server.worker
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(simulator.worker, "completion_steps", broken)
+    monkeypatch.setattr(simulator.server.worker, "completion_steps", broken)
     url = group.worker("D0").url
     status, body = await complete(url)
     assert status == 500

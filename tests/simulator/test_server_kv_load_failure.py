@@ -20,13 +20,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from simulator.faults import Faults
-from simulator.kv_load_policy import KvLoadFailurePolicy
-from simulator.profile import load_profile
-from simulator.topology import Role, Topology, WorkerSpec
-from simulator.worker import Worker
-from simulator.worker_group import GroupSettings, WorkerGroup
-from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from simulator.core.faults import Faults
+from simulator.core.kv_load_policy import KvLoadFailurePolicy
+from simulator.core.profile import load_profile
+from simulator.core.topology import Role, Topology, WorkerSpec
+from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
+from simulator.server.worker import Worker
+from simulator.server.worker_group import GroupSettings, WorkerGroup
 from tests.simulator.client import post, sse
 from tests.support.nixl import prefill_kv_params
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from simulator.engine import Engine, EngineConfig, EngineRequest, KvPull
-from simulator.jobs import Emission, JobHandle
-from simulator.profile import load_profile
-from simulator.realtime import RealtimeDriver, StepTiming
-from simulator.virtual import run_engine
+from simulator.core.engine import Engine, EngineConfig, EngineRequest, KvPull
+from simulator.core.profile import load_profile
+from simulator.core.virtual import run_engine
+from simulator.server.jobs import Emission, JobHandle
+from simulator.server.realtime import RealtimeDriver, StepTiming
 
 BURST_GAP_S = 1000.0
 

@@ -9,10 +9,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from simulator.profile import load_profile
-from simulator.topology import Role, Topology, WorkerSpec
-from simulator.worker_group import GroupSettings, WorkerGroup
-from simulator.worker_settings import WorkerSettings
+from simulator.core.profile import load_profile
+from simulator.core.topology import Role, Topology, WorkerSpec
+from simulator.core.worker_settings import WorkerSettings
+from simulator.server.worker_group import GroupSettings, WorkerGroup
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration

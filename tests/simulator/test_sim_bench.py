@@ -7,7 +7,7 @@ import json
 import pytest
 
 from simulator.bench_virtual import main
-from simulator.cli import main as cli_main
+from simulator.tools.cli import main as cli_main
 
 
 @pytest.mark.bench

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from simulator.calibrate import interference_figures, kv_transfer_figures, raw_figures
-from simulator.cli import main
-from simulator.profile import load_profile
+from simulator.core.profile import load_profile
+from simulator.tools.calibrate import interference_figures, kv_transfer_figures, raw_figures
+from simulator.tools.cli import main
 
 
 def test_interference_figures_within_tolerance() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from decision_service.route import Query
-from simulator.cluster import ClusterConfig, parse_mode, simulate
-from simulator.link import TransferMode
-from simulator.profile import Profile, load_profile
-from simulator.topology import Topology
-from simulator.workload import (
+from simulator.core.cluster import ClusterConfig, parse_mode, simulate
+from simulator.core.link import TransferMode
+from simulator.core.profile import Profile, load_profile
+from simulator.core.topology import Topology
+from simulator.core.workload import (
     Conversation,
     Turn,
     sharegpt_like,
@@ -217,7 +217,7 @@ def test_multi_turn_context_accumulates(profile: Profile) -> None:
 
 def test_ppd_mode_runs_the_decision_services_rule(profile: Profile) -> None:
     from decision_service.table import Table, encode_table
-    from simulator.routing import TableRouter
+    from simulator.core.routing import TableRouter
     from tests.support.tables import synthetic_spec
 
     table = Table.from_bytes(encode_table(synthetic_spec()))
@@ -255,7 +255,7 @@ def test_ppd_mode_applies_the_tables_decode_load_guard(profile: Profile) -> None
 
     from decision_service.route import Reason
     from decision_service.table import Table, encode_table
-    from simulator.routing import TableRouter
+    from simulator.core.routing import TableRouter
     from tests.support.tables import synthetic_spec
 
     convs = synthetic_conversations("large_mid_paste", qps=8, duration_s=5, seed=9)

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from simulator.engine import Engine, EngineConfig, EngineRequest, FinishReason, KvPullMode, StepResult
-from simulator.profile import Profile, load_profile
-from simulator.virtual import run_engine
+from simulator.core.engine import Engine, EngineConfig, EngineRequest, FinishReason, KvPullMode, StepResult
+from simulator.core.profile import Profile, load_profile
+from simulator.core.virtual import run_engine
 
 
 @pytest.fixture(scope="module")

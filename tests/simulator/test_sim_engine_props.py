@@ -8,9 +8,9 @@ import math
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from simulator.engine import Engine, EngineConfig, EngineRequest
-from simulator.profile import load_profile
-from simulator.virtual import run_engine
+from simulator.core.engine import Engine, EngineConfig, EngineRequest
+from simulator.core.profile import load_profile
+from simulator.core.virtual import run_engine
 
 PROFILE = load_profile()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.kv_cache import BlockPool, StreamBlocks, TokenBlocks
-from simulator.link import Link, TransferMode
-from simulator.profile import LinkSpec
+from simulator.core.kv_cache import BlockPool, StreamBlocks, TokenBlocks
+from simulator.core.link import Link, TransferMode
+from simulator.core.profile import LinkSpec
 
 
 def test_chained_hashes_identify_prefixes() -> None:

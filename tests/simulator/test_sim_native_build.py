@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
-from simulator import native_build
-from simulator.cli import main as cli_main
+from simulator.tools import native_build
+from simulator.tools.cli import main as cli_main
 from tests.support.ci import require_tool
 
 # Preemption (small KV cache) and timeouts, both modes: the paths where a difference would show.
 SCRIPT = """
 import json, sys
-from simulator.cluster import ClusterConfig, simulate
-from simulator.native_build import is_native, native_state
-from simulator.profile import load_profile
-from simulator.topology import Topology
-from simulator.workload import sharegpt_like, turn_list_conversations
+from simulator.core.cluster import ClusterConfig, simulate
+from simulator.tools.native_build import is_native, native_state
+from simulator.core.profile import load_profile
+from simulator.core.topology import Topology
+from simulator.core.workload import sharegpt_like, turn_list_conversations
 convs = turn_list_conversations(sharegpt_like(120, seed=3), 16, 6.0, seed=3)
 out = {"native": is_native(), "state": native_state(), "runs": []}
 for mode in ("pd", "local"):

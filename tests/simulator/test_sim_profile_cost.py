@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from simulator.cost import CostModel
-from simulator.profile import ProfileError, available_profiles, load_profile
+from simulator.core.cost import CostModel
+from simulator.core.profile import ProfileError, available_profiles, load_profile
 
 
 def test_default_profile_is_shipped_and_sane() -> None:

@@ -12,8 +12,8 @@ import quicktok
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from simulator.api_error import ApiError
-from simulator.protocol import (
+from simulator.core.api_error import ApiError
+from simulator.core.protocol import (
     SLICE_ITEMS,
     ServingLimits,
     Steps,
@@ -26,8 +26,8 @@ from simulator.protocol import (
     run_steps,
     tokenize_steps,
 )
-from simulator.responses import tokenize_body_steps
-from simulator.tokenizer import SLICE_CHARS, ChatMessage, Llama3Tokenizer
+from simulator.core.responses import tokenize_body_steps
+from simulator.core.tokenizer import SLICE_CHARS, ChatMessage, Llama3Tokenizer
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 LIMITS = ServingLimits(model=MODEL, max_model_len=4096)

@@ -6,14 +6,20 @@ from typing import Any
 
 import pytest
 
-from simulator.api_error import ApiError
-from simulator.faults import Faults
-from simulator.protocol import ServingLimits, parse_chat, parse_completion, parse_detokenize, parse_tokenize
-from simulator.responses import ResponseRenderer, Usage, sse_event
-from simulator.sampler import SamplerSettings, sample_output
-from simulator.tokenizer import ChatMessage, Llama3Tokenizer, render_chat
-from simulator.topology import Topology, TopologyError
-from simulator.worker_settings import WorkerSettings
+from simulator.core.api_error import ApiError
+from simulator.core.faults import Faults
+from simulator.core.protocol import (
+    ServingLimits,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
+from simulator.core.responses import ResponseRenderer, Usage, sse_event
+from simulator.core.sampler import SamplerSettings, sample_output
+from simulator.core.tokenizer import ChatMessage, Llama3Tokenizer, render_chat
+from simulator.core.topology import Topology, TopologyError
+from simulator.core.worker_settings import WorkerSettings
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 LIMITS = ServingLimits(model=MODEL, max_model_len=4096)
@@ -276,8 +282,8 @@ def test_faults_update_and_validation() -> None:
 
 
 def test_generated_blocks_hash_like_token_blocks(tok: Llama3Tokenizer) -> None:
-    from simulator.kv_cache import TokenBlocks
-    from simulator.sampler import GeneratedBlocks
+    from simulator.core.kv_cache import TokenBlocks
+    from simulator.core.sampler import GeneratedBlocks
 
     prompt = tuple(tok.encode("a prompt of a few tokens " * 5, add_special_tokens=True))
     out = sample_output(
@@ -312,22 +318,22 @@ def test_huge_outputs_cost_nothing_up_front(tok: Llama3Tokenizer) -> None:
 @pytest.mark.parametrize(
     "module_name",
     [
-        "simulator.api_error",
+        "simulator.core.api_error",
         "simulator.bench_realtime",
-        "simulator.fabric",
-        "simulator.faults",
-        "simulator.jobs",
-        "simulator.metrics",
-        "simulator.protocol",
-        "simulator.realtime",
-        "simulator.responses",
-        "simulator.sampler",
-        "simulator.serve_cli",
-        "simulator.tokenizer",
-        "simulator.topology",
-        "simulator.worker",
-        "simulator.worker_group",
-        "simulator.worker_settings",
+        "simulator.server.fabric",
+        "simulator.core.faults",
+        "simulator.server.jobs",
+        "simulator.server.metrics",
+        "simulator.core.protocol",
+        "simulator.server.realtime",
+        "simulator.core.responses",
+        "simulator.core.sampler",
+        "simulator.server.serve_cli",
+        "simulator.core.tokenizer",
+        "simulator.core.topology",
+        "simulator.server.worker",
+        "simulator.server.worker_group",
+        "simulator.core.worker_settings",
     ],
 )
 def test_all_lists_exactly_the_public_names(module_name: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import quicktok
 
-from simulator.tokenizer import ChatMessage, Llama3Tokenizer
+from simulator.core.tokenizer import ChatMessage, Llama3Tokenizer
 
 
 @pytest.fixture(scope="module")

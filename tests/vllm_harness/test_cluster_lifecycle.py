@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from simulator.topology import Topology
+from simulator.core.topology import Topology
 from vllm_harness.cluster import ClusterSettings, run_cluster
 from vllm_harness.prepare import Prepared
 
