@@ -2,7 +2,14 @@
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /version,
 /metrics, /load, /admin/faults (GET, POST), and /_nixl/claim, /_nixl/release (the side channel a decode
-worker in another process uses to read this worker's leases). See simulator/README.md.
+worker in another process uses to read this worker's leases: `side_channel.py`). A generation
+request's response (the SSE stream or the whole body) is written by `stream.py`. See
+simulator/README.md.
+
+The module stays whole (about 700 lines) because the routes, the fault middleware, the driver
+callbacks and the KV-source side all share one worker's state on one loop without locks (Rule 4):
+the engine that a crash replaces, the leases it pins, the remotes it reads and the tasks `stop()`
+cancels. The parts that need none of that state live beside it (`stream.py`, `side_channel.py`).
 
 Invariants:
 - Rule 1: no exception escapes a handler as a traceback: `ApiError` becomes vLLM's error body, anything
@@ -45,9 +52,8 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar
 
-import aiohttp
 from aiohttp import web
 
 from simulator.core.api_error import ApiError
@@ -63,15 +69,17 @@ from simulator.core.protocol import (
     detokenize_steps,
     tokenize_steps,
 )
-from simulator.core.responses import SSE_DONE, ResponseRenderer, Usage, sse_event, tokenize_body_steps
-from simulator.core.sampler import GeneratedBlocks, SampledOutput, sample_output
+from simulator.core.responses import ResponseRenderer, tokenize_body_steps
+from simulator.core.sampler import GeneratedBlocks, sample_output
 from simulator.core.tokenizer import Llama3Tokenizer
 from simulator.core.worker_settings import WorkerSettings
 from simulator.server.deadline_board import DeadlineBoard
 from simulator.server.fabric import Fabric
-from simulator.server.jobs import Emission, JobHandle
+from simulator.server.jobs import JobHandle
 from simulator.server.metrics import FinishedRequest, WorkerMetrics
 from simulator.server.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
+from simulator.server.side_channel import KvRemote, SideChannelClient, SideChannelServer
+from simulator.server.stream import INTERNAL_ERROR, GenerationRun
 
 __all__ = ["VLLM_VERSION", "Worker"]
 
@@ -80,22 +88,10 @@ logger = logging.getLogger(__name__)
 VLLM_VERSION = "0.33.0"
 _MODEL_ROUTES = ("/v1/", "/tokenize", "/detokenize")
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-_INTERNAL_ERROR = "Internal server error"
 _SHUTTING_DOWN = "The server is shutting down"
 _SHUTDOWN_GRACE_S = 3.0  # how long stop() lets requests in flight finish before cancelling them
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _Remote:
-    """A decode-side request's source of KV until the pull starts (in this process or behind host:port)."""
-
-    engine_id: str
-    remote_request_id: str
-    host: str | None
-    port: int | None
-    expires_at: float | None = None  # a decode worker's bidirectional pin (`remote_blocks_expiry_time`)
 
 
 @dataclass(slots=True)
@@ -132,13 +128,14 @@ class Worker:
         self._down = False  # requests are cut from the moment a crash is decided
         self._going_down = False  # the crash (closing the port, dropping the engine) has started
         self._restore_task: asyncio.Task[None] | None = None
-        self._remote: dict[str, _Remote] = {}
+        self._remote: dict[str, KvRemote] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._session: aiohttp.ClientSession | None = None
+        self._side_channel = SideChannelClient(settings.worker_id)
         self._pinned: dict[str, _Pinned] = {}
         self._synced: dict[str, int] = {}
         self.engine_id = ""
         self.engine, self.driver = self._new_engine()
+        self._side_channel_server = SideChannelServer(self, now=self._now, read_json=self._read_json)
         self.app = self._build_app()
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -216,9 +213,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         self._restore_task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._side_channel.close()
         await self.driver.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -271,8 +266,7 @@ class Worker:
         app.router.add_get("/load", self._load)
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_post("/admin/faults", self._post_faults)
-        app.router.add_post("/_nixl/claim", self._nixl_claim)
-        app.router.add_post("/_nixl/release", self._nixl_release)
+        self._side_channel_server.add_routes(app.router)
         return app
 
     @web.middleware
@@ -293,7 +287,7 @@ class Worker:
             raise
         except Exception:
             logger.exception("worker %s: unhandled error on %s", self.settings.worker_id, request.path)
-            return web.json_response(ApiError(500, _INTERNAL_ERROR).body(), status=500)
+            return web.json_response(ApiError(500, INTERNAL_ERROR).body(), status=500)
 
     @web.middleware
     async def _fault_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -319,7 +313,7 @@ class Worker:
             and faults.error_rate > 0
             and self._fault_rng.random() < faults.error_rate
         ):
-            raise ApiError(500, _INTERNAL_ERROR)
+            raise ApiError(500, INTERNAL_ERROR)
         return await handler(request)
 
     @staticmethod
@@ -471,6 +465,10 @@ class Worker:
         )
 
     # ------------------------------------------------------------------ KV source (prefill side)
+    def _now(self) -> float:
+        """The current engine's clock (a restart brings a new driver)."""
+        return self.driver.now()
+
     def claim_lease(self, remote_request_id: str, now: float) -> bool:
         if self._down:
             return False
@@ -560,20 +558,9 @@ class Worker:
 
         self.fabric.transfer(source_node, self.node, n_bytes, at, done)
 
-    async def _side_channel(self, remote: _Remote, action: str) -> bool:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-        url = f"http://{remote.host}:{remote.port}/_nixl/{action}"
-        try:
-            async with self._session.post(url, json={"remote_request_id": remote.remote_request_id}) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            logger.warning("worker %s: side channel %s failed: %s", self.settings.worker_id, url, exc)
-            return False
-
-    async def _pull_over_side_channel(self, pull: KvPull, remote: _Remote) -> None:
+    async def _pull_over_side_channel(self, pull: KvPull, remote: KvRemote) -> None:
         driver = self.driver
-        claimed = await self._side_channel(remote, "claim")
+        claimed = await self._side_channel.call(remote, "claim")
         if driver is not self.driver:
             return
         now = driver.now()
@@ -583,27 +570,11 @@ class Worker:
 
         def release(at: float) -> None:
             del at
-            task = asyncio.create_task(self._side_channel(remote, "release"))
+            task = asyncio.create_task(self._side_channel.call(remote, "release"))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
         self._transfer(pull, now, f"{remote.host}:{remote.port}", release)
-
-    async def _nixl_claim(self, request: web.Request) -> web.Response:
-        body = await self._read_json(request)
-        rrid = body.get("remote_request_id") if isinstance(body, dict) else None
-        if not isinstance(rrid, str):
-            raise ApiError(400, "remote_request_id: Field required", param="remote_request_id")
-        claimed = self.claim_lease(rrid, self.driver.now())
-        return web.json_response({"claimed": claimed}, status=200 if claimed else 410)
-
-    async def _nixl_release(self, request: web.Request) -> web.Response:
-        body = await self._read_json(request)
-        rrid = body.get("remote_request_id") if isinstance(body, dict) else None
-        if not isinstance(rrid, str):
-            raise ApiError(400, "remote_request_id: Field required", param="remote_request_id")
-        self.release_lease(rrid, self.driver.now())
-        return web.json_response({"released": True})
 
     def release_unpulled(self, request_id: str, now: float) -> None:
         """A D request that needed no pull (full local hit) still frees P's blocks (vLLM notifies P)."""
@@ -614,7 +585,7 @@ class Worker:
         if source is not None:
             source.release_lease(remote.remote_request_id, now)
         elif remote.host and remote.port and not self._closing:  # no new side-channel call once stopping
-            task = asyncio.create_task(self._side_channel(remote, "release"))
+            task = asyncio.create_task(self._side_channel.call(remote, "release"))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -646,7 +617,7 @@ class Worker:
         host, port = params.get("remote_host"), params.get("remote_port")
         if not isinstance(engine_id, str) or not isinstance(rrid, str):
             return
-        remote = _Remote(
+        remote = KvRemote(
             engine_id=engine_id,
             remote_request_id=rrid,
             host=host if isinstance(host, str) else None,
@@ -703,7 +674,7 @@ class Worker:
             kv_ttl_s=self.settings.decoder_kv_blocks_ttl_s if bidirectional and remote_prefill else None,
         )
         if (remote_prefill or from_decoder) and kv is not None:
-            self._remote[internal_id] = _Remote(
+            self._remote[internal_id] = KvRemote(
                 engine_id=kv.remote_engine_id or "",
                 remote_request_id=kv.remote_request_id or "",
                 host=kv.remote_host,
@@ -714,7 +685,7 @@ class Worker:
         handle = JobHandle(request_id=internal_id, submitted_at=driver.now())
         driver.submit(engine_request, handle)
         renderer = ResponseRenderer(req, response_id=response_id, created=int(time.time()))
-        run = _Run(
+        run = GenerationRun(
             worker=self,
             req=req,
             renderer=renderer,
@@ -784,190 +755,3 @@ class Worker:
                 preemptions=handle.preemptions,
             )
         )
-
-
-class _Writable(Protocol):
-    """What the direct-write path needs of a transport (asyncio's or uvloop's)."""
-
-    def write(self, data: bytes) -> None: ...
-
-    def is_closing(self) -> bool: ...
-
-
-class _Run:
-    """One generation request from submission to the last byte (streaming or not)."""
-
-    def __init__(
-        self,
-        *,
-        worker: Worker,
-        req: GenerationRequest,
-        renderer: ResponseRenderer,
-        handle: JobHandle,
-        output: SampledOutput,
-        internal_id: str,
-    ) -> None:
-        self.w = worker
-        self.req = req
-        self.renderer = renderer
-        self.handle = handle
-        self.output = output
-        self.finish_reason: str = output.finish_reason
-        self.internal_id = internal_id
-        self.produced = 0
-        self.last_at: float | None = None
-        self._transport: _Writable | None = None
-        self._ready: tuple[int, list[int], bytes] | None = None  # (produced, ids, frame) from _prepare
-
-    def _usage(self) -> Usage:
-        cached: int | None = None
-        if self.w.settings.enable_prompt_tokens_details:
-            kv = self.req.kv_transfer
-            if kv is not None and kv.do_remote_prefill and not kv.do_remote_decode:
-                cached = kv.remote_prefill_cached_tokens
-            else:
-                cached = self.handle.cached_tokens
-        return Usage(
-            prompt_tokens=len(self.req.prompt_ids), completion_tokens=self.produced, cached_tokens=cached
-        )
-
-    def _take(self, emission: Emission) -> list[int]:
-        ids = self.output.ids(self.produced, self.produced + emission.tokens)
-        self._commit(ids, emission)
-        return ids
-
-    def _commit(self, ids: list[int], emission: Emission) -> None:
-        self.produced += len(ids)
-        if self.produced == len(ids) and ids:
-            self.w.release_unpulled(self.internal_id, emission.at)
-        if ids and self.last_at is not None:
-            self.w.metrics.on_token_gap(emission.at - self.last_at)
-        if ids:
-            self.last_at = emission.at
-
-    def _frame(self, ids: list[int]) -> bytes:
-        """One mid-stream SSE event in HTTP/1.1 chunked framing."""
-        data = self.renderer.delta_event("".join(map(self.w.tokenizer.token_text, ids)))
-        return b"%x\r\n%b\r\n" % (len(data), data)
-
-    def _prepare(self) -> None:
-        """Render the next token's chunk ahead of its deadline (pure: nothing is counted or sent)."""
-        try:
-            ids = self.output.ids(self.produced, self.produced + 1)
-            self._ready = (self.produced, ids, self._frame(ids))
-        except Exception:  # never let a client problem reach the driver; the sink renders it again
-            logger.exception("stream %s: rendering ahead failed", self.renderer.response_id)
-            self._ready = None
-
-    def _sink(self, emission: Emission) -> bool:
-        """Write one mid-stream chunk straight to the socket, in HTTP/1.1 chunked framing as aiohttp's
-        writer would (the response is prepared and chunked; aiohttp does not buffer, so order holds).
-        Saves a queue hop and a task switch per token on the hot path."""
-        transport = self._transport
-        if transport is None or transport.is_closing():
-            return False  # the handler finds out on its next write and aborts the request
-        try:
-            ready, self._ready = self._ready, None
-            if ready is not None and ready[0] == self.produced and len(ready[1]) == emission.tokens:
-                ids, frame = ready[1], ready[2]
-                self._commit(ids, emission)
-            else:
-                ids = self._take(emission)
-                frame = self._frame(ids)
-            transport.write(frame)
-        except Exception:  # never let a client problem reach the driver
-            logger.exception("stream %s: direct write failed", self.renderer.response_id)
-            self._transport = None
-            return False
-        return True
-
-    def _final_reason(self) -> str:
-        kv = self.req.kv_transfer
-        if self.handle.kv_pinned and kv is not None and kv.do_remote_decode:
-            return "length"  # the P leg of P/D always stops at its one token
-        return self.finish_reason
-
-    async def full(self) -> web.Response:
-        ids: list[int] = []
-        while True:
-            emission = await self.handle.queue.get()
-            if emission.error is not None:
-                self.w.finish_metrics(self.req, self.handle, self.produced, "error")
-                raise ApiError(500, _INTERNAL_ERROR)
-            ids.extend(self._take(emission))
-            if emission.finished:
-                break
-        reason = self._final_reason()
-        self.w.finish_metrics(self.req, self.handle, self.produced, reason)
-        kv_params = self.w.kv_params_for(self.internal_id, self.handle, self.req)
-        prompt_text = self.w.tokenizer.decode(self.req.prompt_ids) if self.req.echo else None
-        body = self.renderer.full(
-            text=self.w.tokenizer.decode(ids),
-            token_ids=ids,
-            finish_reason=reason,
-            usage=self._usage(),
-            kv_transfer_params=kv_params,
-            prompt_text=prompt_text,
-        )
-        return web.json_response(body)
-
-    async def stream(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(
-            status=200,
-            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
-        )
-        await response.prepare(request)
-        req = self.req
-        continuous = req.include_usage and req.continuous_usage_stats
-        fast = not continuous and not req.return_token_ids
-        echo = self.w.tokenizer.decode(req.prompt_ids) if req.echo else None  # sent with the first tokens
-        try:
-            if req.kind == "chat":
-                await response.write(
-                    sse_event(self.renderer.role_chunk(self._usage() if continuous else None))
-                )
-            # Our framing must match aiohttp's. `response.chunked` only reports an explicit
-            # enable_chunked_encoding(); aiohttp chunks HTTP/1.1 streams implicitly and then says so in
-            # the Transfer-Encoding header it sent at prepare().
-            chunked = response.headers.get("Transfer-Encoding", "").lower() == "chunked"
-            direct = chunked and not response.compression
-            if fast and echo is None and direct and hasattr(request.transport, "write"):
-                self._transport = cast(_Writable, request.transport)  # uvloop's is no WriteTransport
-                self.handle.sink = self._sink
-                self.handle.prepare = self._prepare
-            while True:
-                emission = await self.handle.queue.get()
-                if emission.error is not None:
-                    self.w.finish_metrics(req, self.handle, self.produced, "error")
-                    await response.write(sse_event(ApiError(500, _INTERNAL_ERROR).body()))
-                    break
-                ids = self._take(emission)
-                if fast and not emission.finished and echo is None:
-                    text = "".join(map(self.w.tokenizer.token_text, ids))
-                    await response.write(self.renderer.delta_event(text))
-                    continue
-                reason = self._final_reason() if emission.finished else None
-                kv_params = None
-                if emission.finished:
-                    self.w.finish_metrics(req, self.handle, self.produced, reason or "length")
-                    kv_params = self.w.kv_params_for(self.internal_id, self.handle, req)
-                text = self.w.tokenizer.decode(ids)
-                if echo is not None:
-                    text, echo = echo + text, None
-                chunk = self.renderer.delta_chunk(
-                    text=text,
-                    token_ids=ids,
-                    finish_reason=reason,
-                    usage=self._usage() if continuous else None,
-                    kv_transfer_params=kv_params,
-                )
-                await response.write(sse_event(chunk))
-                if emission.finished:
-                    break
-            if req.include_usage:
-                await response.write(sse_event(self.renderer.usage_chunk(self._usage())))
-            await response.write(SSE_DONE)
-            await response.write_eof()
-        except ConnectionResetError:
-            logger.debug("client went away during stream %s", self.renderer.response_id)
-        return response
