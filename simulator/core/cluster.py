@@ -30,7 +30,6 @@ as it would step by step. So a run is cut only where something actually reaches 
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import math
@@ -72,14 +71,6 @@ class LocalPolicy(Protocol):
         """``query`` is psi with the live signals a gateway scrapes: the session's D's running batch
         (``decode_running``) and the queue of the P a PD turn would take (``prefill_queue_depth``)."""
         ...
-
-
-class _Mode(enum.Enum):
-    PD = "pd"
-    LOCAL = "local"
-    PPD = "ppd"
-    FRACTION = "fraction"
-    REPLICA = "replica"
 
 
 def parse_mode(mode: str) -> tuple[str, float]:
