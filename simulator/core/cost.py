@@ -124,10 +124,6 @@ class CostModel:
             num_decodes=num_decodes, chunks=(), num_sampled=num_decodes, kv_read_tokens=kv_read_tokens
         )
 
-    def prefill_alone(self, n_new: int, n_cached: int = 0) -> float:
-        """GPU + CPU time to prefill ``n_new`` tokens after ``n_cached`` in budget-sized chunks, alone."""
-        return self.prefill_chunks(n_new, n_cached, budget=None)
-
     def prefill_chunks(self, n_new: int, n_cached: int, budget: int | None) -> float:
         total = 0.0
         done = 0

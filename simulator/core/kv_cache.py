@@ -53,10 +53,6 @@ class TokenBlocks:
         self._block_size = block_size
         self._hashes: list[int] = []
 
-    @property
-    def num_full_blocks(self) -> int:
-        return len(self._tokens) // self._block_size
-
     def block_hash(self, index: int) -> int:
         hashes = self._hashes
         bs = self._block_size

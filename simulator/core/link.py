@@ -83,10 +83,6 @@ class Link:
     def active(self) -> int:
         return len(self._sizes)
 
-    def transfer_time(self, n_bytes: int) -> float:
-        """Time of one transfer alone on this link (or the decode stall, in blocking mode)."""
-        return self._lat + n_bytes / self._bw
-
     def start(self, now: float, n_bytes: int) -> int:
         tid = self._next_id
         self._next_id += 1
