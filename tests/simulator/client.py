@@ -1,13 +1,68 @@
-"""Plain HTTP helpers for the tests that talk to in-process simulated workers."""
+"""Helpers for the tests that talk to in-process simulated workers: start them, post, read SSE and metrics."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 
-__all__ = ["post", "sse"]
+from simulator.core.faults import Faults
+from simulator.core.profile import Profile, load_profile
+from simulator.core.topology import Role, Topology, WorkerSpec
+from simulator.core.worker_settings import WorkerSettings
+from simulator.server.worker_group import GroupSettings, WorkerGroup
+
+__all__ = ["metric", "post", "sse", "start_alone", "start_group"]
+
+
+async def start_group(
+    topology: str,
+    *,
+    worker_faults: Mapping[str, Faults] | None = None,
+    profile: Profile | None = None,
+    **worker: Any,
+) -> WorkerGroup:
+    """A started cluster of `topology` on free ports, its workers' settings overridden by `worker`."""
+    base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
+    settings = GroupSettings(
+        topology=Topology.parse(topology),
+        base_port=0,
+        worker=base,
+        worker_faults=dict(worker_faults or {}),
+        spin_s=0.0,
+    )
+    group = WorkerGroup(settings, profile or load_profile())
+    await group.start()
+    return group
+
+
+async def start_alone(worker_id: str, role: Role, **worker: Any) -> WorkerGroup:
+    """A worker with a fabric of its own, as if it ran in its own process (KV reads go over HTTP)."""
+    base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
+    topology = Topology(name=worker_id, workers=(WorkerSpec(id=worker_id, role=role),))
+    group = WorkerGroup(
+        GroupSettings(topology=topology, base_port=0, worker=base, spin_s=0.0), load_profile()
+    )
+    await group.start()
+    return group
+
+
+async def metric(
+    http: aiohttp.ClientSession, url: str, name: str, labels: str = "", *, absent: float | None = None
+) -> float:
+    """A sample of /metrics whose labels contain `labels`; `absent` is its value when not shown (a
+    histogram never observed)."""
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    match = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    if match is None and absent is not None:
+        return absent
+    assert match is not None, f"{name} {labels} not in /metrics"
+    return float(match.group(1))
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> tuple[int, Any]:

@@ -7,7 +7,7 @@ import pytest
 from decision_service.route import Query
 from simulator.core.cluster import ClusterConfig, parse_mode, simulate
 from simulator.core.link import TransferMode
-from simulator.core.profile import Profile, load_profile
+from simulator.core.profile import Profile
 from simulator.core.topology import Topology
 from simulator.core.workload import (
     Conversation,
@@ -38,11 +38,6 @@ RECORD_KEYS = {
     "error",
     "start_time",
 }
-
-
-@pytest.fixture(scope="module")
-def profile() -> Profile:
-    return load_profile()
 
 
 def cfg(mode: str, **kw: object) -> ClusterConfig:

@@ -9,13 +9,8 @@ from dataclasses import replace
 import pytest
 
 from simulator.core.engine import Engine, EngineConfig, EngineRequest, FinishReason, KvPullMode, StepResult
-from simulator.core.profile import Profile, load_profile
+from simulator.core.profile import Profile
 from simulator.core.virtual import run_engine
-
-
-@pytest.fixture(scope="module")
-def profile() -> Profile:
-    return load_profile()
 
 
 def drain(engine: Engine, now: float = 0.0, limit: int = 100_000) -> list[StepResult]:

@@ -1,17 +1,13 @@
-"""The simulator's tokenizer parses special tokens as quicktok's `encode_with_special` does, in time
-linear in the text (quicktok's own call grows with the square of the number of special tokens)."""
+"""The exact Llama-3 tokenizer and the Llama-3.1 chat template: one BOS, the template's text, and special
+tokens parsed as quicktok's `encode_with_special` does, in time linear in the text (quicktok's own call
+grows with the square of the number of special tokens)."""
 
 from __future__ import annotations
 
 import pytest
 import quicktok
 
-from simulator.core.tokenizer import ChatMessage, Llama3Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok() -> Llama3Tokenizer:
-    return Llama3Tokenizer()
+from simulator.core.tokenizer import ChatMessage, Llama3Tokenizer, render_chat
 
 
 @pytest.mark.parametrize(
@@ -37,3 +33,26 @@ def test_a_3000_message_chat_is_encoded_in_linear_time(tok: Llama3Tokenizer) -> 
     ids = tok.encode_chat(messages)
     assert ids.count(tok.eot_id) == 3001  # the system block and every message
     assert ids.count(tok.bos_id) == 1
+
+
+def test_completion_prompt_gets_one_bos(tok: Llama3Tokenizer) -> None:
+    ids = tok.encode("hello world", add_special_tokens=True)
+    assert ids == [128000, 15339, 1917]
+    assert tok.encode("<|begin_of_text|>hello world", add_special_tokens=True) == ids
+    assert tok.encode("hello world", add_special_tokens=False) == [15339, 1917]
+
+
+def test_chat_template_is_llama31(tok: Llama3Tokenizer) -> None:
+    messages = [ChatMessage("system", " Be brief. "), ChatMessage("user", "Hi")]
+    text = render_chat(messages)
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    ids = tok.encode_chat(messages)
+    assert ids[0] == tok.bos_id
+    assert ids.count(tok.bos_id) == 1
+    assert ids.count(tok.eot_id) == 2
+    assert ids[-2:] == [128007, 271]  # <|end_header_id|> "\n\n"

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -14,10 +12,10 @@ import pytest
 
 from simulator.core.profile import load_profile
 from simulator.core.sampler import SamplerSettings
-from simulator.core.topology import Role, Topology, WorkerSpec
+from simulator.core.topology import Topology
 from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
 from simulator.server.worker_group import GroupSettings, WorkerGroup
-from tests.simulator.client import post, sse
+from tests.simulator.client import metric, post, sse, start_alone, start_group
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -25,28 +23,11 @@ pytestmark = pytest.mark.integration
 LONG_PROMPT = " ".join(f"word{i}" for i in range(120))
 
 
-async def start_group(topology: str = "1P2D", **worker: Any) -> WorkerGroup:
-    base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
-    group = WorkerGroup(
-        GroupSettings(topology=Topology.parse(topology), base_port=0, worker=base, spin_s=0.0), load_profile()
-    )
-    await group.start()
-    return group
-
-
 @pytest.fixture
 async def group() -> AsyncIterator[WorkerGroup]:
-    g = await start_group(enable_prompt_tokens_details=True)
+    g = await start_group("1P2D", enable_prompt_tokens_details=True)
     yield g
     await g.stop()
-
-
-async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
-    async with http.get(f"{url}/metrics") as response:
-        text = await response.text()
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    assert match is not None, f"{name} not in /metrics"
-    return float(match.group(1))
 
 
 async def test_small_routes(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
@@ -367,17 +348,6 @@ async def test_plain_follow_up_turn_hits_the_prefix_cache(
     # Everything of turn 1 (prompt + answer) is reused, in whole 16-token blocks.
     assert hits >= (turn1["usage"]["total_tokens"] // 16 - 1) * 16
     assert hits % 16 == 0
-
-
-async def start_alone(worker_id: str, role: Role, **worker: Any) -> WorkerGroup:
-    """A worker with a fabric of its own, as if it ran in its own process."""
-    base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
-    topology = Topology(name=worker_id, workers=(WorkerSpec(id=worker_id, role=role),))
-    group = WorkerGroup(
-        GroupSettings(topology=topology, base_port=0, worker=base, spin_s=0.0), load_profile()
-    )
-    await group.start()
-    return group
 
 
 async def test_pd_across_processes_uses_the_side_channel(http: aiohttp.ClientSession) -> None:

@@ -9,19 +9,14 @@ prefill leg.
 from __future__ import annotations
 
 import asyncio
-import re
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import pytest
 
-from simulator.core.profile import load_profile
-from simulator.core.topology import Role, Topology, WorkerSpec
-from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
+from simulator.core.worker_settings import DEFAULT_MODEL
 from simulator.server.worker import Worker
-from simulator.server.worker_group import GroupSettings, WorkerGroup
-from tests.simulator.client import post, sse
+from tests.simulator.client import metric, post, sse, start_alone, start_group
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -33,39 +28,6 @@ P_LEG_KEYS = {
     "remote_blocks_expiry_time", "remote_registration_generation", "transfer_mode",
     "remote_prefill_cached_tokens",
 }  # fmt: skip
-
-
-async def start_group(topology: str = "1P1D", **worker: Any) -> WorkerGroup:
-    base = replace(WorkerSettings(worker_id="W", role="replica", enable_prompt_tokens_details=True), **worker)
-    group = WorkerGroup(
-        GroupSettings(topology=Topology.parse(topology), base_port=0, worker=base, spin_s=0.0), load_profile()
-    )
-    await group.start()
-    return group
-
-
-async def start_alone(worker_id: str, role: Role, **worker: Any) -> WorkerGroup:
-    """A worker with a fabric of its own, as if it ran in its own process."""
-    base = replace(WorkerSettings(worker_id="W", role="replica", enable_prompt_tokens_details=True), **worker)
-    topology = Topology(name=worker_id, workers=(WorkerSpec(id=worker_id, role=role),))
-    group = WorkerGroup(
-        GroupSettings(topology=topology, base_port=0, worker=base, spin_s=0.0), load_profile()
-    )
-    await group.start()
-    return group
-
-
-async def metric(
-    http: aiohttp.ClientSession, url: str, name: str, labels: str = "", *, absent: float | None = None
-) -> float:
-    """A sample of /metrics; `absent` is its value when not shown (a histogram never observed)."""
-    async with http.get(f"{url}/metrics") as response:
-        text = await response.text()
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    if match is None and absent is not None:
-        return absent
-    assert match is not None, f"{name} {labels} not in /metrics"
-    return float(match.group(1))
 
 
 def chat(history: list[dict[str, str]], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -118,7 +80,7 @@ async def turn1(
 async def test_decode_leg_returns_its_blocks_params_on_the_final_chunk(
     http: aiohttp.ClientSession, stream: bool
 ) -> None:
-    g = await start_group(bidirectional_kv_xfer=True)
+    g = await start_group("1P1D", enable_prompt_tokens_details=True, bidirectional_kv_xfer=True)
     try:
         p, d = g.workers
         _, usage, params = await turn1(http, p, d, 40, stream=stream)
@@ -144,7 +106,7 @@ async def test_decode_leg_returns_its_blocks_params_on_the_final_chunk(
 
 
 async def test_next_turn_prefill_pulls_the_decoders_blocks(http: aiohttp.ClientSession) -> None:
-    g = await start_group(bidirectional_kv_xfer=True)
+    g = await start_group("1P1D", enable_prompt_tokens_details=True, bidirectional_kv_xfer=True)
     try:
         p, d = g.workers
         history, usage1, d_params = await turn1(http, p, d, 120)
@@ -195,7 +157,12 @@ async def test_next_turn_prefill_pulls_the_decoders_blocks(http: aiohttp.ClientS
 async def test_pulls_below_the_recompute_threshold_are_skipped(
     http: aiohttp.ClientSession, threshold: int
 ) -> None:
-    g = await start_group(bidirectional_kv_xfer=True, kv_recompute_threshold=threshold)
+    g = await start_group(
+        "1P1D",
+        enable_prompt_tokens_details=True,
+        bidirectional_kv_xfer=True,
+        kv_recompute_threshold=threshold,
+    )
     try:
         p, d = g.workers
         # A short answer: D holds only ~10 tokens beyond P's cached turn-1 prompt blocks.
@@ -223,7 +190,9 @@ async def test_pulls_below_the_recompute_threshold_are_skipped(
 
 
 async def test_expired_decoder_blocks_fail_the_prefill_like_vllm(http: aiohttp.ClientSession) -> None:
-    g = await start_group(bidirectional_kv_xfer=True, decoder_kv_blocks_ttl_s=0.3)
+    g = await start_group(
+        "1P1D", enable_prompt_tokens_details=True, bidirectional_kv_xfer=True, decoder_kv_blocks_ttl_s=0.3
+    )
     try:
         p, d = g.workers
         history, _, d_params = await turn1(http, p, d, 120)
@@ -255,7 +224,7 @@ async def test_expired_decoder_blocks_fail_the_prefill_like_vllm(http: aiohttp.C
 
 
 async def test_prefill_declines_a_read_past_the_advertised_expiry(http: aiohttp.ClientSession) -> None:
-    g = await start_group(bidirectional_kv_xfer=True)
+    g = await start_group("1P1D", enable_prompt_tokens_details=True, bidirectional_kv_xfer=True)
     try:
         p, d = g.workers
         history, _, d_params = await turn1(http, p, d, 120)
@@ -272,7 +241,7 @@ async def test_prefill_declines_a_read_past_the_advertised_expiry(http: aiohttp.
 
 
 async def test_without_the_flag_nothing_changes(http: aiohttp.ClientSession) -> None:
-    g = await start_group()
+    g = await start_group("1P1D", enable_prompt_tokens_details=True)
     try:
         p, d = g.workers
         history, _, d_params = await turn1(http, p, d, 120)
@@ -295,8 +264,10 @@ async def test_without_the_flag_nothing_changes(http: aiohttp.ClientSession) -> 
 
 
 async def test_reverse_pull_across_processes_uses_the_side_channel(http: aiohttp.ClientSession) -> None:
-    prefill = await start_alone("P0", "prefill", bidirectional_kv_xfer=True)
-    decode = await start_alone("D0", "decode", bidirectional_kv_xfer=True)
+    prefill = await start_alone(
+        "P0", "prefill", bidirectional_kv_xfer=True, enable_prompt_tokens_details=True
+    )
+    decode = await start_alone("D0", "decode", bidirectional_kv_xfer=True, enable_prompt_tokens_details=True)
     try:
         p, d = prefill.workers[0], decode.workers[0]
         history, usage1, d_params = await turn1(http, p, d, 120)

@@ -6,40 +6,19 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import pytest
 
 from simulator.core.faults import Faults
-from simulator.core.profile import Profile, load_profile
-from simulator.core.topology import Topology
-from simulator.core.worker_settings import WorkerSettings
-from simulator.server.worker_group import GroupSettings, WorkerGroup
+from simulator.core.profile import load_profile
+from simulator.server.worker_group import WorkerGroup
+from tests.simulator.client import start_group
 
 pytestmark = pytest.mark.integration
 
 PROMPT = " ".join(f"token{i}" for i in range(60))
-
-
-async def start_group(
-    topology: str,
-    worker_faults: dict[str, Faults] | None = None,
-    profile: Profile | None = None,
-    **worker: Any,
-) -> WorkerGroup:
-    base = replace(WorkerSettings(worker_id="W", role="replica"), **worker)
-    settings = GroupSettings(
-        topology=Topology.parse(topology),
-        base_port=0,
-        worker=base,
-        worker_faults=worker_faults or {},
-        spin_s=0.0,
-    )
-    group = WorkerGroup(settings, profile or load_profile())
-    await group.start()
-    return group
 
 
 @pytest.fixture

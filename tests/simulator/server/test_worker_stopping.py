@@ -3,32 +3,17 @@ the decode leg it refused can still be served by another decode worker."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import pytest
 
-from simulator.core.profile import load_profile
-from simulator.core.topology import Role, Topology, WorkerSpec
-from simulator.core.worker_settings import WorkerSettings
-from simulator.server.worker_group import GroupSettings, WorkerGroup
+from tests.simulator.client import start_alone
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
 
 PROMPT = " ".join(f"word{i}" for i in range(100))
-
-
-async def start_alone(worker_id: str, role: Role) -> WorkerGroup:
-    """A worker with a fabric of its own, as if it ran in its own process (KV reads go over HTTP)."""
-    topology = Topology(name=worker_id, workers=(WorkerSpec(id=worker_id, role=role),))
-    base = replace(WorkerSettings(worker_id="W", role="replica"))
-    group = WorkerGroup(
-        GroupSettings(topology=topology, base_port=0, worker=base, spin_s=0.0), load_profile()
-    )
-    await group.start()
-    return group
 
 
 async def complete(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
