@@ -9,7 +9,7 @@ unless a run puts ``OUT`` first on ``PYTHONPATH``::
 
 Rules:
 1. The compiled modules are the same typed source, so a run gives the same records, byte for byte
-   (``tests/simulator/test_sim_native_build.py``); only the speed changes (about 2x).
+   (``tests/simulator/tools/test_native_build.py``); only the speed changes (about 2x).
 2. The copy is a snapshot: rebuild after changing the simulator. ``bench-virtual`` prints which core
    it ran (``core=native``, ``core=interpreted``, or ``core=native-stale`` with a warning when the
    source it was built from has changed since: ``native_state``). A sweep run on a stale copy names
