@@ -26,6 +26,10 @@ end. Every call that changes an engine (a new request, KV arrived or failed, rel
 *settles* a waiting run at that time ``t``: ``Engine.step(start, t)`` makes just the steps that start
 before ``t``, the step in flight at ``t`` ends as planned, and the change joins the step after it,
 as it would step by step. So a run is cut only where something actually reaches its engine.
+
+Why one module (about 600 lines): the nodes, the event heap, the routing of each turn and the lazy-run
+settling share one loop's state (every event may settle any node's run), and mypyc compiles it as one
+unit; the engines, links, workload and routing rule it drives are modules of their own.
 """
 
 from __future__ import annotations

@@ -75,6 +75,11 @@ Step log (the format both drivers record, compared by tests): ``StepResult.log_e
 ``{"t": start, "dt": duration, "n": n_steps, "decode": [ids], "prefill": [[id, n_new, n_cached]],
 "first": [ids], "finished": [[id, reason, n_out]], "pulls": [[id, n_tokens]], "preempted": [ids]}``
 with ids sorted; ``decode`` is empty for fast-forward runs.
+
+Why one module (about 1,100 lines): the scheduler, the P/D lease and pull states and the fast-forward
+plan all read and change the same running / waiting queues and block pool within one step, and mypyc
+compiles it as one unit (``ppd-sim build-native``); the block pool (``kv_cache``) and the cost model
+(``cost``), which need none of that state, are apart.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ Invariants:
   loop and lets other requests in at each yield, and `parse_*` runs them to the end at once. A chat
   request with more messages than can fit in the context window (each message renders to at least 5
   tokens) is refused before any message is read or tokenized.
+
+Why one module (about 570 lines): the completion, chat, tokenize and detokenize bodies share one set of
+field checkers, the sliced-step machinery of Rule 4 and the request value they build; the tokenizer
+and the response rendering are apart (``tokenizer``, ``responses``).
 """
 
 from __future__ import annotations
