@@ -63,7 +63,8 @@ def test_native_core_gives_byte_identical_records(tmp_path: Path, capsys: pytest
     (out / "simulator" / native_build.SOURCE_NOTE).write_text(f"{tmp_path / 'changed'}\n")
     changed = tmp_path / "changed"
     shutil.copytree(out / "simulator", changed, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    (changed / "engine.py").write_text((changed / "engine.py").read_text() + "\n# edited\n")
+    engine = changed / "core" / "engine.py"
+    engine.write_text(engine.read_text() + "\n# edited\n")
     assert _simulate_in_subprocess(tmp_path, out)["state"] == "native-stale"
 
 
