@@ -6,7 +6,7 @@ worker in another process uses to read this worker's leases: `side_channel.py`).
 request's response (the SSE stream or the whole body) is written by `stream.py`. See
 simulator/README.md.
 
-The module stays whole (about 700 lines) because the routes, the fault middleware, the driver
+The module stays whole (about 750 lines) because the routes, the fault middleware, the driver
 callbacks and the KV-source side all share one worker's state on one loop without locks (Rule 4):
 the engine that a crash replaces, the leases it pins, the remotes it reads and the tasks `stop()`
 cancels. The parts that need none of that state live beside it (`stream.py`, `side_channel.py`).
