@@ -30,6 +30,7 @@ from gateway.settings import DecisionSettings, Settings, SettingsError
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 from tests.gateway.fake_decision import FakeDecision
+from tests.gateway.fakes import ManualClock
 from tests.gateway.processes import REPO, Process, start
 
 QUERY = RouteQuery(
@@ -351,6 +352,26 @@ async def test_a_few_slow_answers_are_not_logged_as_an_outage(
         await client.close()
     assert not _lines(caplog, "DecisionService unavailable")
     assert not _lines(caplog, "available again")
+
+
+async def test_an_outage_is_timed_on_the_injected_clock(
+    service: FakeDecision, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.decision_client")
+    clock = ManualClock()
+    settings = DecisionSettings(address=service.address, deadline_ms=50.0)
+    client = GrpcDecisionClient(settings, GatewayMetrics(), clock=clock)
+    await client.start()
+    try:
+        service.delay_s = 5.0
+        for _ in range(2 * _MISSES_BEFORE_DOWN):  # many misses, but no time passed on the clock
+            assert (await client.route(QUERY, FALLBACK)).reason == "fallback_timeout"
+        assert not _lines(caplog, "DecisionService unavailable")
+        clock.advance(1.0)
+        assert (await client.route(QUERY, FALLBACK)).reason == "fallback_timeout"
+        assert len(_lines(caplog, "DecisionService unavailable")) == 1
+    finally:
+        await client.close()
 
 
 @pytest.mark.integration
