@@ -16,6 +16,9 @@ session's D is gone is decided by plan.py alone.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` and the client through the `ClientConnection` of ports.py, so this module is
 unit-tested with fakes (tests/gateway/test_forwarding.py).
+It stays whole (about 500 lines): it is the request path in the order the rules above need, and its
+steps share one turn's inputs, outcome and pool view; the parts that stand alone already live apart
+(sessions.find_session, psi.measure, plan, relay, turn_report).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.deps import Deps
@@ -54,7 +56,7 @@ from gateway.ports import ClientConnection, ClientRequest, LiveSignals, RouteQue
 from gateway.psi import WorkerCount, estimate_tokens, measure
 from gateway.relay import StreamRelay, Usage, answer_from_body, error_event
 from gateway.routing import Decision, static_decision
-from gateway.sessions import KeyChain, Session, explicit_key, history_extends, split_history
+from gateway.sessions import Session, SessionMatch, explicit_key, find_session
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import TurnReport, provenance_headers
 from gateway.types import Role
@@ -72,20 +74,6 @@ _ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "r
 # What the forwarder passes to plan() when the session's D is gone: plan() overrules any decision
 # then (reason decode_gone), so the DecisionService is not asked.
 _NOT_ASKED = Decision("pd", "not_asked")
-
-
-@dataclass(frozen=True, slots=True)
-class _SessionMatch:
-    """Which session a request continues (sessions.py's rules), before ψ is measured."""
-
-    explicit_id: str | None
-    session: Session | None
-    session_id: str
-    turn: int
-    # Index of the first message this turn adds (chat); the messages before it are the history.
-    history_end: int
-    chain: KeyChain | None
-    reset: str
 
 
 class Forwarder:
@@ -115,18 +103,23 @@ class Forwarder:
         )
         mode = self._mode(request.headers)
         view = d.pool.view()
-        match = self._find_session(request.headers, req)
+        match = find_session(
+            d.sessions,
+            explicit=request.headers.get(SESSION_HEADER) or req.session_id,
+            endpoint=req.endpoint,
+            model=req.model,
+            messages=req.messages,
+            new_id=d.new_id,
+        )
+        if match.reset:
+            d.metrics.session_resets.labels(match.reset).inc()
         static = static_decision(mode, turn=match.turn, session_id=match.session_id)
         ask = static is None and not decode_gone(match.session, view)
         psi = await measure(
             d.tokenizers,
             model=req.model,
             body=req.body,
-            new_messages=(
-                (req.messages[match.history_end :] if match.session is not None else req.messages)
-                if req.endpoint == "chat"
-                else None
-            ),
+            new_messages=req.messages[match.new_messages_from :] if req.endpoint == "chat" else None,
             session=match.session,
             hint=_int_header(request.headers, OUTPUT_HINT_HEADER),
             default_output=self._s.policy.default_output_tokens,
@@ -183,43 +176,10 @@ class Forwarder:
         except ModeError as exc:
             raise BadRequestError(str(exc), param=MODE_HEADER) from None
 
-    # ------------------------------------------------------------------ session and ψ
-
-    def _find_session(self, headers: Mapping[str, str], req: CompletionRequest) -> _SessionMatch:
-        d = self._d
-        explicit = headers.get(SESSION_HEADER) or req.session_id
-        history_end = split_history(req.messages)[0] if req.messages else 0
-        session: Session | None = None
-        chain: KeyChain | None = None
-        reset = ""
-        if explicit:
-            session = d.sessions.get(explicit_key(explicit))
-        if req.endpoint == "chat":
-            chain = KeyChain(req.model)
-            if session is None:
-                chain.extend(req.messages[:history_end])
-            elif explicit and history_extends(session, chain, req.messages, history_end) is False:
-                # The id names a conversation this history does not continue (a reused id, an edit):
-                # an earlier state of this exact history if one is known (a fork), else a new one.
-                found = d.sessions.get(chain.key()) if history_end else None
-                session = replace(found, id=explicit) if found is not None else None
-                reset = "fork" if found is not None else "new_history"
-                d.metrics.session_resets.labels(reset).inc()
-            if not explicit and history_end:
-                session = d.sessions.get(chain.key())
-            chain.extend(req.messages[history_end:])
-        return _SessionMatch(
-            explicit_id=explicit,
-            session=session,
-            session_id=session.id if session is not None else (explicit or d.new_id()),
-            turn=session.turns + 1 if session is not None else 1,
-            history_end=history_end,
-            chain=chain,
-            reset=reset,
-        )
+    # ------------------------------------------------------------------ ψ
 
     def _worker_count(
-        self, req: CompletionRequest, match: _SessionMatch, view: PoolView
+        self, req: CompletionRequest, match: SessionMatch, view: PoolView
     ) -> WorkerCount | None:
         """n_in from the session's worker's /tokenize (psi.py rule 1), when one is live and the
         policy allows it."""
