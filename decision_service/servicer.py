@@ -3,7 +3,8 @@
 Every handler answers; no exception escapes one:
 - input the core rejects (`QueryError`)      -> INVALID_ARGUMENT with the core's message
 - a `table_key` the server does not serve    -> NOT_FOUND naming the keys it does serve
-- no table loaded (or the default missing)   -> UNAVAILABLE
+- no table loaded (or the default missing)   -> UNAVAILABLE, with trailing metadata
+                                                 `ppd-unavailable: no-table` (ppd/decision/v1/status.py)
 - anything unexpected                        -> INTERNAL, logged once with its traceback
 - a frame that is not a valid message        -> INVALID_ARGUMENT (see wire.py), one rate-limited line
 Unary RPCs carry these as the call status; RouteBatch and RouteStream items carry them in
@@ -35,6 +36,7 @@ from decision_service.table import FORMAT_VERSION, Table, Weights
 from decision_service.wire import Malformed, RateLimitedLog, exactly_one, lenient
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
+from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 
 __all__ = ["BATCH_SLICE", "DecisionServicer", "add_to_server"]
 
@@ -47,6 +49,7 @@ _INTERNAL = grpc.StatusCode.INTERNAL
 _Context = grpc.aio.ServicerContext
 _DECISION = (pb.DECISION_PD, pb.DECISION_LOCAL)  # indexed by Verdict.local
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecisionService"].full_name
+_NO_TABLE: Final = ((UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE),)
 
 # Batch items decided between two turns of the event loop (about 0.2 ms of handler time on a quiet
 # core). A unary call needs several turns of the loop to be answered, each waiting for one slice.
@@ -54,13 +57,17 @@ BATCH_SLICE: Final = 32
 
 
 class _Failure:
-    """Why an item got no decision: a status code and a message for the caller."""
+    """Why an item got no decision: a status code, a message for the caller and, for a unary call,
+    trailing metadata a client can act on (the no-table cause)."""
 
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "trailing")
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self.code = code
         self.message = message
+        self.trailing = trailing
 
 
 def _query(request: pb.RouteRequest) -> Query:
@@ -130,13 +137,14 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
     def _missing(self, tables: TableSet, key: str) -> _Failure:
         """Why no router answers `key` ("" = the default)."""
         if not tables.routers:
-            return _Failure(_UNAVAILABLE, f"no table is loaded yet from {self._holder.directory}")
+            return _Failure(_UNAVAILABLE, f"no table is loaded yet from {self._holder.directory}", _NO_TABLE)
         served = ", ".join(tables.keys())
         if key:
             return _Failure(_NOT_FOUND, f"unknown table_key {key!r}; this server serves: {served}")
         return _Failure(
             _UNAVAILABLE,
             f"the default table {tables.default_key!r} is not loaded; pass table_key, one of: {served}",
+            _NO_TABLE,
         )
 
     def _decide(self, request: pb.RouteRequest, tables: TableSet) -> pb.RouteResponse | _Failure:
@@ -191,7 +199,7 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         start = self._clock()
         outcome = self._decide_counted(request, self._holder.current, "Route")
         if isinstance(outcome, _Failure):
-            await context.abort(outcome.code, outcome.message)
+            await context.abort(outcome.code, outcome.message, outcome.trailing)
         self._latency.observe(self._clock() - start)
         return outcome
 
@@ -249,7 +257,7 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         except Exception:
             logger.exception("DescribeTable %r failed unexpectedly", request.table_key)
             failure = _Failure(_INTERNAL, "internal error while describing the table; see the log")
-        await context.abort(failure.code, failure.message)
+        await context.abort(failure.code, failure.message, failure.trailing)
         raise AssertionError("abort() returned")  # pragma: no cover
 
 

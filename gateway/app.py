@@ -1,9 +1,13 @@
 """The HTTP face of the gateway: `create_app(settings)` builds an aiohttp application whose cleanup
 context owns the one shared client session, the DecisionService channel and the background tasks.
+`create_app` takes the `Upstream` and the `DecisionClient` (ports.py) and the clocks, so tests can
+run the whole app on fakes; by default it builds the aiohttp and gRPC ones.
 
 Routes: the OpenAI API as vLLM serves it (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
 `/tokenize`, `/detokenize`, `/health`, `/metrics`) and the bearer-token admin API for worker
-registration (`/admin/workers`). Errors are rendered once, here, as OpenAI-style bodies.
+registration (`/admin/workers`). Errors are rendered once, here, as OpenAI-style bodies. A completion
+is read here and served by forwarding.py, which writes its answer through `_Client` (the
+`ClientConnection` of ports.py over aiohttp's response).
 """
 
 from __future__ import annotations
@@ -15,31 +19,33 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
-from gateway.decision_client import DecisionClient
+from gateway.decision_client import GrpcDecisionClient
 from gateway.deps import Deps
 from gateway.errors import (
     BadRequestError,
     GatewayError,
     NotFoundError,
     NoWorkerError,
+    PayloadTooLargeError,
     UnauthorizedError,
     error_body,
 )
 from gateway.forwarding import Forwarder
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool, WorkerSpec, names_address
+from gateway.ports import ClientRequest, DecisionClient, Upstream
 from gateway.probe import PoolMonitor
 from gateway.psi import QpsMeter, Tokenizers
 from gateway.request_log import RequestLog
 from gateway.sessions import InMemorySessionStore, SessionStore
 from gateway.settings import Settings
-from gateway.types import Clock, Role
-from gateway.upstream import Upstream
+from gateway.types import Clock, Endpoint, Role
+from gateway.upstream import HttpUpstream
 
 __all__ = ["DEPS", "create_app", "server_options"]
 
@@ -57,18 +63,23 @@ def _new_id() -> str:
 def create_app(
     settings: Settings,
     *,
+    upstream: Upstream | None = None,
+    decisions: DecisionClient | None = None,
+    metrics: GatewayMetrics | None = None,
     clock: Clock = time.monotonic,
+    timer: Clock = time.perf_counter,
     wall_clock: Clock = time.time,
     new_id: Callable[[], str] = _new_id,
     sessions: SessionStore | None = None,
 ) -> web.Application:
+    """The gateway app. `upstream` and `decisions` default to the aiohttp and gRPC clients built from
+    `settings` (with `metrics`, the app's registry); the app starts and closes whichever it holds."""
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        metrics = GatewayMetrics()
-        client = Upstream.create_session()
-        upstream = Upstream(client, settings.timeouts)
-        decisions = DecisionClient(settings.decision, metrics)
+        app_metrics = metrics or GatewayMetrics()
+        workers = upstream or HttpUpstream.create(settings.timeouts)
+        decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
         store = sessions or InMemorySessionStore(
             ttl_s=settings.sessions.ttl_s, max_entries=settings.sessions.max_entries, clock=clock
         )
@@ -83,22 +94,23 @@ def create_app(
             sessions=store,
             tokenizers=Tokenizers(),
             qps=qps,
-            metrics=metrics,
-            decisions=decisions,
-            upstream=upstream,
+            metrics=app_metrics,
+            decisions=decider,
+            upstream=workers,
             request_log=request_log,
             clock=clock,
+            timer=timer,
             wall_clock=wall_clock,
             new_id=new_id,
         )
-        metrics.bind_sessions(store.__len__)
-        metrics.bind_qps(qps.measured)
+        app_metrics.bind_sessions(store.__len__)
+        app_metrics.bind_qps(qps.measured)
         app[DEPS] = deps
         app[FORWARDER] = Forwarder(deps)
         # Load the served model's tokenizer now, not on the first request (it takes ~0.5 s).
         deps.tokenizers.encoding(settings.served_model)
-        await decisions.start()
-        monitor = PoolMonitor(pool, upstream, settings.pool, metrics)
+        await decider.start()
+        monitor = PoolMonitor(pool, workers, settings.pool, app_metrics)
         monitor.publish()
         tasks = [
             asyncio.create_task(monitor.run(), name="pool-monitor"),
@@ -112,8 +124,8 @@ def create_app(
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            await decisions.close()
-            await client.close()
+            await decider.close()
+            await workers.close()
             if request_log is not None:
                 request_log.close()
 
@@ -177,12 +189,51 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
     return response
 
 
+class _Client:
+    """The ClientConnection (ports.py) of one aiohttp request."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    async def reply(self, body: bytes, headers: Mapping[str, str]) -> None:
+        self.response = web.Response(body=body, status=200, content_type="application/json", headers=headers)
+
+    async def open_stream(self, headers: Mapping[str, str]) -> None:
+        self.response = web.StreamResponse(status=200, headers=headers)
+        await self.response.prepare(self._request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
+async def _completion(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    deps = request.app[DEPS]
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLargeError(
+            f"request body over the limit of {deps.settings.max_body_bytes} bytes"
+        ) from None
+    client = _Client(request)
+    await request.app[FORWARDER].handle(ClientRequest(endpoint, raw, request.headers), client)
+    assert client.response is not None, "the forwarder returned without answering"
+    return client.response
+
+
 async def _chat(request: web.Request) -> web.StreamResponse:
-    return await request.app[FORWARDER].handle(request, "chat")
+    return await _completion(request, "chat")
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[FORWARDER].handle(request, "completions")
+    return await _completion(request, "completions")
 
 
 def _any_worker(deps: Deps) -> str:

@@ -42,12 +42,12 @@ def _parser() -> argparse.ArgumentParser:
 def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
     from dataclasses import replace
 
-    from gateway.routing import parse_mode
+    from ppd.modes import parse_mode
 
     settings = Settings.from_toml(path) if path else Settings()
     if mode:
         try:
-            settings = replace(settings, mode=parse_mode(mode))
+            settings = replace(settings, mode=parse_mode(mode, loose=True))
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
     if host:

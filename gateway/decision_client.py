@@ -18,6 +18,10 @@ back meanwhile; never a line per request.
 Rule 4 (stream form): requests are written to one RouteStream in order and answers matched to them
 first-in-first-out; a late answer resolves a future nobody waits for any more. A broken stream fails
 every waiter and is reopened by the next call, at most once a second.
+Rule 5 (no table): the service answers UNAVAILABLE until its first table loads, with trailing
+metadata `ppd-unavailable: no-table` (ppd/decision/v1/status.py); that answer is `fallback_not_serving`,
+any other UNAVAILABLE `fallback_unavailable`. The message text is never read.
+Every time it measures (availability, RPC latency, stream retries) comes from the injected clock.
 Talks gRPC only; never imports decision_service.
 """
 
@@ -29,22 +33,22 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from gateway.metrics import GatewayMetrics
+from gateway.ports import RouteQuery
 from gateway.routing import Decision
 from gateway.settings import DecisionSettings
+from gateway.types import Clock
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
+from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 
 __all__ = [
     "KEEPALIVE_TIMEOUT_MS",
     "KEEPALIVE_TIME_MS",
-    "DecisionClient",
-    "LiveSignals",
-    "RouteQuery",
+    "GrpcDecisionClient",
     "channel_options",
     "decision_from_response",
     "reopen_delays",
@@ -103,33 +107,14 @@ def reopen_delays(first_s: float, most_s: float) -> Iterator[float]:
         delay = min(delay * 2.0, most_s)
 
 
-@dataclass(frozen=True, slots=True)
-class LiveSignals:
-    prefill_queue_depth: int | None = None
-    decode_running_requests: int | None = None
-    decode_kv_usage: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RouteQuery:
-    request_id: str
-    turn: int
-    new_input_tokens: int
-    expected_output_tokens: int
-    context_tokens: int
-    qps: float
-    live: LiveSignals | None = None
-    weights_profile: str = ""
-    table_key: str = ""
-
-
 def request_from_query(q: RouteQuery) -> decision_pb2.RouteRequest:
+    """The one place ψ's fields take the proto's names."""
     req = decision_pb2.RouteRequest(
         request_id=q.request_id,
         turn=q.turn,
-        new_input_tokens=q.new_input_tokens,
-        expected_output_tokens=q.expected_output_tokens,
-        context_tokens=q.context_tokens,
+        new_input_tokens=q.psi.n_in.tokens,
+        expected_output_tokens=q.psi.n_out,
+        context_tokens=q.psi.n_ctx,
         qps=q.qps,
         weights_profile=q.weights_profile,
         table_key=q.table_key,
@@ -169,9 +154,14 @@ def _outcome(exc: grpc.aio.AioRpcError) -> str:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "timeout"
     if code == grpc.StatusCode.UNAVAILABLE:
-        # The service answers UNAVAILABLE itself until its first table loads.
-        return "not_serving" if "table" in (exc.details() or "").lower() else "unavailable"
+        # The service answers UNAVAILABLE itself until its first table loads, and says so (rule 5).
+        return "not_serving" if _no_table(exc) else "unavailable"
     return "error"
+
+
+def _no_table(exc: grpc.aio.AioRpcError) -> bool:
+    trailing = exc.trailing_metadata() or ()
+    return any(key == UNAVAILABLE_CAUSE_KEY and value == UNAVAILABLE_NO_TABLE for key, value in trailing)
 
 
 class _Availability:
@@ -180,9 +170,10 @@ class _Availability:
     "unknown" until the first answer (and again after a NOT_SERVING, which has its own log line),
     "up" while it answers, "down" from the moment it is seen gone until it answers again."""
 
-    __slots__ = ("_down_since", "_fallback", "_fallbacks", "_first_miss", "_misses", "_state")
+    __slots__ = ("_clock", "_down_since", "_fallback", "_fallbacks", "_first_miss", "_misses", "_state")
 
-    def __init__(self, fallback: str) -> None:
+    def __init__(self, fallback: str, clock: Clock) -> None:
+        self._clock = clock
         self._fallback = fallback
         self._state = "unknown"
         self._down_since = 0.0
@@ -195,7 +186,7 @@ class _Availability:
         if self._state == "down":
             return
         self._state = "down"
-        self._down_since = time.monotonic()
+        self._down_since = self._clock()
         self._fallbacks = 0
         log.warning(
             "DecisionService unavailable (%s); ppd requests take the fallback decision %r until it answers",
@@ -204,7 +195,7 @@ class _Availability:
         )
 
     def missed(self, cause: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if not self._misses:
             self._first_miss = now
         self._misses += 1
@@ -218,7 +209,7 @@ class _Availability:
             log.warning(
                 "DecisionService available again (%s) after %.1f s; %d requests took the fallback meanwhile",
                 how,
-                time.monotonic() - self._down_since,
+                self._clock() - self._down_since,
                 self._fallbacks,
             )
         return before
@@ -233,10 +224,15 @@ class _Availability:
             self._fallbacks += 1
 
 
-class DecisionClient:
-    def __init__(self, settings: DecisionSettings, metrics: GatewayMetrics) -> None:
+class GrpcDecisionClient:
+    """The `DecisionClient` of ports.py over one grpc.aio channel."""
+
+    def __init__(
+        self, settings: DecisionSettings, metrics: GatewayMetrics, *, clock: Clock = time.monotonic
+    ) -> None:
         self._s = settings
-        self._availability = _Availability(settings.fallback)
+        self._clock = clock
+        self._availability = _Availability(settings.fallback, clock)
         self._metrics = metrics
         self._deadline = settings.deadline_ms / 1000.0
         self._channel: grpc.aio.Channel | None = None
@@ -246,7 +242,7 @@ class DecisionClient:
         self._stream: grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse] | None
         self._stream = None
         self._stream_reader: asyncio.Task[None] | None = None
-        self._stream_failed_at = 0.0
+        self._stream_failed_at = float("-inf")
         self._waiters: collections.deque[asyncio.Future[decision_pb2.RouteResponse]] = collections.deque()
         self._write_lock = asyncio.Lock()
 
@@ -281,9 +277,9 @@ class DecisionClient:
             return self._fall(fallback, "no_service")
         if self._serving is False:
             return self._fall(fallback, "not_serving")
-        start = time.perf_counter()
+        start = self._clock()
         resp, outcome = await self._call(self._stub, request_from_query(query))
-        self._metrics.route_rpc.labels(outcome).observe(time.perf_counter() - start)
+        self._metrics.route_rpc.labels(outcome).observe(self._clock() - start)
         if outcome in ("timeout", "unavailable"):
             self._availability.missed(outcome)
         else:
@@ -328,7 +324,7 @@ class DecisionClient:
     ) -> grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse]:
         if self._stream is not None and not self._stream.done():
             return self._stream
-        if time.monotonic() - self._stream_failed_at < _STREAM_RETRY_S:
+        if self._clock() - self._stream_failed_at < _STREAM_RETRY_S:
             raise ConnectionError("RouteStream recently failed")
         assert self._stub is not None
         self._stream = self._stub.RouteStream()
@@ -351,7 +347,7 @@ class DecisionClient:
         except asyncio.CancelledError:
             raise
         finally:
-            self._stream_failed_at = time.monotonic()
+            self._stream_failed_at = self._clock()
             if self._stream is stream:
                 self._stream = None
             waiters, self._waiters = self._waiters, collections.deque()

@@ -6,15 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.decision_client import DecisionClient
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
+from gateway.ports import DecisionClient, Upstream
 from gateway.psi import QpsMeter, Tokenizers
 from gateway.request_log import RequestLog
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.types import Clock
-from gateway.upstream import Upstream
 
 __all__ = ["Deps"]
 
@@ -30,6 +29,9 @@ class Deps:
     decisions: DecisionClient
     upstream: Upstream
     request_log: RequestLog | None
+    # Seconds, monotonic: `clock` for expiry and rates (sessions, pool, QPS), `timer` for the
+    # latencies of one request (TTFT, TPOT, overhead); `wall_clock` for the request log's start_time.
     clock: Clock
+    timer: Clock
     wall_clock: Clock
     new_id: Callable[[], str]

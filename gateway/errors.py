@@ -7,14 +7,17 @@
     ├── NotFoundError (404)        unknown admin object
     ├── NoWorkerError (503)        no live worker of a needed role; the message names the role
     ├── PrefillFailedError (503)   every P attempt failed and policy.prefill_failure = "error"
-    └── UpstreamError              a worker failed before the response started
+    └── UpstreamError              a worker failed
         ├── UpstreamStatusError    the worker answered an error status (4xx passed on, 5xx -> 502)
         ├── UpstreamUnreachableError (502)  connection refused/reset before any byte of the answer
-        └── UpstreamTimeoutError (504)      no answer within the configured timeout
+        ├── UpstreamTimeoutError (504)      no answer within the configured timeout
+        └── UpstreamBrokenError    a stream broke after it started (reset, idle timeout); the
+                                   forwarder turns it into an SSE error event, never a status
 
-Rule: core modules raise these; only the HTTP layer (`app.py`) renders them, once, with
+Rule: core modules raise these, and `upstream.py` translates every transport error into them (no
+other module sees an aiohttp exception); only the HTTP layer (`app.py`) renders them, once, with
 `to_openai_error`. Errors after a streaming response has started never become an HTTP status; the
-relay turns them into an SSE error event instead.
+forwarder turns them into an SSE error event instead.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PrefillFailedError",
     "UnauthorizedError",
+    "UpstreamBrokenError",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeoutError",
@@ -119,6 +123,15 @@ class UpstreamUnreachableError(UpstreamError):
 class UpstreamTimeoutError(UpstreamError):
     status = 504
     error_type = "GatewayTimeoutError"
+
+
+class UpstreamBrokenError(UpstreamError):
+    """A stream from a worker broke after its headers arrived; `cause` names the transport error
+    (e.g. `ClientPayloadError`, `TimeoutError`)."""
+
+    def __init__(self, cause: str, *, worker: str) -> None:
+        super().__init__(f"worker {worker} failed mid-stream: {cause}", worker=worker)
+        self.cause = cause
 
 
 def error_body(message: str, error_type: str, code: int, param: str | None = None) -> dict[str, Any]:

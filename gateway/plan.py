@@ -11,7 +11,9 @@ Rule 3: both legs carry the same `X-Request-Id`.
 Rule 4: upstream addresses come only from the pool; a client-sent `kv_transfer_params` is dropped
 (it would point a worker at an arbitrary KV source).
 Rule 5: the session keeps its D (or R) while it is live; if it is gone the turn goes through P to the
-least-loaded live D and the session is rebound. Turn 1 picks the least-loaded P and D.
+least-loaded live D and the session is rebound (reason `decode_gone`, whatever the decision said).
+Turn 1 picks the least-loaded P and D. `decode_gone` is that test, the only one: the forwarder asks
+it only to spare the DecisionService a question whose answer `plan` would overrule.
 Deliberate addition: a streaming D leg gets `stream_options.include_usage` when the client did not ask
 for it (the gateway needs `usage` for the next turn's context size); the relay then drops that extra
 usage-only chunk (`Plan.strip_usage`), so the client sees exactly what it asked for.
@@ -36,6 +38,7 @@ __all__ = [
     "PlanRequest",
     "UpstreamCall",
     "decode_after_prefill",
+    "decode_gone",
     "local_fallback",
     "plan",
     "plan_to_json",
@@ -119,6 +122,17 @@ def _call(worker: WorkerView, request: PlanRequest, body: JsonObject, *, stream:
     return UpstreamCall(worker.id, worker.url + _ROUTES[request.endpoint], body, headers, stream)
 
 
+def _bound_decode(session: Session | None, pool: PoolView) -> WorkerView | None:
+    decode = pool.get(session.worker if session is not None else None)
+    return decode if decode is not None and decode.role == "decode" else None
+
+
+def decode_gone(session: Session | None, pool: PoolView) -> bool:
+    """Rule 5: the session is bound to a worker that is not a live decode worker of `pool`, so a
+    P/D turn must go through P whatever the decision."""
+    return session is not None and session.worker is not None and _bound_decode(session, pool) is None
+
+
 def plan(request: PlanRequest, session: Session | None, decision: Decision, pool: PoolView) -> Plan:
     """Raises NoWorkerError naming the missing role."""
     body, strip = _decode_body(request.body, inject_usage=request.inject_usage)
@@ -138,15 +152,13 @@ def plan(request: PlanRequest, session: Session | None, decision: Decision, pool
             rebound=bound is not None and replica.id != bound,
         )
 
-    decode = pool.get(bound)
-    if decode is not None and decode.role != "decode":
-        decode = None
     path: Path = decision.path
     reason = decision.reason
     rebound = False
+    decode = _bound_decode(session, pool)
     if decode is None:
         decode = pool.least_loaded("decode")
-        if bound is not None:
+        if decode_gone(session, pool):
             # The D holding the KV is gone: only P can rebuild it elsewhere.
             path, reason, rebound = "pd", "decode_gone", True
     if path == "local":

@@ -8,7 +8,8 @@ not connect to it (that marks it down at once); the next passing health check br
 failed check does not count while real requests to the worker keep succeeding (a slow probe on a
 busy machine is not a dead worker).
 Rule 3: planning reads an immutable `PoolView` snapshot, never this mutable object, so the planner
-stays pure and one request sees one consistent pool.
+stays pure and one request sees one consistent pool: the forwarder takes one view per request (a
+re-plan after a worker refused the connection uses that view less the worker).
 Rule 4: a worker id is 1-128 of `A-Z a-z 0-9 . _ : -` (it appears in URL paths, log lines and metric
 labels); a worker URL is http(s)://host[:port][/path], with no credentials (they would be printed in
 logs and listings: workers get `worker_api_key` instead), query or fragment. Error messages never
@@ -171,6 +172,10 @@ class PoolView:
         """Live workers of a role, least loaded first."""
         skip = set(exclude)
         return sorted((w for w in self.workers if w.role == role and w.id not in skip), key=WorkerView.rank)
+
+    def without(self, worker_id: str) -> PoolView:
+        """This snapshot less one worker (one found down while a request was being served)."""
+        return PoolView(tuple(w for w in self.workers if w.id != worker_id))
 
     def least_loaded(self, role: Role, *, exclude: Iterable[str] = ()) -> WorkerView:
         ranked = self.ranked(role, exclude=exclude)

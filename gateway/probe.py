@@ -15,9 +15,9 @@ import logging
 from gateway.errors import UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Load, WorkerPool, WorkerSpec
+from gateway.ports import Upstream
 from gateway.settings import PoolSettings
 from gateway.types import Role
-from gateway.upstream import Upstream
 
 __all__ = ["PoolMonitor", "load_from_metrics", "models_from_cards"]
 

@@ -1,8 +1,11 @@
-"""Measuring ψ for a request: new input tokens, expected output tokens and the current request rate.
+"""Measuring ψ for a request: new input tokens, expected output tokens, context tokens (`measure`,
+the one place ψ is assembled, into a `Psi`), and the current request rate (`QpsMeter`).
 
 Rule 1 (n_in): exact count with `quicktok` when the served model is a Llama-3 or Qwen family model
 (plus a fixed chat-template overhead per message); otherwise the caller asks a worker's `/tokenize`;
-otherwise a character estimate. The `source` says which, so a metric can show it.
+otherwise a character estimate. The `source` says which, so a metric can show it. The worker is asked
+through a callable the forwarder passes in (only in `ppd` mode, turn 2+, when the DecisionService
+will be asked), so this module stays pure.
 Rule 2 (n_out): a client hint header wins; then an `ignore_eos` request's limit (the output is exactly
 that long); then the session's mean past output, capped by the limit; then the limit; then a default.
 Never a dataset oracle.
@@ -13,7 +16,7 @@ not flip cells every turn on noise.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -23,11 +26,13 @@ from gateway.types import Clock
 __all__ = [
     "CHARS_PER_TOKEN",
     "TEMPLATE_TOKENS_PER_MESSAGE",
+    "Psi",
     "QpsMeter",
     "TokenCount",
     "Tokenizers",
     "estimate_tokens",
     "expected_output",
+    "measure",
     "message_text",
     "request_limit",
 ]
@@ -37,12 +42,24 @@ CHARS_PER_TOKEN = 4.0
 TEMPLATE_TOKENS_PER_MESSAGE = 5
 TokenSource = Literal["exact", "worker", "estimate"]
 OutputSource = Literal["hint", "ignore_eos", "history", "limit", "default"]
+# Asks a worker's /tokenize for the new input's token count; None when it could not say.
+WorkerCount = Callable[[], Awaitable[int | None]]
 
 
 @dataclass(frozen=True, slots=True)
 class TokenCount:
     tokens: int
     source: TokenSource
+
+
+@dataclass(frozen=True, slots=True)
+class Psi:
+    """ψ of one request, as measured once on arrival (the request rate is read when the
+    DecisionService is asked)."""
+
+    n_in: TokenCount
+    n_out: int
+    n_ctx: int
 
 
 class _Encoding(Protocol):
@@ -161,3 +178,38 @@ class QpsMeter:
         if abs(measured - self._reported) > band:
             self._reported = measured
         return self._reported
+
+
+def _exact_or_estimate(
+    tokenizers: Tokenizers, model: str, messages: Sequence[Mapping[str, Any]] | None, prompt: Any
+) -> TokenCount:
+    if messages is not None:
+        count = tokenizers.count_messages(model, messages)
+        text = "".join(message_text(m) for m in messages)
+    else:
+        text = prompt if isinstance(prompt, str) else ""
+        count = tokenizers.count_text(model, text) if text else None
+    return count if count is not None else estimate_tokens(text)
+
+
+async def measure(
+    tokenizers: Tokenizers,
+    *,
+    model: str,
+    body: Mapping[str, Any],
+    new_messages: Sequence[Mapping[str, Any]] | None,
+    session: Session | None,
+    hint: int | None,
+    default_output: int,
+    worker_count: WorkerCount | None = None,
+) -> Psi:
+    """ψ of a request (rules 1 and 2). `new_messages` are the chat messages this turn adds (None for
+    a completions request, whose `prompt` is counted); `worker_count` is asked only when no exact
+    tokenizer knows the model."""
+    n_in = _exact_or_estimate(tokenizers, model, new_messages, body.get("prompt"))
+    if n_in.source == "estimate" and worker_count is not None:
+        counted = await worker_count()
+        if counted is not None:
+            n_in = TokenCount(counted, "worker")
+    n_out, _ = expected_output(body, hint=hint, session=session, default=default_output)
+    return Psi(n_in, n_out, session.context_tokens if session is not None else 0)

@@ -11,7 +11,7 @@ overrides the content key; the state under it is the latest turn of that convers
 chat history that extends it: every session keeps the content key of the messages its last turn was sent
 (and how many), and a request whose first that-many messages hash differently, or that has no answer
 after them, does not continue it (`history_extends`; the caller then treats it as a fork or a new
-conversation).
+conversation). `find_session` applies rules 1 and 2 to a request.
 Rule 3 (bounded memory): entries expire after an idle TTL and the store never holds more than
 `max_entries` (least recently used goes first), whatever the traffic.
 """
@@ -21,11 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gateway.types import Clock
+from gateway.types import Clock, Endpoint
 
 if TYPE_CHECKING:
     from hashlib import _Hash
@@ -35,9 +35,11 @@ __all__ = [
     "InMemorySessionStore",
     "KeyChain",
     "Session",
+    "SessionMatch",
     "SessionStore",
     "content_key",
     "explicit_key",
+    "find_session",
     "history_extends",
     "split_history",
 ]
@@ -270,3 +272,66 @@ def content_key(model: str, messages: Sequence[Mapping[str, Any]]) -> str:
 
 def explicit_key(session_id: str) -> str:
     return "x:" + hashlib.blake2b(session_id.encode("utf-8"), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class SessionMatch:
+    """Which session a request continues, and what it adds."""
+
+    # The session id the client named (header or body); None when none was named.
+    explicit_id: str | None
+    # The session this request continues; None for a new conversation (turn 1).
+    session: Session | None
+    session_id: str
+    turn: int
+    # Index of the first message this turn adds (chat); the messages before it are the history.
+    history_end: int
+    # The content-key chain over every message of the request (chat only): + the answer = next key.
+    chain: KeyChain | None
+    # Why a named session was not continued ("fork", "new_history"); "" when it was (or none was named).
+    reset: str
+
+    @property
+    def new_messages_from(self) -> int:
+        """The index of the first message ψ counts: the whole request for a new conversation."""
+        return self.history_end if self.session is not None else 0
+
+
+def find_session(
+    store: SessionStore,
+    *,
+    explicit: str | None,
+    endpoint: Endpoint,
+    model: str,
+    messages: Sequence[Mapping[str, Any]],
+    new_id: Callable[[], str],
+) -> SessionMatch:
+    """Rules 1 and 2 for one request. A named session whose history the request does not extend (a
+    reused id, an edit) is a fork from the earlier state this exact history names, if one is known,
+    else a new conversation; `reset` says which."""
+    history_end = split_history(messages)[0] if messages else 0
+    session: Session | None = None
+    chain: KeyChain | None = None
+    reset = ""
+    if explicit:
+        session = store.get(explicit_key(explicit))
+    if endpoint == "chat":
+        chain = KeyChain(model)
+        if session is None:
+            chain.extend(messages[:history_end])
+        elif explicit and history_extends(session, chain, messages, history_end) is False:
+            found = store.get(chain.key()) if history_end else None
+            session = replace(found, id=explicit) if found is not None else None
+            reset = "fork" if found is not None else "new_history"
+        if not explicit and history_end:
+            session = store.get(chain.key())
+        chain.extend(messages[history_end:])
+    return SessionMatch(
+        explicit_id=explicit,
+        session=session,
+        session_id=session.id if session is not None else (explicit or new_id()),
+        turn=session.turns + 1 if session is not None else 1,
+        history_end=history_end,
+        chain=chain,
+        reset=reset,
+    )

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from gateway.limits import LimitSettings
 from gateway.pool import WorkerSpec
-from gateway.routing import Mode, parse_mode
+from ppd.modes import Mode, parse_mode
 
 __all__ = [
     "DecisionSettings",
@@ -187,7 +187,7 @@ class Settings:
             raise SettingsError("workers: duplicate id")
         if "mode" in data:
             try:
-                data["mode"] = parse_mode(str(data["mode"]))
+                data["mode"] = parse_mode(str(data["mode"]), loose=True)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
         top = _section(cls, data, "top level", skip=set(sections) | {"workers", "mode"})

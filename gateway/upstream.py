@@ -1,4 +1,5 @@
-"""The one place that talks HTTP to workers: send an UpstreamCall, map aiohttp's exceptions to ours.
+"""The one place that talks HTTP to workers (the `Upstream` of ports.py over aiohttp): send an
+UpstreamCall, map aiohttp's exceptions to ours (errors.py), also in the middle of a stream.
 
 One shared `aiohttp.ClientSession` (it owns the connection pool) with explicit timeouts on every call;
 nothing here waits forever.
@@ -8,18 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
 import orjson
 
-from gateway.errors import UpstreamError, UpstreamStatusError, UpstreamTimeoutError, UpstreamUnreachableError
+from gateway.errors import (
+    UpstreamBrokenError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeoutError,
+    UpstreamUnreachableError,
+)
 from gateway.plan import UpstreamCall
+from gateway.ports import JsonReply
 from gateway.settings import TimeoutSettings
 
-__all__ = ["JsonReply", "Upstream", "dumps", "map_exception"]
+__all__ = ["HttpUpstream", "dumps", "map_exception"]
 
 
 def dumps(body: Any) -> bytes:
@@ -29,19 +36,39 @@ def dumps(body: Any) -> bytes:
         return json.dumps(body, separators=(",", ":")).encode("ascii")
 
 
-@dataclass(frozen=True, slots=True)
-class JsonReply:
-    status: int
-    body: bytes
-    content_type: str
+class _Stream:
+    """A streamed answer (ports.UpstreamStream): transport errors while reading become
+    UpstreamBrokenError."""
 
-    def json(self) -> Any:
-        return json.loads(self.body)
+    __slots__ = ("_chunks", "_resp", "_worker")
+
+    def __init__(self, resp: aiohttp.ClientResponse, worker: str) -> None:
+        self._resp = resp
+        self._worker = worker
+        self._chunks = resp.content.iter_any()
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise UpstreamBrokenError(type(exc).__name__, worker=self._worker) from exc
+
+    def close(self) -> None:
+        self._resp.close()
 
 
-class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, timeouts: TimeoutSettings) -> None:
+class HttpUpstream:
+    def __init__(
+        self, session: aiohttp.ClientSession, timeouts: TimeoutSettings, *, owns_session: bool = False
+    ) -> None:
         self._session = session
+        self._owns_session = owns_session
         self._t = timeouts
         self._prefill = aiohttp.ClientTimeout(total=timeouts.prefill_s, connect=timeouts.connect_s)
         self._response = aiohttp.ClientTimeout(total=timeouts.response_s, connect=timeouts.connect_s)
@@ -49,6 +76,15 @@ class Upstream:
             total=None, connect=timeouts.connect_s, sock_read=timeouts.idle_s
         )
         self._probe = aiohttp.ClientTimeout(total=timeouts.probe_s)
+
+    @classmethod
+    def create(cls, timeouts: TimeoutSettings) -> HttpUpstream:
+        """An upstream with a client session of its own, closed by `close`."""
+        return cls(cls.create_session(), timeouts, owns_session=True)
+
+    async def close(self) -> None:
+        if self._owns_session:
+            await self._session.close()
 
     @staticmethod
     def create_session() -> aiohttp.ClientSession:
@@ -78,7 +114,7 @@ class Upstream:
             raise UpstreamStatusError(reply.status, reply.body, worker=call.worker)
         return reply
 
-    async def open_stream(self, call: UpstreamCall) -> aiohttp.ClientResponse:
+    async def open_stream(self, call: UpstreamCall) -> _Stream:
         """Send a streaming call and return once the headers are in; the caller must close the
         response. Raises UpstreamStatusError (body read) for any non-200 answer."""
         headers = dict(call.headers)
@@ -97,7 +133,7 @@ class Upstream:
             finally:
                 resp.close()
             raise UpstreamStatusError(resp.status, body, worker=call.worker)
-        return resp
+        return _Stream(resp, call.worker)
 
     async def get(self, url: str) -> JsonReply:
         try:

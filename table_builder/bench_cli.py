@@ -17,9 +17,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ppd.modes import ModeError, parse_mode
 from table_builder.comparison import ManifestError
 from table_builder.loadgen import LoadError, LoadSettings, run_load
-from table_builder.records import RecordError, RecordsError, RecordWriter, parse_mode
+from table_builder.records import RecordsError, RecordWriter
 from table_builder.sharegpt import SHAREGPT_WORKLOAD, SharegptLimits, sharegpt_pool
 from table_builder.summary import format_summary, summarize
 from table_builder.tokens import llama3_counter
@@ -47,8 +48,8 @@ def _positive(text: str) -> float:
 def _mode(text: str) -> str:
     try:
         parse_mode(text)
-    except RecordError as exc:
-        raise argparse.ArgumentTypeError(exc.reason) from None
+    except ModeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

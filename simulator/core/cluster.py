@@ -37,13 +37,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import zlib
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from decision_service.route import Query
+from ppd.modes import fraction_goes_local, parse_mode
 from simulator.core.engine import (
     Engine,
     EngineConfig,
@@ -63,7 +63,6 @@ __all__ = [
     "ClusterConfig",
     "ClusterResult",
     "LocalPolicy",
-    "parse_mode",
     "simulate",
 ]
 
@@ -75,21 +74,6 @@ class LocalPolicy(Protocol):
         """``query`` is psi with the live signals a gateway scrapes: the session's D's running batch
         (``decode_running``) and the queue of the P a PD turn would take (``prefill_queue_depth``)."""
         ...
-
-
-def parse_mode(mode: str) -> tuple[str, float]:
-    """``pd``, ``local``, ``ppd``, ``replica`` or ``fraction:<x>`` (0 ≤ x ≤ 1) -> (kind, x)."""
-    if mode in ("pd", "local", "ppd", "replica"):
-        return mode, 0.0
-    if mode.startswith("fraction:"):
-        try:
-            x = float(mode.split(":", 1)[1])
-        except ValueError:
-            x = math.nan
-        if not 0.0 <= x <= 1.0:
-            raise ValueError(f"bad mode {mode!r}: fraction must be in [0, 1]")
-        return "fraction", x
-    raise ValueError(f"bad mode {mode!r}: expected pd, local, ppd, replica or fraction:<x>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +188,8 @@ class _Sim:
     def __init__(self, profile: Profile, config: ClusterConfig, router: LocalPolicy | None) -> None:
         self.profile = profile
         self.cfg = config
-        self.kind, self.fraction = parse_mode(config.mode)
+        mode = parse_mode(config.mode)
+        self.kind, self.fraction = mode.kind, mode.fraction
         if self.kind == "ppd" and router is None:
             raise ValueError("mode ppd needs a router")
         self.router = router
@@ -337,8 +322,7 @@ class _Sim:
         if self.kind == "pd":
             return False
         if self.kind == "fraction":
-            h = zlib.crc32(req.conv.conversation_id.encode()) / 2**32
-            return h < self.fraction
+            return fraction_goes_local(req.conv.conversation_id, self.fraction)
         assert self.router is not None
         assert req.d is not None
         query = Query(

@@ -12,6 +12,7 @@ import pytest
 
 from decision_service.table import write_table
 from ppd.decision.v1 import decision_pb2 as pb
+from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 from tests.decision_service.harness import Running, start_server, turn2
 from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, version_of, write_table_file
 from tests.support.tables import synthetic_spec
@@ -87,12 +88,25 @@ async def test_unknown_table_key_is_not_found_and_names_the_served_keys(running:
     assert DEFAULT_KEY in details
 
 
+def _says_no_table(error: grpc.aio.AioRpcError) -> bool:
+    trailing = error.trailing_metadata() or ()
+    return (UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE) in [(k, v) for k, v in trailing]
+
+
 async def test_no_table_loaded_is_unavailable(empty_server: Running) -> None:
     error = await route_error(empty_server, turn2())
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert "no table" in (error.details() or "")
+    # The structured signal a gateway acts on (ppd/decision/v1/status.py), beside the message.
+    assert _says_no_table(error)
     error = await route_error(empty_server, turn2(table_key=DEFAULT_KEY))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert _says_no_table(error)
+
+
+async def test_an_unknown_table_key_does_not_say_no_table(running: Running) -> None:
+    error = await route_error(running, turn2(table_key="9P9D/nope"))
+    assert not _says_no_table(error)
 
 
 async def test_configured_default_key_missing_is_unavailable(loaded_dir: Path) -> None:
@@ -101,6 +115,7 @@ async def test_configured_default_key_missing_is_unavailable(loaded_dir: Path) -
         error = await route_error(served, turn2())
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert "3P1D/other" in (error.details() or "")
+        assert _says_no_table(error)
         ok = await served.stub.Route(turn2(table_key=DEFAULT_KEY))
         assert ok.table_key == DEFAULT_KEY
     finally:

@@ -23,6 +23,8 @@ class FakeDecision(decision_pb2_grpc.DecisionServiceServicer):
     reason: int = decision_pb2.REASON_TABLE
     delay_s: float = 0.0
     abort_code: grpc.StatusCode | None = None
+    # Trailing metadata of the abort (the real service's no-table signal: ppd/decision/v1/status.py).
+    abort_trailing: tuple[tuple[str, str], ...] = ()
     seen: list[decision_pb2.RouteRequest] = field(default_factory=list)
     server: grpc.aio.Server | None = None
     health: HealthServicer | None = None
@@ -49,7 +51,7 @@ class FakeDecision(decision_pb2_grpc.DecisionServiceServicer):
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.abort_code is not None:
-            await context.abort(self.abort_code, "no table loaded yet")
+            await context.abort(self.abort_code, "no table loaded yet", self.abort_trailing)
         return self._answer(request)
 
     async def RouteStream(

@@ -63,3 +63,35 @@ async def test_turn_is_remembered_before_the_client_sees_done(make_stack: StackF
                 for choice in json.loads(line[6:])["choices"]:
                     text += choice["delta"].get("content", "")
     assert text
+
+
+async def test_the_app_runs_on_the_upstream_and_decision_client_it_is_given() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.app import create_app
+    from gateway.routing import Decision
+    from gateway.settings import Settings
+    from tests.gateway.fakes import FakeDecisions, FakeUpstream
+
+    workers = [
+        {"id": "P0", "role": "prefill", "url": "http://p0.test"},
+        {"id": "D0", "role": "decode", "url": "http://d0.test"},
+    ]
+    settings = Settings.from_mapping(
+        {"mode": "ppd", "workers": workers, "pool": {"health_interval_s": 3600.0}}
+    )
+    upstream = FakeUpstream()
+    decisions = FakeDecisions(Decision("local", "table", table_version="v9"))
+    app = create_app(settings, upstream=upstream, decisions=decisions)
+    async with TestClient(TestServer(app, host="127.0.0.1", port=0)) as http:
+        body: dict[str, Any] = {"model": "m", "messages": _conversation("hi"), "max_tokens": 4}
+        first = await http.post("/v1/chat/completions", json=body)
+        assert (first.status, first.headers["X-PPD-Path"]) == (200, "pd")
+        answer = (await first.json())["choices"][0]["message"]["content"]
+        body["messages"] += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
+        second = await http.post("/v1/chat/completions", json=body)
+        assert (second.headers["X-PPD-Reason"], second.headers["X-PPD-Table-Version"]) == ("table", "v9")
+        assert decisions.started
+        assert [c.worker for c in upstream.calls] == ["P0", "D0", "D0"]
+    assert decisions.closed
+    assert upstream.closed

@@ -17,21 +17,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.decision_client import (
     _MISSES_BEFORE_DOWN,
-    DecisionClient,
-    LiveSignals,
-    RouteQuery,
+    GrpcDecisionClient,
     decision_from_response,
     reopen_delays,
     request_from_query,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.ports import LiveSignals, RouteQuery
+from gateway.psi import Psi, TokenCount
 from gateway.routing import Decision
 from gateway.settings import DecisionSettings, Settings, SettingsError
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
+from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 from tests.gateway.fake_decision import FakeDecision
+from tests.gateway.fakes import ManualClock
 from tests.gateway.processes import REPO, Process, start
 
-QUERY = RouteQuery("r1", 2, 40, 100, 900, 3.0, LiveSignals(decode_kv_usage=0.4))
+QUERY = RouteQuery(
+    request_id="r1",
+    turn=2,
+    psi=Psi(TokenCount(40, "exact"), n_out=100, n_ctx=900),
+    qps=3.0,
+    live=LiveSignals(decode_kv_usage=0.4),
+)
 FALLBACK = Decision("pd", "fallback")
 TABLE = REPO / "tests" / "testdata" / "tables" / "good.ppdt"
 
@@ -43,8 +51,8 @@ async def service() -> AsyncIterator[FakeDecision]:
     await svc.stop()
 
 
-async def _client(address: str, **kw: object) -> DecisionClient:
-    client = DecisionClient(DecisionSettings(address=address, **kw), GatewayMetrics())  # type: ignore[arg-type]
+async def _client(address: str, **kw: object) -> GrpcDecisionClient:
+    client = GrpcDecisionClient(DecisionSettings(address=address, **kw), GatewayMetrics())  # type: ignore[arg-type]
     await client.start()
     return client
 
@@ -134,6 +142,7 @@ async def test_not_serving_falls_back_without_calling(service: FakeDecision) -> 
 
 async def test_unavailable_before_the_first_table_is_not_serving(service: FakeDecision) -> None:
     service.abort_code = grpc.StatusCode.UNAVAILABLE
+    service.abort_trailing = ((UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE),)
     client = await _client(service.address, deadline_ms=2000.0)
     try:
         assert (await client.route(QUERY, FALLBACK)).reason == "fallback_not_serving"
@@ -143,9 +152,53 @@ async def test_unavailable_before_the_first_table_is_not_serving(service: FakeDe
         await client.close()
 
 
+async def test_no_table_is_read_from_the_status_detail_not_the_message(service: FakeDecision) -> None:
+    # The fake's message says "no table loaded yet" either way: only the trailing metadata counts.
+    service.abort_code = grpc.StatusCode.UNAVAILABLE
+    client = await _client(service.address, deadline_ms=2000.0)
+    try:
+        assert (await client.route(QUERY, FALLBACK)).reason == "fallback_unavailable"
+        service.abort_trailing = ((UNAVAILABLE_CAUSE_KEY, "something-else"),)
+        assert (await client.route(QUERY, FALLBACK)).reason == "fallback_unavailable"
+        service.abort_trailing = ((UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE),)
+        assert (await client.route(QUERY, FALLBACK)).reason == "fallback_not_serving"
+    finally:
+        await client.close()
+
+
+async def test_the_real_servicer_without_a_table_is_not_serving(tmp_path: Path) -> None:
+    # Both sides of the no-table signal over a real gRPC server: the real servicer (no health
+    # service here, so the client does call Route) sets it, the client reads it.
+    from decision_service.holder import TableHolder
+    from decision_service.metrics import DecisionMetrics
+    from decision_service.servicer import DecisionServicer, add_to_server
+
+    metrics = DecisionMetrics()
+    holder = TableHolder(tmp_path, default_key=None, listener=metrics)
+    await holder.refresh()
+    server = grpc.aio.server()
+    add_to_server(DecisionServicer(holder, metrics), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    gateway_metrics = GatewayMetrics()
+    client = GrpcDecisionClient(
+        DecisionSettings(address=f"127.0.0.1:{port}", deadline_ms=2000.0), gateway_metrics
+    )
+    await client.start()
+    try:
+        assert (await client.route(QUERY, FALLBACK)).reason == "fallback_not_serving"
+        rpcs = gateway_metrics.registry.get_sample_value(
+            "ppd_gateway_route_rpc_seconds_count", {"outcome": "not_serving"}
+        )
+        assert rpcs == 1  # the RPC was made and answered with the signal
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
 async def test_no_service_configured() -> None:
     metrics = GatewayMetrics()
-    client = DecisionClient(DecisionSettings(), metrics)
+    client = GrpcDecisionClient(DecisionSettings(), metrics)
     await client.start()
     d = await client.route(QUERY, FALLBACK)
     assert (d.reason, d.fallback) == ("fallback_no_service", True)
@@ -299,6 +352,26 @@ async def test_a_few_slow_answers_are_not_logged_as_an_outage(
         await client.close()
     assert not _lines(caplog, "DecisionService unavailable")
     assert not _lines(caplog, "available again")
+
+
+async def test_an_outage_is_timed_on_the_injected_clock(
+    service: FakeDecision, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.decision_client")
+    clock = ManualClock()
+    settings = DecisionSettings(address=service.address, deadline_ms=50.0)
+    client = GrpcDecisionClient(settings, GatewayMetrics(), clock=clock)
+    await client.start()
+    try:
+        service.delay_s = 5.0
+        for _ in range(2 * _MISSES_BEFORE_DOWN):  # many misses, but no time passed on the clock
+            assert (await client.route(QUERY, FALLBACK)).reason == "fallback_timeout"
+        assert not _lines(caplog, "DecisionService unavailable")
+        clock.advance(1.0)
+        assert (await client.route(QUERY, FALLBACK)).reason == "fallback_timeout"
+        assert len(_lines(caplog, "DecisionService unavailable")) == 1
+    finally:
+        await client.close()
 
 
 @pytest.mark.integration

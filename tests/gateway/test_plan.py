@@ -148,3 +148,23 @@ def test_decode_leg_is_the_original_body_plus_ps_params_and_both_share_the_reque
     assert ("X-Request-Id", "rid-1") in d.headers
     assert ("X-Request-Id", "rid-1") in p.prefill[0].headers
     assert decode_after_prefill(p, None).body == {k: v for k, v in BODY.items() if k != KV_FIELD}
+
+
+def test_decode_gone_is_a_session_bound_to_no_live_decode_worker() -> None:
+    from gateway.plan import decode_gone
+
+    pool = _pool(
+        [
+            {"id": "D0", "role": "decode", "url": "http://d0"},
+            {"id": "R0", "role": "replica", "url": "http://r0"},
+            {"id": "P0", "role": "prefill", "url": "http://p0"},
+        ]
+    )
+    assert not decode_gone(None, pool)
+    assert not decode_gone(Session("s"), pool)  # not bound yet: turn 1
+    assert not decode_gone(Session("s", worker="D0"), pool)
+    assert decode_gone(Session("s", worker="D9"), pool)  # left the pool (or down)
+    assert decode_gone(Session("s", worker="R0"), pool)  # live, but no decode worker
+    request = PlanRequest(endpoint="chat", body={"model": "m", "messages": []}, request_id="r")
+    gone = plan(request, Session("s", worker="D9"), Decision("local", "table"), pool)
+    assert (gone.path, gone.reason, gone.rebound) == ("pd", "decode_gone", True)

@@ -196,3 +196,12 @@ def test_names_address(url: str, hosts: tuple[str, ...], port: int, expected: bo
 )
 def test_redact_url(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_a_view_without_a_worker_is_the_same_snapshot_less_that_worker() -> None:
+    from gateway.pool import PoolView, WorkerView
+
+    view = PoolView((WorkerView("D0", "decode", "http://d0"), WorkerView("D1", "decode", "http://d1")))
+    less = view.without("D0")
+    assert [w.id for w in less.workers] == ["D1"]
+    assert [w.id for w in view.workers] == ["D0", "D1"]  # the snapshot itself is unchanged

@@ -8,7 +8,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pool import Load, WorkerPool, WorkerSpec
 from gateway.probe import PoolMonitor, models_from_cards
 from gateway.settings import PoolSettings, TimeoutSettings
-from gateway.upstream import Upstream
+from gateway.upstream import HttpUpstream
 from tests.gateway.fake_worker import MODEL, FakeWorker
 
 
@@ -26,9 +26,9 @@ async def test_checks_mark_down_after_two_failures_and_scrape_load() -> None:
         clock=lambda: clock[0],
     )
     pool.register(WorkerSpec("D2", "decode", gone_url))
-    session = Upstream.create_session()
+    session = HttpUpstream.create_session()
     metrics = GatewayMetrics()
-    monitor = PoolMonitor(pool, Upstream(session, TimeoutSettings(probe_s=2.0)), PoolSettings(), metrics)
+    monitor = PoolMonitor(pool, HttpUpstream(session, TimeoutSettings(probe_s=2.0)), PoolSettings(), metrics)
     try:
         d1.knobs.healthy = False
         await monitor.check_once()
@@ -58,9 +58,11 @@ async def test_max_model_len_is_read_from_v1_models_and_again_after_a_worker_was
         heartbeat_expiry_s=30,
         clock=lambda: 0.0,
     )
-    session = Upstream.create_session()
+    session = HttpUpstream.create_session()
     settings = PoolSettings(unhealthy_after=1)
-    monitor = PoolMonitor(pool, Upstream(session, TimeoutSettings(probe_s=2.0)), settings, GatewayMetrics())
+    monitor = PoolMonitor(
+        pool, HttpUpstream(session, TimeoutSettings(probe_s=2.0)), settings, GatewayMetrics()
+    )
     try:
         await monitor.check_once()
         assert pool.max_model_len(MODEL) == 8192  # D1's card declares none

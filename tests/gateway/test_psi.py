@@ -112,3 +112,48 @@ def test_qps_hysteresis_ignores_small_moves() -> None:
 def test_qps_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="positive"):
         QpsMeter(window_s=0, hysteresis=0.1, clock=FakeClock())
+
+
+async def test_measure_assembles_psi_once_worker_count_only_without_an_exact_tokenizer() -> None:
+    from gateway.psi import Psi, TokenCount, Tokenizers, measure
+    from gateway.sessions import Session
+
+    asked: list[str] = []
+
+    async def worker_count() -> int | None:
+        asked.append("tokenize")
+        return 17
+
+    session = Session("s").after_turn(
+        worker="D0", prompt_tokens=30, completion_tokens=6, history_key="", history_messages=0
+    )
+    messages = [{"role": "user", "content": "x" * 40}]
+    body = {"max_tokens": 50}
+    tokenizers = Tokenizers()
+    common: dict[str, Any] = {
+        "body": body,
+        "new_messages": messages,
+        "session": session,
+        "default_output": 256,
+    }
+    unknown = await measure(
+        tokenizers, model="example/unknown", hint=None, worker_count=worker_count, **common
+    )
+    assert unknown == Psi(TokenCount(17, "worker"), n_out=6, n_ctx=36)
+    estimate = await measure(tokenizers, model="example/unknown", hint=9, **common)
+    assert estimate == Psi(TokenCount(10, "estimate"), n_out=9, n_ctx=36)
+    exact = await measure(
+        tokenizers, model="meta-llama/Llama-3.1-8B-Instruct", hint=None, worker_count=worker_count, **common
+    )
+    assert exact.n_in.source == "exact"
+    assert asked == ["tokenize"]  # an exact tokenizer is never second-guessed by a worker
+    prompt = await measure(
+        tokenizers,
+        model="example/unknown",
+        body={"prompt": "y" * 8},
+        new_messages=None,
+        session=None,
+        hint=None,
+        default_output=256,
+    )
+    assert prompt == Psi(TokenCount(2, "estimate"), n_out=256, n_ctx=0)

@@ -1,36 +1,11 @@
-"""Routing modes: parsing and the decisions made without the DecisionService."""
+"""The decisions made without the DecisionService (the mode grammar: tests/ppd/test_modes.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.routing import Decision, Mode, parse_mode, static_decision
-
-
-@pytest.mark.parametrize(
-    ("text", "mode"),
-    [
-        ("pd", Mode("pd")),
-        (" LOCAL ", Mode("local")),
-        ("ppd", Mode("ppd")),
-        ("replica", Mode("replica")),
-        ("fraction:0.25", Mode("fraction", 0.25)),
-        ("fraction:1", Mode("fraction", 1.0)),
-    ],
-)
-def test_parse_mode(text: str, mode: Mode) -> None:
-    assert parse_mode(text) == mode
-
-
-@pytest.mark.parametrize("text", ["", "fast", "fraction:", "fraction:x", "fraction:1.5", "fraction:-0.1"])
-def test_parse_mode_rejects(text: str) -> None:
-    with pytest.raises(ValueError, match=r"mode|fraction"):
-        parse_mode(text)
-
-
-def test_mode_prints_back() -> None:
-    assert str(Mode("fraction", 0.5)) == "fraction:0.5"
-    assert str(Mode("ppd")) == "ppd"
+from gateway.routing import Decision, static_decision
+from ppd.modes import parse_mode
 
 
 @pytest.mark.parametrize(

@@ -192,3 +192,39 @@ def test_a_history_extends_a_session_only_through_what_it_was_sent() -> None:
     assert check([*sent, u("more"), a("two"), u("c")])[0] is False  # no answer right after what was sent
     unknown = Session("s", turns=2)
     assert history_extends(unknown, KeyChain(M), [u("x")], 0) is None
+
+
+def test_find_session_continues_forks_or_starts_a_conversation() -> None:
+    from gateway.sessions import InMemorySessionStore, KeyChain, explicit_key, find_session
+
+    store = InMemorySessionStore(ttl_s=60.0, max_entries=100, clock=lambda: 0.0)
+    ids = iter(["new1", "new2", "new3"])
+    first = [{"role": "user", "content": "hi"}]
+    fresh = find_session(
+        store, explicit=None, endpoint="chat", model="m", messages=first, new_id=lambda: next(ids)
+    )
+    assert (fresh.session, fresh.session_id, fresh.turn, fresh.reset) == (None, "new1", 1, "")
+    assert fresh.new_messages_from == 0
+    after = Session("new1").after_turn(
+        worker="D0",
+        prompt_tokens=5,
+        completion_tokens=2,
+        history_key=KeyChain("m").extend(first).key(),
+        history_messages=1,
+    )
+    follow_up = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    store.put(KeyChain("m").extend(follow_up[:2]).key(), after)
+    store.put(explicit_key("named"), after)
+    found = find_session(
+        store, explicit=None, endpoint="chat", model="m", messages=follow_up, new_id=lambda: next(ids)
+    )
+    assert (found.session_id, found.turn, found.history_end, found.new_messages_from) == ("new1", 2, 2, 2)
+    named = find_session(
+        store, explicit="named", endpoint="chat", model="m", messages=follow_up, new_id=lambda: next(ids)
+    )
+    assert (named.session_id, named.turn, named.reset) == ("new1", 2, "")
+    other = [{"role": "user", "content": "a new story"}]
+    reused = find_session(
+        store, explicit="named", endpoint="chat", model="m", messages=other, new_id=lambda: next(ids)
+    )
+    assert (reused.session, reused.session_id, reused.turn, reused.reset) == (None, "named", 1, "new_history")

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.routing import Mode
 from gateway.settings import Settings, SettingsError
+from ppd.modes import Mode
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "gateway" / "example.toml"
 

@@ -15,7 +15,6 @@ from table_builder.records import (
     RecordError,
     RecordsError,
     RecordWriter,
-    parse_mode,
     read_records,
     scan_records,
     write_records,
@@ -66,14 +65,6 @@ def test_json_integers_are_accepted_for_float_fields() -> None:
 def test_failed_request_round_trips() -> None:
     obj = good(ok=False, error="timeout after 30 s", ttft_ms=None, tpot_ms=None, e2e_ms=None)
     assert Record.from_json(json.dumps(obj)).error == "timeout after 30 s"
-
-
-@pytest.mark.parametrize(
-    ("mode", "share"),
-    [("pd", 0.0), ("local", 1.0), ("ppd", None), ("replica", None), ("fraction:0.5", 0.5)],
-)
-def test_parse_mode(mode: str, share: float | None) -> None:
-    assert parse_mode(mode) == share
 
 
 BAD_LINES: list[tuple[str, str, str]] = [

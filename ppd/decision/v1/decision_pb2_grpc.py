@@ -68,6 +68,9 @@ class DecisionServiceServicer:
     def Route(self, request, context):
         """One decision. Bad input -> INVALID_ARGUMENT; unknown table_key -> NOT_FOUND;
         no table loaded yet -> UNAVAILABLE.
+        With no table to answer from (none loaded yet, or the default missing) the
+        UNAVAILABLE carries trailing metadata `ppd-unavailable: no-table`
+        (ppd/decision/v1/status.py); clients read that, never the message text.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,6 +44,9 @@ class DecisionServiceStub:
     Route: _grpc.UnaryUnaryMultiCallable[_decision_pb2.RouteRequest, _decision_pb2.RouteResponse]
     """One decision. Bad input -> INVALID_ARGUMENT; unknown table_key -> NOT_FOUND;
     no table loaded yet -> UNAVAILABLE.
+    With no table to answer from (none loaded yet, or the default missing) the
+    UNAVAILABLE carries trailing metadata `ppd-unavailable: no-table`
+    (ppd/decision/v1/status.py); clients read that, never the message text.
     """
     RouteBatch: _grpc.UnaryUnaryMultiCallable[_decision_pb2.RouteBatchRequest, _decision_pb2.RouteBatchResponse]
     """Many decisions in one call, against one table snapshot. A bad item gets
@@ -70,6 +73,9 @@ class DecisionServiceAsyncStub(DecisionServiceStub):
     Route: _aio.UnaryUnaryMultiCallable[_decision_pb2.RouteRequest, _decision_pb2.RouteResponse]  # type: ignore[assignment]
     """One decision. Bad input -> INVALID_ARGUMENT; unknown table_key -> NOT_FOUND;
     no table loaded yet -> UNAVAILABLE.
+    With no table to answer from (none loaded yet, or the default missing) the
+    UNAVAILABLE carries trailing metadata `ppd-unavailable: no-table`
+    (ppd/decision/v1/status.py); clients read that, never the message text.
     """
     RouteBatch: _aio.UnaryUnaryMultiCallable[_decision_pb2.RouteBatchRequest, _decision_pb2.RouteBatchResponse]  # type: ignore[assignment]
     """Many decisions in one call, against one table snapshot. A bad item gets
@@ -99,6 +105,9 @@ class DecisionServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_decision_pb2.RouteResponse, _abc.Awaitable[_decision_pb2.RouteResponse]]:
         """One decision. Bad input -> INVALID_ARGUMENT; unknown table_key -> NOT_FOUND;
         no table loaded yet -> UNAVAILABLE.
+        With no table to answer from (none loaded yet, or the default missing) the
+        UNAVAILABLE carries trailing metadata `ppd-unavailable: no-table`
+        (ppd/decision/v1/status.py); clients read that, never the message text.
         """
 
     @_abc_1.abstractmethod

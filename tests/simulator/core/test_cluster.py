@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from decision_service.route import Query
-from simulator.core.cluster import ClusterConfig, parse_mode, simulate
+from ppd.modes import Mode, parse_mode
+from simulator.core.cluster import ClusterConfig, simulate
 from simulator.core.link import TransferMode
 from simulator.core.profile import Profile
 from simulator.core.topology import Topology
@@ -56,7 +57,7 @@ def test_topology_and_mode_parsing() -> None:
     topo = Topology.parse("1P3D")
     assert (topo.prefill, topo.decode, topo.replica) == (1, 3, 0)
     assert Topology.parse("4r").label == "4R"
-    assert parse_mode("fraction:0.25") == ("fraction", 0.25)
+    assert parse_mode("fraction:0.25") == Mode("fraction", 0.25)
     for bad in ("1P0D", "P3D", "x"):
         with pytest.raises(ValueError, match="topology"):
             Topology.parse(bad)
