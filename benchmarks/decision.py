@@ -1,4 +1,4 @@
-"""`python -m decision_service.bench`: the decision service's performance figures, printed.
+"""`python -m benchmarks.decision`: the decision service's performance figures, printed.
 
 Every figure comes from a real `python -m decision_service serve` process on 127.0.0.1; this process
 is the client. Server CPU is read from /proc/<pid>/stat (all threads), RSS from /proc/<pid>/status.
@@ -133,7 +133,7 @@ def bench_spec(seed: int = 0, *, shape: str = "1P3D", model: str = "bench") -> T
         axes=axes,
         figures=figures,
         profiles={"ttft": Weights(1.0, 0.2), "tpot": Weights(0.2, 1.0)},
-        provenance={"source": "decision_service.bench", "seed": seed},
+        provenance={"source": "benchmarks.decision", "seed": seed},
     )
 
 
@@ -179,7 +179,7 @@ def server_process(
         "--reload-interval", str(reload_interval_s), "--log-level", "WARNING",
     ]  # fmt: skip
     if tables is None:
-        command = [sys.executable, "-m", "decision_service.bench", "--serve-floor"]
+        command = [sys.executable, "-m", "benchmarks.decision", "--serve-floor"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -433,7 +433,7 @@ def bench_contention(
     command = [
         sys.executable,
         "-m",
-        "decision_service.bench",
+        "benchmarks.decision",
         "--batch-load",
         server.target,
         "--batch-items",
@@ -557,7 +557,7 @@ def run(config: BenchConfig, *, out: Any = None) -> Figures:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m decision_service.bench",
+        prog="python -m benchmarks.decision",
         description="Measure the decision service over loopback and print the figures.",
     )
     parser.add_argument("--small", action="store_true", help="a quick run at test-suite size")

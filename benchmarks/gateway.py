@@ -1,7 +1,7 @@
 """Gateway overhead benchmark: prints figures, asserts nothing.
 
-    python -m gateway.benchmark run [--streams 50 200] [--requests-per-stream 20] [--chunks 100] ...
-    python -m gateway.benchmark upstream --port 0      (the fixed-pace SSE worker it measures against)
+    python -m benchmarks.gateway run [--streams 50 200] [--requests-per-stream 20] [--chunks 100] ...
+    python -m benchmarks.gateway upstream --port 0      (the fixed-pace SSE worker it measures against)
 
 What it measures, each printed as one JSON object per line:
 1. `ttft`: added time to first token in `local` mode (Turn 2+ of a session) versus calling the decode
@@ -338,7 +338,16 @@ def _start_upstreams(args: argparse.Namespace) -> tuple[list[_Proc], str, str]:
         return [p, d], p.ready["url"], d.ready["url"]
     interval = str(args.chunk_interval_ms / 1000.0)
     up = _start(
-        ["gateway.benchmark", "upstream", "--port", "0", "--chunks", str(args.chunks), "--interval", interval]
+        [
+            "benchmarks.gateway",
+            "upstream",
+            "--port",
+            "0",
+            "--chunks",
+            str(args.chunks),
+            "--interval",
+            interval,
+        ]
     )
     return [up], up.ready["url"], up.ready["url"]
 
@@ -437,7 +446,9 @@ def _measure(args: argparse.Namespace, gw: _Proc, d_url: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m gateway.benchmark", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gateway", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the benchmark and print figures (JSON lines)")
     add = run.add_argument

@@ -1,6 +1,6 @@
 """Benchmark of the virtual-time cluster simulation: simulated requests per CPU-second, and the trends.
 
-``ppd-sim bench-virtual`` (or ``python -m simulator.bench_virtual``) runs two-turn conversations
+``ppd-sim bench-virtual`` (or ``python -m benchmarks.sim_virtual``) runs two-turn conversations
 (the first two turns of real ShareGPT conversations by default, as the issue's target says; or
 ``sharegpt-like`` lengths drawn without the dataset; or one of the 18 synthetic workloads) through a
 simulated cluster
@@ -64,8 +64,8 @@ def _sharegpt_two_turns(count: int, seed: int) -> list[list[tuple[int, int]]]:
     The dataset reader lives in the table builder (the load generator's workload); imported here only
     for this workload, so the simulator itself does not need the dataset.
     """
-    from table_builder.sharegpt import sharegpt_pool
-    from table_builder.tokens import llama3_counter
+    from loadgen.sharegpt import sharegpt_pool
+    from loadgen.tokens import llama3_counter
 
     pool = sharegpt_pool(llama3_counter(), seed=seed, count=count)
     return [
@@ -163,7 +163,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m simulator.bench_virtual", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sim_virtual", description=__doc__)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 

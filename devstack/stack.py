@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from table_builder.supervisor import ChildError, ChildSpec, Supervisor
+from devstack.supervisor import ChildError, ChildSpec, Supervisor
 
 __all__ = ["ENGINES", "StackCommands", "StackSettings", "gateway_config", "main", "run_stack"]
 

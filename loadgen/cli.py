@@ -17,13 +17,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from table_builder.comparison import ManifestError
-from table_builder.loadgen import LoadError, LoadSettings, run_load
-from table_builder.records import RecordError, RecordsError, RecordWriter, parse_mode
-from table_builder.sharegpt import SHAREGPT_WORKLOAD, SharegptLimits, sharegpt_pool
-from table_builder.summary import format_summary, summarize
-from table_builder.tokens import llama3_counter
-from table_builder.workloads import (
+from loadgen.load import LoadError, LoadSettings, run_load
+from loadgen.report.comparison import ManifestError
+from loadgen.sharegpt import SHAREGPT_WORKLOAD, SharegptLimits, sharegpt_pool
+from loadgen.summary import format_summary, summarize
+from loadgen.tokens import llama3_counter
+from loadgen.workloads import (
     MAX_TURNS,
     SYNTHETIC_WORKLOADS,
     SyntheticWorkload,
@@ -31,6 +30,7 @@ from table_builder.workloads import (
     WorkloadError,
     single_token_words,
 )
+from table_builder.records import RecordError, RecordsError, RecordWriter, parse_mode
 
 __all__ = ["build_parser", "main"]
 
@@ -100,7 +100,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from table_builder import report
+    from loadgen.report import report
 
     report.add_parser(sub)
 

@@ -32,8 +32,8 @@ from typing import Any, Final
 
 import aiohttp
 
+from loadgen.workloads import Conversation, Workload
 from table_builder.records import Record
-from table_builder.workloads import Conversation, Workload
 
 __all__ = [
     "DEFAULT_MODEL",

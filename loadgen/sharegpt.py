@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final, TextIO
 
-from table_builder.tokens import TokenCounter
-from table_builder.workloads import Conversation, ConversationPool, Turn, WorkloadError
+from loadgen.tokens import TokenCounter
+from loadgen.workloads import Conversation, ConversationPool, Turn, WorkloadError
 
 __all__ = [
     "SHAREGPT_WORKLOAD",

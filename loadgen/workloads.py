@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
+from loadgen.tokens import TokenCounter
 from table_builder import catalog
-from table_builder.tokens import TokenCounter
 
 __all__ = [
     "MAX_TURNS",

@@ -16,12 +16,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from loadgen.summary import percentile
 from table_builder.records import Record
-from table_builder.summary import percentile
 
 __all__ = [
     "BANDS",
     "HIGH_QPS",
+    "MANIFEST_NAME",
     "MODE_ORDER",
     "PAPER_TABLE1",
     "PAPER_TABLE5",
@@ -59,6 +60,8 @@ PAPER_TABLE5: Final[dict[tuple[str, str], tuple[float, float, float, float]]] = 
     ("2P2D", "pd"): (0.0, 0.06, 0.11, 0.22),
     ("2P2D", "local"): (0.0, 0.0, 0.06, 0.11),
 }
+#: The manifest file beside the records (see ``Manifest``).
+MANIFEST_NAME: Final = "manifest.json"
 QPS_EXPERIMENT: Final = "qps"
 WTPOT_EXPERIMENT: Final = "wtpot"
 BANDWIDTH_EXPERIMENT: Final = "bandwidth"

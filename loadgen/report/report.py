@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from table_builder.comparison import (
+from loadgen.report.comparison import (
     BANDS,
     HIGH_QPS,
+    MANIFEST_NAME,
     MODE_ORDER,
     PAPER_TABLE1,
     PAPER_TABLE5,
@@ -37,11 +38,10 @@ from table_builder.comparison import (
 )
 from table_builder.records import Record, read_records
 
-__all__ = ["MANIFEST_NAME", "REPORT_NAME", "ReportInputs", "add_parser", "load_inputs", "write_report"]
+__all__ = ["REPORT_NAME", "ReportInputs", "add_parser", "load_inputs", "write_report"]
 
 logger = logging.getLogger(__name__)
 
-MANIFEST_NAME: Final = "manifest.json"
 REPORT_NAME: Final = "report.md"
 _COLOURS: Final = {"pd": "tab:blue", "local": "tab:orange", "ppd": "tab:green", "replica": "tab:gray"}
 
@@ -367,7 +367,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _run_simulation(args: argparse.Namespace) -> None:
-    from table_builder.reproduce import ReproduceSettings, reproduce
+    from loadgen.report.reproduce import ReproduceSettings, reproduce
 
     settings = ReproduceSettings(
         seed=args.seed,

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from loadgen.report.comparison import MANIFEST_NAME, Manifest, RunInfo
+from loadgen.sharegpt import SHAREGPT_WORKLOAD, sharegpt_pool
+from loadgen.tokens import llama3_counter
 from table_builder import catalog
-from table_builder.comparison import Manifest, RunInfo
 from table_builder.records import Record, write_records
-from table_builder.report import MANIFEST_NAME
-from table_builder.sharegpt import SHAREGPT_WORKLOAD, sharegpt_pool
-from table_builder.tokens import llama3_counter
 
 __all__ = ["PAPER_QPS", "ReproduceSettings", "find_table", "reproduce"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from decision_service.bench import BenchConfig, main
+from benchmarks.decision import BenchConfig, main
 
 pytestmark = pytest.mark.bench
 

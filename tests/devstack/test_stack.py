@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from table_builder.stack import StackCommands, StackSettings, gateway_config, run_stack
-from table_builder.supervisor import ChildError, ChildSpec, Supervisor
+from devstack.stack import StackCommands, StackSettings, gateway_config, run_stack
+from devstack.supervisor import ChildError, ChildSpec, Supervisor
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
@@ -192,7 +192,7 @@ async def test_the_banner_names_the_clusters_own_model(tmp_path: Path) -> None:
 
 
 def test_ppd_up_has_help(capsys: pytest.CaptureFixture[str]) -> None:
-    from table_builder.stack import main
+    from devstack.stack import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--help"])

@@ -27,7 +27,7 @@ async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, 
 
 async def test_ppd_up_serves_a_multi_turn_conversation_and_stops_everything_on_sigterm() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "table_builder.stack", "--port", "0", "--tables", str(TABLES),
+        sys.executable, "-m", "devstack.stack", "--port", "0", "--tables", str(TABLES),
         "--log-level", "WARNING", "--ready-timeout", "110",
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -68,7 +68,7 @@ async def test_ppd_up_serves_a_multi_turn_conversation_and_stops_everything_on_s
 
 async def test_ppd_up_names_the_child_that_failed() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "table_builder.stack", "--port", "0", "--topology", "9Z", cwd=ROOT,
+        sys.executable, "-m", "devstack.stack", "--port", "0", "--topology", "9Z", cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     async with asyncio.timeout(120):

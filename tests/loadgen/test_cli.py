@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from table_builder.bench_cli import build_parser, main
+from loadgen.cli import build_parser, main
 from table_builder.records import read_records
-from tests.bench.fake_openai import FakeOpenAI, serve
+from tests.support.fake_openai import FakeOpenAI, serve
 
 
 @pytest.mark.integration
@@ -20,7 +20,7 @@ async def test_ppd_bench_run_writes_records_and_prints_the_summary(tmp_path: Pat
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "table_builder.bench_cli",
+            "loadgen.cli",
             "run",
             "--url",
             url,

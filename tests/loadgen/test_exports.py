@@ -5,17 +5,15 @@ import importlib
 import pytest
 
 MODULES = [
-    "table_builder.tokens",
-    "table_builder.workloads",
-    "table_builder.sharegpt",
-    "table_builder.loadgen",
-    "table_builder.summary",
-    "table_builder.comparison",
-    "table_builder.report",
-    "table_builder.reproduce",
-    "table_builder.supervisor",
-    "table_builder.stack",
-    "table_builder.bench_cli",
+    "loadgen.tokens",
+    "loadgen.workloads",
+    "loadgen.sharegpt",
+    "loadgen.load",
+    "loadgen.summary",
+    "loadgen.report.comparison",
+    "loadgen.report.report",
+    "loadgen.report.reproduce",
+    "loadgen.cli",
 ]
 
 
@@ -38,6 +36,6 @@ def test_the_report_does_not_import_matplotlib_until_it_draws() -> None:
     import subprocess
     import sys
 
-    code = "import sys, table_builder.bench_cli, table_builder.report; print('matplotlib' in sys.modules)"
+    code = "import sys, loadgen.cli, loadgen.report.report; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

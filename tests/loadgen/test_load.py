@@ -5,11 +5,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from table_builder.loadgen import LoadError, LoadSettings, path_taken, poisson_arrivals, run_load
+from loadgen.load import LoadError, LoadSettings, path_taken, poisson_arrivals, run_load
+from loadgen.tokens import llama3_counter
+from loadgen.workloads import SyntheticWorkload, single_token_words
 from table_builder.records import Record
-from table_builder.tokens import llama3_counter
-from table_builder.workloads import SyntheticWorkload, single_token_words
-from tests.bench.fake_openai import FakeOpenAI, serve
+from tests.support.fake_openai import FakeOpenAI, serve
 
 WORDS = single_token_words(llama3_counter())
 

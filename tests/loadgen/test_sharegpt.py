@@ -6,15 +6,15 @@ from typing import Any
 
 import pytest
 
-from table_builder.sharegpt import (
+from loadgen.sharegpt import (
     ChatConversation,
     JsonArrayStream,
     SharegptLimits,
     chat_conversations,
     sharegpt_pool,
 )
-from table_builder.tokens import llama3_counter
-from table_builder.workloads import WorkloadError
+from loadgen.tokens import llama3_counter
+from loadgen.workloads import WorkloadError
 
 
 class Words:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from loadgen.summary import format_summary, percentile, stat, summarize
 from table_builder.records import Record
-from table_builder.summary import format_summary, percentile, stat, summarize
 
 
 def rec(

@@ -2,9 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from table_builder.catalog import TURN1_SETTINGS, TURN2_CLASSES
-from table_builder.tokens import llama3_counter
-from table_builder.workloads import (
+from loadgen.tokens import llama3_counter
+from loadgen.workloads import (
     SYNTHETIC_WORKLOADS,
     Conversation,
     ConversationPool,
@@ -14,6 +13,7 @@ from table_builder.workloads import (
     parse_synthetic_name,
     single_token_words,
 )
+from table_builder.catalog import TURN1_SETTINGS, TURN2_CLASSES
 
 COUNTER = llama3_counter()
 WORDS = single_token_words(COUNTER)

@@ -313,7 +313,6 @@ def test_huge_outputs_cost_nothing_up_front(tok: Llama3Tokenizer) -> None:
     "module_name",
     [
         "simulator.api_error",
-        "simulator.bench_realtime",
         "simulator.fabric",
         "simulator.faults",
         "simulator.jobs",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from table_builder.comparison import Manifest, RunInfo
+from loadgen.report.comparison import Manifest, RunInfo
 from table_builder.records import Record
 
 QPS = (1.0, 4.0, 12.0)

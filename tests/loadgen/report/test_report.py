@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from table_builder.bench_cli import main
-from table_builder.comparison import (
+from loadgen.cli import main
+from loadgen.report.comparison import (
+    MANIFEST_NAME,
     Manifest,
     ManifestError,
     Point,
@@ -19,9 +20,9 @@ from table_builder.comparison import (
     winners,
     wtpot_points,
 )
+from loadgen.report.report import load_inputs, write_report
 from table_builder.records import write_records
-from table_builder.report import MANIFEST_NAME, load_inputs, write_report
-from tests.bench.records_factory import paper_like
+from tests.loadgen.report.records_factory import paper_like
 
 
 def test_points_group_by_shape_mode_and_qps_and_leave_sweeps_out() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from table_builder.bench_cli import main
-from table_builder.comparison import Manifest
+from loadgen.cli import main
+from loadgen.report.comparison import Manifest
+from loadgen.report.reproduce import ReproduceSettings, find_table, reproduce
 from table_builder.records import read_records
-from table_builder.reproduce import ReproduceSettings, find_table, reproduce
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = ROOT / "tests" / "testdata" / "tables" / "good.ppdt"
