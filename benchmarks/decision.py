@@ -49,7 +49,19 @@ from decision_service.table import FIGURES, SUFFIX, Table, TableSpec, Weights, e
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 
-__all__ = ["BenchConfig", "main", "run"]
+__all__ = [
+    "BenchConfig",
+    "Figures",
+    "ServerProcess",
+    "bench_contention",
+    "bench_core",
+    "bench_memory",
+    "bench_spec",
+    "main",
+    "measure_latency",
+    "run",
+    "server_process",
+]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -27,7 +27,7 @@ from simulator.routing import TableRouter
 from simulator.topology import Topology
 from simulator.workload import Conversation, sharegpt_like, synthetic_conversations, turn_list_conversations
 
-__all__ = ["add_arguments", "main", "run_bench", "summarise"]
+__all__ = ["add_arguments", "main", "run_bench", "run_from_args", "summarise"]
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from loadgen.report.comparison import Manifest
 from loadgen.report.reproduce import ReproduceSettings, find_table, reproduce
 from table_builder.records import read_records
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GOOD = ROOT / "tests" / "testdata" / "tables" / "good.ppdt"
 
 
