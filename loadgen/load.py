@@ -33,6 +33,7 @@ from typing import Any, Final
 import aiohttp
 
 from loadgen.workloads import Conversation, Workload
+from ppd.arrivals import poisson_arrivals
 from table_builder.records import Record
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "TurnOutcome",
     "new_run_tag",
     "path_taken",
-    "poisson_arrivals",
     "run_load",
 ]
 
@@ -101,16 +101,6 @@ class LoadSettings:
             raise ValueError(f"duration must be a positive number of seconds, got {self.duration_s}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout must be positive, got {self.timeout_s}")
-
-
-def poisson_arrivals(rng: random.Random, qps: float, duration_s: float) -> list[float]:
-    """Arrival offsets (s) of a Poisson process of rate ``qps`` on [0, duration_s)."""
-    times: list[float] = []
-    t = rng.expovariate(qps)
-    while t < duration_s:
-        times.append(t)
-        t += rng.expovariate(qps)
-    return times
 
 
 def path_taken(headers: Mapping[str, str], mode: str, turn: int) -> str:

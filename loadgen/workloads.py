@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from loadgen.tokens import TokenCounter
-from table_builder import catalog
+from ppd import catalog
 
 __all__ = [
     "MAX_TURNS",

@@ -8,14 +8,17 @@ fixed by its name. Nothing here is a routing threshold: those live in the table 
 Our extension: Turn 1 ``huge`` (4096 / 1024, so Turn 2 sees 5120 tokens of context) measures the
 context class above 4096 tokens, where the paper's prototype has no data. ``WORKLOADS`` stays the
 paper's 18; ``HUGE_WORKLOADS`` are the nine ``huge_*`` ones.
+
+One definition for the whole tree: the table builder (sweeps, artifact pairing), the load generator,
+the simulator's synthetic conversations and the decision service's default axes (``paper_axes``) all
+read the Turn-1 settings and the nine classes from here. Like all of ``ppd``, it imports none of our
+packages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Final
-
-from decision_service.axes import paper_axes
 
 __all__ = [
     "HUGE_WORKLOADS",
@@ -44,9 +47,18 @@ TURN1_SETTINGS: Final[dict[str, TokenShape]] = {
 }
 _PAPER_TURN1: Final = ("small", "large")
 
-# One definition of the nine classes: the default axes the tables are built on.
+# The nine Turn-2 classes of the paper's artifact, in the order of its grid (the default axes the
+# tables are built on, ``decision_service.axes.paper_axes``, take them from here).
 TURN2_CLASSES: Final[dict[str, TokenShape]] = {
-    w.name: TokenShape(w.n_in, w.n_out) for w in paper_axes().workloads
+    "tiny": TokenShape(16, 32),
+    "short_gen": TokenShape(32, 256),
+    "long_gen": TokenShape(32, 512),
+    "very_long_gen": TokenShape(64, 1024),
+    "small_bal": TokenShape(64, 64),
+    "mid_bal": TokenShape(128, 128),
+    "mid_paste": TokenShape(256, 64),
+    "big_paste": TokenShape(512, 64),
+    "huge_paste": TokenShape(1024, 32),
 }
 
 

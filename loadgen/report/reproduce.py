@@ -25,7 +25,7 @@ from typing import Final
 from loadgen.report.comparison import MANIFEST_NAME, Manifest, RunInfo
 from loadgen.sharegpt import SHAREGPT_WORKLOAD, sharegpt_pool
 from loadgen.tokens import llama3_counter
-from table_builder import catalog
+from ppd import catalog
 from table_builder.records import Record, write_records
 
 __all__ = ["PAPER_QPS", "ReproduceSettings", "find_table", "reproduce"]

@@ -5,9 +5,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from loadgen.load import LoadError, LoadSettings, path_taken, poisson_arrivals, run_load
+from loadgen.load import LoadError, LoadSettings, path_taken, run_load
 from loadgen.tokens import llama3_counter
 from loadgen.workloads import SyntheticWorkload, single_token_words
+from ppd.arrivals import poisson_arrivals
 from table_builder.records import Record
 from tests.support.fake_openai import FakeOpenAI, serve
 
@@ -37,14 +38,6 @@ def _settings(url: str, **kw: object) -> LoadSettings:
     }
     base.update(kw)
     return LoadSettings(**base)  # type: ignore[arg-type]
-
-
-def test_poisson_arrivals_are_seeded_and_have_the_right_rate() -> None:
-    a = poisson_arrivals(random.Random(1), 10.0, 100.0)
-    assert a == poisson_arrivals(random.Random(1), 10.0, 100.0)
-    assert all(0 <= x < 100.0 for x in a)
-    assert a == sorted(a)
-    assert 850 < len(a) < 1150  # 1000 expected; the seed makes this exact, the band says why
 
 
 def test_path_comes_from_the_gateway_header_else_from_the_mode() -> None:

@@ -13,7 +13,7 @@ from loadgen.workloads import (
     parse_synthetic_name,
     single_token_words,
 )
-from table_builder.catalog import TURN1_SETTINGS, TURN2_CLASSES
+from ppd.catalog import TURN1_SETTINGS, TURN2_CLASSES
 
 COUNTER = llama3_counter()
 WORDS = single_token_words(COUNTER)
