@@ -46,6 +46,7 @@ from decision_service.route import Query, Router, check_query
 from decision_service.servicer import DecisionServicer
 from decision_service.settings import Settings
 from decision_service.table import FIGURES, SUFFIX, Table, TableSpec, Weights, encode_table, write_table
+from devstack.ready import start_ready
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 
@@ -62,6 +63,9 @@ __all__ = [
     "run",
     "server_process",
 ]
+
+#: Seconds a server process may take to print its ready line.
+_READY_TIMEOUT_S = 60.0
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -192,13 +196,9 @@ def server_process(
     ]  # fmt: skip
     if tables is None:
         command = [sys.executable, "-m", "benchmarks.decision", "--serve-floor"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process, ready = start_ready(command, timeout_s=_READY_TIMEOUT_S, name="the server")
     try:
-        assert process.stdout is not None
-        line = process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the server exited with {process.wait()} before announcing its ports")
-        yield ServerProcess(process, int(json.loads(line)["grpc"]))
+        yield ServerProcess(process, int(ready["grpc"]))
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -40,6 +39,8 @@ from typing import Any
 import aiohttp
 import uvloop
 from aiohttp import web
+
+from devstack.ready import start_ready
 
 __all__ = ["main"]
 
@@ -139,17 +140,10 @@ class _Proc:
 
 
 def _start(args: Sequence[str]) -> _Proc:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    proc, ready = start_ready(
+        [sys.executable, "-m", *args], timeout_s=60, stderr=subprocess.DEVNULL, name=" ".join(args)
     )
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""))
-    reader.start()
-    reader.join(60)
-    if not line or not line[0].strip():
-        proc.kill()
-        raise RuntimeError(f"{' '.join(args)} did not start")
-    return _Proc(proc, json.loads(line[0]))
+    return _Proc(proc, ready)
 
 
 # ---------------------------------------------------------------------------- load

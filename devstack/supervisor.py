@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from devstack.ready import parse_ready_line
+
 __all__ = ["Child", "ChildError", "ChildSpec", "Supervisor"]
 
 logger = logging.getLogger(__name__)
@@ -113,12 +115,9 @@ class Supervisor:
             await self._settle(child)
             raise ChildError(spec.name, f"exited with code {code} before it was ready", tuple(child.tail))
         try:
-            ready = json.loads(line)
-        except json.JSONDecodeError:
-            ready = None
-        if not isinstance(ready, dict):
-            text = line.decode("utf-8", "replace").strip()
-            raise ChildError(spec.name, f"ready line is not a JSON object: {text[:200]!r}", tuple(child.tail))
+            ready = parse_ready_line(line)
+        except ValueError as exc:
+            raise ChildError(spec.name, str(exc), tuple(child.tail)) from None
         child.ready = ready
         child.pumps.append(asyncio.create_task(self._drain(proc.stdout)))
         logger.info("%s ready: %s", spec.name, json.dumps(ready))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import sys
 from pathlib import Path
@@ -11,6 +10,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+
+from devstack.ready import parse_ready_line
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +42,7 @@ async def test_ppd_up_serves_a_multi_turn_conversation_and_stops_everything_on_s
             assert proc.stderr is not None
             err = await proc.stderr.read()
             pytest.fail(f"ppd-up exited before it was ready: {err.decode()[-2000:]}")
-        ready = json.loads(line)
+        ready = parse_ready_line(line)
         url = ready["gateway"]
         assert [w["role"] for w in ready["workers"]] == ["prefill", "decode", "decode", "decode"]
         async with aiohttp.ClientSession() as http:
