@@ -14,6 +14,10 @@ is the client. Server CPU is read from /proc/<pid>/stat (all threads), RSS from 
 
 Nothing here asserts: it prints figures (and `--json` writes them) for a person or a report to judge.
 `--small` runs every part at a size that fits the test suite.
+
+It stays one module (about 600 lines): each part is a short function over the same server-process
+helpers and one `BenchConfig`, and the file is read top to bottom as the list above; split, the parts
+would only re-import each other's helpers.
 """
 
 from __future__ import annotations
