@@ -8,13 +8,13 @@ import pytest
 
 from loadgen.cli import build_parser, main
 from table_builder.records import read_records
-from tests.support.fake_openai import FakeOpenAI, serve
+from tests.support.fake_openai import FakeWorker
 
 
 @pytest.mark.integration
 async def test_ppd_bench_run_writes_records_and_prints_the_summary(tmp_path: Path) -> None:
-    fake = FakeOpenAI()
-    runner, url = await serve(fake)
+    fake = await FakeWorker("fake", "replica").start()
+    url = fake.url
     try:
         out = tmp_path / "deep" / "run.jsonl"
         proc = await asyncio.create_subprocess_exec(
@@ -44,7 +44,7 @@ async def test_ppd_bench_run_writes_records_and_prints_the_summary(tmp_path: Pat
         )
         stdout, stderr = await proc.communicate()
     finally:
-        await runner.cleanup()
+        await fake.close()
     assert proc.returncode == 0, stderr.decode()
     text = stdout.decode()
     assert "TTFT Turn 2+" in text

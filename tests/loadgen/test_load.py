@@ -10,7 +10,7 @@ from loadgen.tokens import llama3_counter
 from loadgen.workloads import SyntheticWorkload, single_token_words
 from ppd.arrivals import poisson_arrivals
 from table_builder.records import Record
-from tests.support.fake_openai import FakeOpenAI, serve
+from tests.support.fake_openai import MODEL, FakeWorker, Knobs
 
 WORDS = single_token_words(llama3_counter())
 
@@ -18,12 +18,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[tuple[FakeOpenAI, str]]:
-    server = FakeOpenAI()
-    runner, url = await serve(server)
-    yield server, url
-    server.release()
-    await runner.cleanup()
+async def fake() -> AsyncIterator[tuple[FakeWorker, str]]:
+    server = await FakeWorker("fake", "replica").start()
+    yield server, server.url
+    await server.close()
 
 
 def _settings(url: str, **kw: object) -> LoadSettings:
@@ -48,9 +46,9 @@ def test_path_comes_from_the_gateway_header_else_from_the_mode() -> None:
     assert path_taken({"X-PPD-Path": "bogus"}, "pd", 2) == "pd"
 
 
-async def test_a_run_sends_every_turn_with_exact_lengths_and_records_it(fake: tuple[FakeOpenAI, str]) -> None:
+async def test_a_run_sends_every_turn_with_exact_lengths_and_records_it(fake: tuple[FakeWorker, str]) -> None:
     server, url = fake
-    server.path_header = "local"
+    server.knobs.path_header = "local"
     seen: list[Record] = []
     settings = _settings(url, send_mode_header=True, mode="ppd")
     result = await run_load(
@@ -71,35 +69,37 @@ async def test_a_run_sends_every_turn_with_exact_lengths_and_records_it(fake: tu
         assert r.ttft_ms is not None
         assert r.e2e_ms is not None
         assert r.tpot_ms == pytest.approx((r.e2e_ms - r.ttft_ms) / 31)
-    assert {b["max_tokens"] for b in server.requests} == {128, 32}
-    assert all(b["ignore_eos"] and b["stream_options"] == {"include_usage": True} for b in server.requests)
-    assert all(b["model"] == "fake/model" for b in server.requests)  # from GET /v1/models
-    assert all(h["X-PPD-Mode"] == "ppd" and h["X-Session-ID"] for h in server.headers)
-    turn2 = [b for b in server.requests if len(b["messages"]) == 3]
+    bodies = server.bodies()
+    assert {b["max_tokens"] for b in bodies} == {128, 32}
+    assert all(b["ignore_eos"] and b["stream_options"] == {"include_usage": True} for b in bodies)
+    assert all(b["model"] == MODEL for b in bodies)  # from GET /v1/models
+    assert all(s.headers["X-PPD-Mode"] == "ppd" and s.headers["X-Session-ID"] for s in server.completions())
+    turn2 = [b for b in bodies if len(b["messages"]) == 3]
     assert turn2
     assert all(
-        b["messages"][1]["role"] == "assistant" and b["messages"][1]["content"].startswith(" t0")
+        b["messages"][1]["role"] == "assistant" and b["messages"][1]["content"].startswith("w0 w1")
         for b in turn2
     )  # history holds the answer the server really gave
 
 
 @pytest.mark.parametrize(
-    ("behaviour", "error"),
+    ("knobs", "error"),
     [
-        ("http500", "http 500"),
-        ("hang", "timeout after 0.3 s"),
-        ("sse_error", "stream error: upstream died"),
-        ("cut", "stream ended without [DONE]"),
+        (Knobs(status=500), "http 500"),
+        (Knobs(hang=True), "timeout after 0.3 s"),
+        (Knobs(error_event=True), "stream error: fake engine error"),
+        (Knobs(no_done=True), "stream ended without [DONE]"),
     ],
+    ids=["http500", "hang", "sse_error", "cut"],
 )
 async def test_failures_become_records_and_stop_the_conversation(
-    fake: tuple[FakeOpenAI, str], behaviour: str, error: str
+    fake: tuple[FakeWorker, str], knobs: Knobs, error: str
 ) -> None:
     server, url = fake
-    server.behaviour = behaviour
+    server.knobs = knobs
     result = await run_load(
         # only the hanging server may meet the short deadline; the others must fail for their own reason
-        _settings(url, timeout_s=0.3 if behaviour == "hang" else 60.0, served_model="m"),
+        _settings(url, timeout_s=0.3 if knobs.hang else 60.0, served_model="m"),
         SyntheticWorkload(name="small_tiny", words=WORDS),
     )
     assert result.records
@@ -108,7 +108,7 @@ async def test_failures_become_records_and_stop_the_conversation(
     assert all(r.ttft_ms is None and r.tpot_ms is None for r in result.records)
 
 
-async def test_an_unreachable_server_fails_the_run_with_a_clear_error(fake: tuple[FakeOpenAI, str]) -> None:
+async def test_an_unreachable_server_fails_the_run_with_a_clear_error(fake: tuple[FakeWorker, str]) -> None:
     _, url = fake
     dead = url.rsplit(":", 1)[0] + ":1"
     with pytest.raises(LoadError, match="cannot reach"):
@@ -123,13 +123,13 @@ def test_settings_refuse_nonsense() -> None:
 
 
 async def test_two_runs_with_the_same_seed_never_share_a_conversation_id(
-    fake: tuple[FakeOpenAI, str],
+    fake: tuple[FakeWorker, str],
 ) -> None:
     """Against one gateway, a rerun's Turn 1s must not join the sessions of the first run."""
     server, url = fake
     workload = SyntheticWorkload(name="small_tiny", words=WORDS, seed=4)
     runs = [await run_load(_settings(url, served_model="m"), workload) for _ in range(2)]
-    sent = [h["X-Session-ID"] for h in server.headers]
+    sent = [s.headers["X-Session-ID"] for s in server.completions()]
     ids = [{r.conversation_id for r in run.records} for run in runs]
     assert ids[0]
     assert not ids[0] & ids[1]

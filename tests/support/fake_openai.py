@@ -1,5 +1,7 @@
-"""A tiny in-process stand-in for a vLLM worker (P, D or R), served on 127.0.0.1:0 for the gateway's
-app tests. It records every request and can be told to fail in the ways the failure policy names."""
+"""The one fake OpenAI-compatible server of the tests: a tiny in-process stand-in for a vLLM worker
+(P, D or R), served on 127.0.0.1:0. It records every request and can be told to fail in the ways the
+gateway's failure policy and the load generator's records name (``Knobs``). The gateway's app tests
+import it as ``tests.gateway.fake_worker``; the load generator's tests run against it too."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class Knobs:
     error_event: bool = False  # streaming: send vLLM's error event mid-stream
     healthy: bool = True
     linger_after_done_s: float = 0.0  # streaming: keep the response open a while after [DONE]
+    path_header: str | None = None  # streaming: answer with this X-PPD-Path, as the gateway does
 
 
 @dataclass
@@ -54,6 +57,10 @@ class FakeWorker:
 
     def completions(self) -> list[Seen]:
         return [s for s in self.seen if s.path.startswith("/v1/")]
+
+    def bodies(self) -> list[dict[str, Any]]:
+        """The bodies of the completion requests, in arrival order."""
+        return [s.body for s in self.completions()]
 
     async def start(self) -> FakeWorker:
         app = web.Application()
@@ -172,6 +179,8 @@ class FakeWorker:
     ) -> web.StreamResponse:
         k = self.knobs
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        if k.path_header is not None:
+            resp.headers["X-PPD-Path"] = k.path_header
         await resp.prepare(request)
         self.running += 1
         try:
