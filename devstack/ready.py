@@ -21,6 +21,7 @@ from typing import IO, Any
 __all__ = ["ReadyLineError", "parse_ready_line", "read_line", "start_ready"]
 
 _READER_JOIN_S = 5.0
+_STDERR_TAIL_CHARS = 3000
 
 
 class ReadyLineError(RuntimeError):
@@ -84,7 +85,7 @@ def start_ready(
 
     On no line within ``timeout_s``, an exit before the line, or a line that is not a JSON object the
     child is killed and ``ReadyLineError`` says which, naming the child ``name`` (default: its command
-    line); its stderr is the caller's to show.
+    line) and, with ``stderr=subprocess.PIPE``, ending with the child's last stderr.
     """
     label = name if name is not None else shlex.join(argv)
     proc = subprocess.Popen(
@@ -99,12 +100,28 @@ def start_ready(
     try:
         line = read_line(proc, timeout_s=timeout_s)
     except TimeoutError:
-        raise ReadyLineError(f"{label}: no ready line within {timeout_s:g} s") from None
+        raise ReadyLineError(f"{label}: no ready line within {timeout_s:g} s{_stderr_tail(proc)}") from None
     if not line:
         code = _stop(proc)
-        raise ReadyLineError(f"{label}: exited with code {code} before it was ready")
+        raise ReadyLineError(f"{label}: exited with code {code} before it was ready{_stderr_tail(proc)}")
     try:
         return proc, parse_ready_line(line)
     except ValueError as exc:
         _stop(proc)
-        raise ReadyLineError(f"{label}: {exc}") from None
+        raise ReadyLineError(f"{label}: {exc}{_stderr_tail(proc)}") from None
+
+
+def _stderr_tail(proc: subprocess.Popen[str]) -> str:
+    """The stopped child's last stderr, when it was piped here (else the caller holds it)."""
+    stderr = proc.stderr
+    if stderr is None:
+        return ""
+    # A grandchild that inherited the pipe may hold it open: read on a thread, for a bounded time.
+    text: list[str] = []
+    reader = threading.Thread(target=lambda: text.append(stderr.read()), daemon=True)
+    reader.start()
+    reader.join(_READER_JOIN_S)
+    if not reader.is_alive():
+        stderr.close()
+    tail = text[0][-_STDERR_TAIL_CHARS:] if text else ""
+    return f"; stderr:\n{tail}" if tail.strip() else ""

@@ -53,3 +53,13 @@ def test_a_child_that_is_never_ready_is_stopped_and_named(
             [sys.executable, STANDIN, *args], timeout_s=timeout_s, stderr=subprocess.DEVNULL, name="svc"
         )
     assert str(caught.value) == reason
+
+
+def test_a_piped_stderr_is_shown_when_the_child_fails() -> None:
+    with pytest.raises(ReadyLineError, match=r"exited with code 2 before it was ready; stderr:\nbad flag"):
+        start_ready(
+            [sys.executable, STANDIN, "--stderr", "bad flag", "--exit-before", "2"],
+            timeout_s=60,
+            stderr=subprocess.PIPE,
+            name="svc",
+        )
