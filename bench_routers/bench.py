@@ -28,7 +28,7 @@ from bench_routers.cpu import tree_cpu_seconds
 from bench_routers.figures import DIRECT, OURS, PEER, TARGETS, TargetTotals, format_level, level_figures
 from bench_routers.load import Batch, LoadSpec, run_batch
 from bench_routers.targets import Target, model_of, start_gateway, start_sglang, start_worker, wait_ready
-from table_builder.supervisor import Supervisor
+from devstack.supervisor import Supervisor
 
 __all__ = ["BenchSettings", "run"]
 

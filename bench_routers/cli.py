@@ -20,7 +20,7 @@ from typing import Any
 import uvloop
 
 from bench_routers.bench import BenchSettings, run
-from table_builder.supervisor import ChildError
+from devstack.supervisor import ChildError
 
 __all__ = ["main"]
 

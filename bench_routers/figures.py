@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench_routers.load import Batch
-from table_builder.summary import percentile
+from loadgen.summary import percentile
 
 __all__ = ["DIRECT", "OURS", "PEER", "TARGETS", "TargetTotals", "format_level", "level_figures", "ratio"]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from bench_routers.load import LoadSpec, RequestError, stream_once
-from table_builder.supervisor import Child, ChildError, ChildSpec, Supervisor
+from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
 __all__ = [
     "Target",

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ppd.catalog import TURN2_CLASSES
+
 __all__ = ["Axes", "AxesError", "Classifier", "WorkloadClass", "paper_axes"]
 
 
@@ -164,17 +166,8 @@ def _unique(label: str, names: Sequence[str]) -> None:
 
 def paper_axes() -> Axes:
     """The grid of the paper's public artifact (architecture.md, "Reference facts")."""
-    workloads = (
-        WorkloadClass("tiny", 16, 32),
-        WorkloadClass("short_gen", 32, 256),
-        WorkloadClass("long_gen", 32, 512),
-        WorkloadClass("very_long_gen", 64, 1024),
-        WorkloadClass("small_bal", 64, 64),
-        WorkloadClass("mid_bal", 128, 128),
-        WorkloadClass("mid_paste", 256, 64),
-        WorkloadClass("big_paste", 512, 64),
-        WorkloadClass("huge_paste", 1024, 32),
-    )
+    # The nine classes and their benchmark shapes have one definition: the workload catalog.
+    workloads = tuple(WorkloadClass(name, shape.n_in, shape.n_out) for name, shape in TURN2_CLASSES.items())
     return Axes(
         context_edges=(512, 4096),
         context_classes=("small", "large", "huge"),

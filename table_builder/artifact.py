@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from table_builder.catalog import Workload, parse_workload
+from ppd.catalog import Workload, parse_workload
 
 __all__ = [
     "CONFIG_MODES",

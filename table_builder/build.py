@@ -36,6 +36,7 @@ import numpy as np
 from decision_service.axes import Axes, paper_axes
 from decision_service.classify import CompiledClassifier
 from decision_service.table import FIGURES, TableSpec, Weights, encode_table
+from ppd.catalog import TURN1_SETTINGS
 from table_builder.aggregate import (
     CellKey,
     Locator,
@@ -45,7 +46,6 @@ from table_builder.aggregate import (
     aggregate_records,
 )
 from table_builder.artifact import ArtifactPoint
-from table_builder.catalog import TURN1_SETTINGS
 from table_builder.records import Record
 
 __all__ = [

@@ -303,8 +303,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from decision_service.axes import paper_axes
+    from ppd.catalog import select_workloads
     from table_builder.analytic import parse_shape
-    from table_builder.catalog import select_workloads
     from table_builder.engines import EngineOptions, make_engine
     from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Final
 
 from decision_service.table import write_table
+from ppd.catalog import WORKLOADS
 from table_builder.analytic import AnalyticEngine
 from table_builder.build import BuildOptions, build_from_records, table_file_name
-from table_builder.catalog import WORKLOADS
 from table_builder.records import Record, read_records, write_records
 from table_builder.sweep import SweepPlan
 

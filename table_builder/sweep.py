@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from table_builder.catalog import Workload
+from ppd.catalog import Workload
 from table_builder.records import Record, scan_records, write_records
 
 __all__ = [

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 from simulator.core.kv_load_policy import KvLoadFailurePolicy
 from simulator.core.topology import Topology, WorkerSpec
-from table_builder.supervisor import Child, ChildError, ChildSpec, Supervisor
 from vllm_harness.prepare import Prepared, remote_script
 
 __all__ = [

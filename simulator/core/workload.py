@@ -6,7 +6,9 @@ the configured think time); its context ``n_ctx`` is the sum of all earlier inpu
 
 Synthetic names are ``<turn1>_<class>`` (architecture.md "Reference facts"): turn 1 is small
 (128 in / 128 out) or large (1,024 / 1,024); turn 2 is one of nine classes. Arrivals are Poisson at
-``qps`` conversations per second for ``duration_s`` seconds, from a seeded generator.
+``qps`` conversations per second for ``duration_s`` seconds, from a seeded generator. The workload
+catalog (Turn-1 settings, the nine classes) and the arrival process have one definition each, in
+``ppd/catalog.py`` and ``ppd/arrivals.py``.
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from decision_service.axes import paper_axes
+from ppd.arrivals import poisson_arrivals
+from ppd.catalog import WORKLOADS, parse_workload
 
 __all__ = [
-    "TURN1",
-    "TURN2_CLASSES",
     "Conversation",
     "Turn",
     "poisson_starts",
@@ -29,11 +30,6 @@ __all__ = [
     "synthetic_workloads",
     "turn_list_conversations",
 ]
-
-# The paper's prototype (github.com/freelulul/vllm-ppd), as recorded in architecture.md.
-TURN1: dict[str, tuple[int, int]] = {"small": (128, 128), "large": (1024, 1024)}
-# The nine Turn-2 classes have one definition: the table builder's default axes.
-TURN2_CLASSES: dict[str, tuple[int, int]] = {w.name: (w.n_in, w.n_out) for w in paper_axes().workloads}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,31 +47,25 @@ class Conversation:
 
 
 def synthetic_workloads() -> list[str]:
-    """The 18 names, e.g. ``large_mid_paste``."""
-    return [f"{t1}_{cls}" for t1 in TURN1 for cls in TURN2_CLASSES]
+    """The paper's 18 names, e.g. ``large_mid_paste`` (``ppd.catalog.WORKLOADS``, in its order)."""
+    return [w.name for w in WORKLOADS]
 
 
 def poisson_starts(qps: float, duration_s: float, seed: int) -> list[float]:
-    """Poisson arrival times in [0, duration_s)."""
-    if qps <= 0:
-        raise ValueError("qps must be positive")
+    """Poisson arrival times in [0, duration_s), from ``random.Random(seed)``."""
     rng = random.Random(seed)  # noqa: S311 -- reproducible simulation input, not security
-    out = []
-    t = rng.expovariate(qps)
-    while t < duration_s:
-        out.append(t)
-        t += rng.expovariate(qps)
-    return out
+    return poisson_arrivals(rng, qps, duration_s)
 
 
 def synthetic_conversations(
     workload: str, qps: float, duration_s: float, seed: int = 0
 ) -> list[Conversation]:
-    """Two-turn conversations of one synthetic workload, Poisson at ``qps``."""
-    t1_name, _, cls = workload.partition("_")
-    if t1_name not in TURN1 or cls not in TURN2_CLASSES:
-        raise ValueError(f"unknown synthetic workload {workload!r} (e.g. {synthetic_workloads()[0]})")
-    turns = (Turn(*TURN1[t1_name]), Turn(*TURN2_CLASSES[cls]))
+    """Two-turn conversations of one of the paper's 18 synthetic workloads, Poisson at ``qps``."""
+    names = synthetic_workloads()
+    if workload not in names:
+        raise ValueError(f"unknown synthetic workload {workload!r} (e.g. {names[0]})")
+    shapes = parse_workload(workload)
+    turns = (Turn(shapes.first.n_in, shapes.first.n_out), Turn(shapes.second.n_in, shapes.second.n_out))
     return [
         Conversation(f"{workload}-{seed}-{i}", workload, t, turns)
         for i, t in enumerate(poisson_starts(qps, duration_s, seed))

@@ -4,16 +4,23 @@ To add a sub-command, write ``def add_<name>(subparsers) -> None`` that creates 
 ``func`` (a callable taking the parsed ``argparse.Namespace`` and returning an exit code), or a
 ``_ModuleCommand`` for a module with ``add_arguments``/``run_from_args``, and list it in
 ``_registry()``. Only this module reads ``argv``.
+
+The benchmarks of the simulator (``bench-virtual``, ``bench-realtime``) live in the dev-tooling package
+``benchmarks/``, which imports the simulator; this module never imports it (that would be a cycle).
+They are found by name in the entry-point group ``ppd_sim.commands`` (pyproject.toml), so the command
+lines stay ``ppd-sim bench-virtual ...`` while the dependency points one way only.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -51,19 +58,33 @@ class _ModuleCommand:
     help: str
     description: str
     module: str
+    # True: ``module`` names an entry point of the group ``ppd_sim.commands``, not a module path.
+    plugin: bool = False
 
     def __call__(self, sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p = sub.add_parser(self.name, help=self.help, description=self.description)
-        module = importlib.import_module(self.module)
+        module = _plugin(self.module) if self.plugin else importlib.import_module(self.module)
         module.add_arguments(p)
         p.set_defaults(func=module.run_from_args)
+
+
+_PLUGIN_GROUP = "ppd_sim.commands"
+
+
+def _plugin(name: str) -> Any:
+    """The module registered as ``name`` in the entry-point group ``ppd_sim.commands``."""
+    found = importlib.metadata.entry_points(group=_PLUGIN_GROUP, name=name)
+    if not found:
+        raise SystemExit(f"ppd-sim: no {name!r} in entry points {_PLUGIN_GROUP!r}; run pip install -e .")
+    return next(iter(found)).load()
 
 
 _BENCH_VIRTUAL = _ModuleCommand(
     "bench-virtual",
     "measure simulated requests per CPU-second of the virtual-time cluster simulation",
     "Run two-turn conversations through the virtual-time cluster sim and print throughput.",
-    "simulator.bench_virtual",
+    "bench-virtual",
+    plugin=True,
 )
 _BUILD_NATIVE = _ModuleCommand(
     "build-native",
@@ -77,7 +98,8 @@ _BENCH_REALTIME = _ModuleCommand(
     "measure step timing error and CPU of a 1P3D cluster process under streaming load",
     "Host a 1P3D cluster in this process, stream from a client process, print step lateness "
     "percentiles and the cluster's CPU share.",
-    "simulator.bench_realtime",
+    "bench-realtime",
+    plugin=True,
 )
 
 

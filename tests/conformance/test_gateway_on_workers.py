@@ -178,7 +178,7 @@ def test_a_short_sharegpt_load_run_completes(cluster: Cluster, gateway: Process,
     out = tmp_path / "records.jsonl"
     run = subprocess.run(
         [
-            sys.executable, "-m", "table_builder.bench_cli", "run",
+            sys.executable, "-m", "loadgen.cli", "run",
             "--url", f"http://127.0.0.1:{gateway.ready['http']}", "--workload", "sharegpt",
             "--qps", "2", "--duration", "3", "--turns", "2", "--out", str(out), "--model", cluster.model,
             "--max-context-tokens", "3000", "--max-output-tokens", "32", "--no-progress",

@@ -7,7 +7,6 @@ so a chatty child never blocks on a full pipe and a failing test can show what t
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -17,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from devstack.ready import parse_ready_line
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,13 +49,9 @@ class Announced:
             for proc, argv, log in procs:
                 line = _read_line(proc, deadline_s)
                 try:
-                    info = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ChildFailedError(
-                        f"{argv[0]} printed {line!r}, not JSON; log: {log.read_text()}"
-                    ) from exc
-                if not isinstance(info, dict):
-                    raise ChildFailedError(f"{argv[0]} printed {line!r}, not a JSON object")
+                    info = parse_ready_line(line)
+                except ValueError as exc:
+                    raise ChildFailedError(f"{argv[0]}: {exc}; log: {log.read_text()}") from None
                 started.append(cls(proc=proc, info=info, log=log))
         except BaseException:
             for proc, _, _ in procs:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from devstack.ready import ReadyLineError, start_ready
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
@@ -41,23 +41,18 @@ class Process:
 def start(args: list[str], tmp: Path, name: str, *, ready_timeout_s: float = READY_TIMEOUT_S) -> Process:
     """`python -m <args>`; returns once the process printed its JSON line (or fails with its stderr)."""
     stderr_path = tmp / f"{name}.stderr"
-    with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *args],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline() if proc.stdout else ""))
-    reader.start()
-    reader.join(ready_timeout_s)
-    if not line or not line[0].strip():
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        raise RuntimeError(f"{name} did not become ready:\n{stderr_path.read_text(errors='replace')[-3000:]}")
-    return Process(proc, json.loads(line[0]), stderr_path)
+    try:
+        with open(stderr_path, "w") as err:
+            proc, ready = start_ready(
+                [sys.executable, "-m", *args],
+                timeout_s=ready_timeout_s,
+                stderr=err,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                cwd=REPO,
+                name=name,
+            )
+    except ReadyLineError as exc:
+        raise RuntimeError(
+            f"{name} did not become ready ({exc}):\n{stderr_path.read_text(errors='replace')[-3000:]}"
+        ) from None
+    return Process(proc, ready, stderr_path)

@@ -9,7 +9,6 @@ import pytest
     "module_name",
     [
         "simulator.core.api_error",
-        "simulator.bench_realtime",
         "simulator.server.fabric",
         "simulator.core.faults",
         "simulator.server.jobs",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from ppd.catalog import Workload
 from table_builder.artifact import ArtifactError, read_artifact, scan_artifact
-from table_builder.catalog import Workload
 from tests.support.records import ARTIFACT as FIXTURE
 
 

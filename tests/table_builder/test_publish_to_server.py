@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 import urllib.request
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from decision_service.table import Table
+from devstack.ready import start_ready
 from table_builder.cli import main
 
 pytestmark = pytest.mark.integration
@@ -24,19 +23,18 @@ DEADLINE_S = 60.0
 def server(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     tables = tmp_path / "tables"
     tables.mkdir()
-    with subprocess.Popen(
+    proc, ports = start_ready(
         [sys.executable, "-m", "decision_service", "serve", "--tables", str(tables), "--port", "0",
          "--metrics-port", "0", "--reload-interval", "0.2", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as proc:  # fmt: skip
-        try:
-            assert proc.stdout is not None
-            ports = json.loads(proc.stdout.readline())
-            yield tables, int(ports["metrics"])
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+        timeout_s=DEADLINE_S,
+    )  # fmt: skip
+    try:
+        yield tables, int(ports["metrics"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _wait_for_version(metrics_port: int, version: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from decision_service.table import Table
+from ppd.catalog import parse_workload
 from table_builder.build import (
     BUILDER_VERSION,
     BuildOptions,
@@ -19,7 +20,6 @@ from table_builder.build import (
     build_from_records,
     table_file_name,
 )
-from table_builder.catalog import parse_workload
 from table_builder.cli import main
 from table_builder.sim_engine import SimEngine
 from table_builder.sweep import GridPoint

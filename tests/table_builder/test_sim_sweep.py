@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from decision_service.table import Table
-from table_builder.catalog import parse_workload
+from ppd.catalog import parse_workload
 from table_builder.cli import main
 from table_builder.sim_engine import SimEngine
 from table_builder.sweep import GridPoint

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from decision_service.table import Table
+from ppd.catalog import parse_workload
 from table_builder.analytic import AnalyticEngine, parse_shape
-from table_builder.catalog import parse_workload
 from table_builder.cli import main
 from table_builder.records import Record, read_records
 from table_builder.sweep import GridPoint, SweepError, SweepPlan, point_path, run_sweep
@@ -207,8 +207,8 @@ def test_analytic_engine_is_seeded_and_pd_fails_under_overload() -> None:
 
 
 def test_workload_groups() -> None:
-    from table_builder.catalog import HUGE_WORKLOADS, WORKLOADS
-    from table_builder.catalog import select_workloads as _workloads
+    from ppd.catalog import HUGE_WORKLOADS, WORKLOADS
+    from ppd.catalog import select_workloads as _workloads
 
     assert _workloads("all") == WORKLOADS
     assert len(WORKLOADS) == 18

@@ -19,27 +19,23 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from devstack.ready import start_ready
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+READY_TIMEOUT_S = 120.0
 QUESTION = "Summarise the history of the printing press in Europe, " * 8
 
 
 def start(*args: str) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    proc = subprocess.Popen(
+    # the process prints one JSON line once ready (or exits)
+    return start_ready(
         [sys.executable, "-m", "simulator", "--log-level", "WARNING", *args],
-        stdout=subprocess.PIPE,
+        timeout_s=READY_TIMEOUT_S,
         stderr=subprocess.PIPE,
-        text=True,
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # the process prints one JSON line once ready (or exits)
-    if not line:
-        _, err = proc.communicate(timeout=30)
-        raise AssertionError(f"no ready line; stderr: {err}")
-    return proc, json.loads(line)
 
 
 def stop(proc: subprocess.Popen[str]) -> int:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from devstack.ready import start_ready
 from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
@@ -28,18 +29,12 @@ REPLY_TIMEOUT_S = 90.0
 
 
 def _start(*args: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
+    proc, ready = start_ready(
         [sys.executable, "-m", "simulator", "--log-level", "WARNING", "worker", "--port", "0", *args],
-        stdout=subprocess.PIPE,
+        timeout_s=120.0,
         stderr=subprocess.PIPE,
-        text=True,
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # one JSON line once ready (or EOF if it failed)
-    if not line:
-        _, err = proc.communicate(timeout=30)
-        raise AssertionError(f"no ready line; stderr: {err}")
-    return proc, str(json.loads(line)["url"])
+    return proc, str(ready["url"])
 
 
 @pytest.fixture

@@ -20,13 +20,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from devstack.ready import start_ready
 from simulator.core.faults import Faults
 from simulator.core.kv_load_policy import KvLoadFailurePolicy
 from simulator.core.profile import load_profile
 from simulator.core.topology import Role, Topology, WorkerSpec
-from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
 from simulator.server.worker import Worker
 from simulator.server.worker_group import GroupSettings, WorkerGroup
+from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
 from tests.simulator.client import post, sse
 from tests.support.nixl import prefill_kv_params
 
@@ -224,12 +225,10 @@ def post_json(url: str, body: dict[str, Any]) -> int:
 def serving(*args: str) -> Iterator[dict[str, Any]]:
     """`python -m simulator ARGS` as a process, until its ready line; SIGTERM stops it cleanly."""
     command = [sys.executable, "-m", "simulator", "--log-level", "ERROR", *args, "--spin-us", "0"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # one JSON line once every worker is healthy
+    proc, ready = start_ready(command, timeout_s=120.0, stderr=subprocess.PIPE)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # one JSON line once every worker is healthy (or nothing: it exited)
-        assert line, proc.communicate(timeout=30)[1]
-        yield json.loads(line)
+        yield ready
     finally:
         proc.terminate()
         proc.communicate(timeout=30)

@@ -1,0 +1,1 @@
+"""Benchmarks of our own services (dev tooling; no product package imports this)."""

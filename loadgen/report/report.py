@@ -1,0 +1,443 @@
+"""``ppd-bench report``: the reproduction report (Markdown + PNG plots) from benchmark records.
+
+Reads every ``*.jsonl`` under ``--records`` and the optional ``manifest.json`` there (which engine and
+seed produced the records, and which run ids belong to the w_tpot and link sweeps; see
+``comparison.Manifest``). Writes ``report.md`` and one PNG per figure into ``--out``. Every plot
+carries a caption saying what was run and with which seed. matplotlib is imported only here, lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from loadgen.report.comparison import (
+    BANDS,
+    HIGH_QPS,
+    MANIFEST_NAME,
+    MODE_ORDER,
+    PAPER_TABLE1,
+    PAPER_TABLE5,
+    Acceptance,
+    Manifest,
+    Point,
+    SweepPoint,
+    acceptance,
+    band_changes,
+    bandwidth_points,
+    failure_rates,
+    pareto,
+    points,
+    winners,
+    wtpot_points,
+)
+from table_builder.records import Record, read_records
+
+__all__ = ["REPORT_NAME", "ReportInputs", "add_parser", "load_inputs", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_NAME: Final = "report.md"
+_COLOURS: Final = {"pd": "tab:blue", "local": "tab:orange", "ppd": "tab:green", "replica": "tab:gray"}
+
+
+@dataclass(frozen=True, slots=True)
+class ReportInputs:
+    records: Sequence[Record]
+    manifest: Manifest
+    files: Sequence[Path]
+
+
+def load_inputs(folder: Path) -> ReportInputs:
+    """All records under ``folder`` (sorted file order) and its manifest (defaults when absent)."""
+    files = sorted(folder.rglob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no *.jsonl records under {folder}")
+    manifest_path = folder / MANIFEST_NAME
+    manifest = Manifest.from_json(manifest_path.read_text("utf-8")) if manifest_path.exists() else Manifest()
+    return ReportInputs(records=read_records(files), manifest=manifest, files=files)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def _rate(value: float) -> str:
+    """A failure rate, with one decimal near the ends, so 0.4% never reads as 0% nor 99.6% as 100%."""
+    return f"{100 * value:.1f}%" if 0 < value < 0.1 or 0.9 < value < 1 else f"{100 * value:.0f}%"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _provenance(inputs: ReportInputs) -> str:
+    m = inputs.manifest
+    workloads = sorted({r.workload for r in inputs.records})
+    seed = "unrecorded" if m.seed is None else str(m.seed)
+    return f"{m.engine}, seed {seed}; workloads: {', '.join(workloads)}; {len(inputs.records)} requests"
+
+
+class _Plots:
+    """Writes PNGs with matplotlib's object API (no pyplot global state)."""
+
+    def __init__(self, out: Path, caption: str) -> None:
+        from matplotlib.figure import Figure
+
+        self._figure = Figure
+        self._out = out
+        self._caption = caption
+
+    def save(self, name: str, title: str, draw: Callable[[Any], None], *, panels: int = 1) -> str:
+        width = max(7.5, 5.0 * panels)
+        fig = self._figure(figsize=(width, 4.6), layout="constrained")
+        axes = fig.subplots(1, panels, squeeze=False)[0]
+        draw(axes)
+        caption = "\n".join(textwrap.wrap(self._caption, width=int(width * 16)))
+        fig.suptitle(f"{title}\n{caption}", fontsize=9)
+        fig.savefig(self._out / name, dpi=110)
+        return name
+
+
+def _by_shape(pts: Sequence[Point]) -> dict[str, list[Point]]:
+    out: dict[str, list[Point]] = {}
+    for p in pts:
+        out.setdefault(p.shape, []).append(p)
+    return out
+
+
+def _modes(pts: Sequence[Point]) -> list[str]:
+    seen = {p.mode for p in pts}
+    return [m for m in MODE_ORDER if m in seen] + sorted(seen - set(MODE_ORDER))
+
+
+def _section_table1(pts: Sequence[Point], plots: _Plots) -> list[str]:
+    lines = ["## Turn 2+ TTFT by mode across QPS (paper Table 1)", ""]
+    if not pts:
+        return [*lines, "No QPS-sweep records.", ""]
+    shapes = _by_shape(pts)
+    for shape, group in shapes.items():
+        modes = _modes(group)
+        qps_levels = sorted({p.qps for p in group})
+        by = {(p.mode, p.qps): p for p in group}
+        rows = [
+            [f"{q:g}", *[_ms(by[(m, q)].ttft2_mean_ms) if (m, q) in by else "-" for m in modes]]
+            for q in qps_levels
+        ]
+        lines += [f"### {shape}: mean Turn 2+ TTFT (ms)", "", *_table(["QPS", *modes], rows)]
+        bands = [
+            [m, *[_pct(band_changes(group, shape, m)[name]) for name, _, _ in BANDS]]
+            for m in modes
+            if m != "pd"
+        ]
+        if bands and shape in PAPER_TABLE1:
+            bands.append(["paper, x=1 (Table 1)", *[_pct(v) for v in PAPER_TABLE1[shape]]])
+        if bands:
+            header = ["vs PD", *[f"{name} ({lo:g}-{hi:g})" for name, lo, hi in BANDS]]
+            lines += [f"{shape}: change in mean Turn 2+ TTFT versus PD (negative = better)", ""]
+            lines += _table(header, bands)
+
+    def draw(axes: Any) -> None:
+        for ax, (shape, group) in zip(axes, shapes.items(), strict=True):
+            for mode in _modes(group):
+                xs = [
+                    (p.qps, p.ttft2_mean_ms) for p in group if p.mode == mode and p.ttft2_mean_ms is not None
+                ]
+                if xs:
+                    ax.plot(*zip(*xs, strict=True), marker="o", label=mode, color=_COLOURS.get(mode))
+            ax.set_title(shape)
+            ax.set_xlabel("target QPS")
+            ax.set_ylabel("mean Turn 2+ TTFT (ms)")
+            ax.legend(loc="upper left", fontsize=7)  # never "best": it warns when slow
+
+    name = plots.save("table1_ttft_by_qps.png", "Turn 2+ TTFT by mode across QPS", draw, panels=len(shapes))
+    return [*lines, f"![Turn 2+ TTFT by mode across QPS]({name})", ""]
+
+
+def _section_pareto(pts: Sequence[Point], plots: _Plots) -> list[str]:
+    lines = ["## P99 TTFT vs tokens/s (paper Figure 1)", ""]
+    usable = [p for p in pts if p.tokens_per_s is not None and p.ttft_p99_ms is not None]
+    if not usable:
+        return [*lines, "No QPS-sweep records.", ""]
+    shapes = _by_shape(usable)
+    rows = []
+    for shape, group in shapes.items():
+        for q in sorted({p.qps for p in group}):
+            front = pareto([p for p in group if p.qps == q])
+            rows += [[shape, f"{q:g}", p.mode, f"{p.tokens_per_s:.0f}", _ms(p.ttft_p99_ms)] for p in front]
+    lines += ["Pareto-optimal modes per shape and QPS (higher tokens/s, lower P99 TTFT):", ""]
+    lines += _table(["shape", "QPS", "mode", "tokens/s", "P99 TTFT (ms)"], rows)
+
+    def draw(axes: Any) -> None:
+        for ax, (shape, group) in zip(axes, shapes.items(), strict=True):
+            for mode in _modes(group):
+                mine = [p for p in group if p.mode == mode]
+                ax.scatter(
+                    [p.tokens_per_s for p in mine],
+                    [p.ttft_p99_ms for p in mine],
+                    label=mode,
+                    color=_COLOURS.get(mode),
+                )
+                for p in mine:
+                    ax.annotate(f"{p.qps:g}", (p.tokens_per_s, p.ttft_p99_ms), fontsize=6)
+            ax.set_title(f"{shape} (labels: QPS)")
+            ax.set_xlabel("output tokens/s")
+            ax.set_ylabel("P99 TTFT (ms)")
+            ax.legend(loc="upper left", fontsize=7)  # never "best": it warns when slow
+
+    name = plots.save("figure1_pareto.png", "P99 TTFT vs tokens/s", draw, panels=len(shapes))
+    return [*lines, f"![P99 TTFT vs tokens/s]({name})", ""]
+
+
+def _section_failures(pts: Sequence[Point]) -> list[str]:
+    lines = ["## Failure rates at high QPS (paper Table 5)", ""]
+    rates = failure_rates(pts)
+    if not rates:
+        return [*lines, f"No records at QPS {HIGH_QPS[0]:g} or above.", ""]
+    levels = sorted({q for r in rates.values() for q in r})
+    rows = [
+        [f"{shape} ({mode})", *[_rate(r[q]) if q in r else "-" for q in levels]]
+        for (shape, mode), r in rates.items()
+    ]
+    lines += _table(["config", *[f"QPS={q:g}" for q in levels]], rows)
+    paper = [
+        [f"{shape} ({mode})", *[f"{100 * v:.0f}%" for v in values]]
+        for (shape, mode), values in PAPER_TABLE5.items()
+    ]
+    lines += ["The paper's Table 5 (real H100 runs), for comparison:", ""]
+    return [*lines, *_table(["config", *[f"QPS={q:g}" for q in HIGH_QPS]], paper)]
+
+
+def _section_winners(pts: Sequence[Point]) -> list[str]:
+    lines = ["## Per-metric winners: PD vs x=1 vs PPD (paper Table 3)", ""]
+    w = winners(pts)
+    if not w.test_points:
+        return [*lines, "No (shape, QPS) point has all of pd, local and ppd.", ""]
+    names = {"pd": "PD (x=0)", "local": "x=1", "ppd": "PPD"}
+    n = w.test_points
+    rows = [
+        [names[m], f"{w.tpot_best[m]}/{n}", f"{w.ttft_best[m]}/{n}", f"{w.full_success[m]}/{n}"]
+        for m in ("pd", "local", "ppd")
+    ]
+    lines += [f"Counted over {n} (shape, QPS) test points; ties count for every tied mode.", ""]
+    return [*lines, *_table(["mode", "TPOT best", "TTFT best", "SR = 100%"], rows)]
+
+
+def _section_wtpot(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
+    lines = ["## The w_tpot sweep and the share routed locally (paper Figure 6)", ""]
+    if not sweep:
+        return [*lines, "No w_tpot sweep in these records.", ""]
+    rows = [
+        [
+            s.label,
+            _ms(s.point.ttft2_mean_ms),
+            _ms(s.point.tpot2_mean_ms),
+            "-" if s.point.local_share is None else f"{100 * s.point.local_share:.0f}%",
+        ]
+        for s in sweep
+    ]
+    lines += _table(["setting", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "routed local"], rows)
+
+    def draw(axes: Any) -> None:
+        ax = axes[0]
+        weighted = [s for s in sweep if s.value is not None]
+        static = [s for s in sweep if s.value is None]
+        ax.plot(
+            [s.point.tpot2_mean_ms for s in weighted],
+            [s.point.ttft2_mean_ms for s in weighted],
+            marker="o",
+            color="tab:green",
+            label="ppd, w_tpot sweep",
+        )
+        for s in static:
+            ax.scatter(
+                [s.point.tpot2_mean_ms],
+                [s.point.ttft2_mean_ms],
+                color=_COLOURS.get(s.mode, "tab:gray"),
+                marker="s",
+                label=f"static {s.mode}",
+                zorder=3,
+            )
+        spots: dict[tuple[float | None, float | None], list[SweepPoint]] = {}
+        for s in weighted:  # settings that land on the same point share one label
+            spots.setdefault((s.point.tpot2_mean_ms, s.point.ttft2_mean_ms), []).append(s)
+        for i, (xy, group) in enumerate(spots.items()):
+            share = group[0].point.local_share
+            text = "w_tpot=" + ", ".join(f"{s.value:g}" for s in group)
+            text += ": -" if share is None else f": {100 * share:.0f}% local"
+            ax.annotate(text, xy, fontsize=7, xytext=(6, -10 if i % 2 else 4), textcoords="offset points")
+        ax.set_xlabel("mean Turn 2+ TPOT (ms)")
+        ax.set_ylabel("mean Turn 2+ TTFT (ms)")
+        ax.legend(loc="upper right", fontsize=7)
+
+    name = plots.save("figure6_wtpot.png", "w_tpot traces a TTFT/TPOT frontier", draw)
+    return [*lines, f"![w_tpot sweep]({name})", ""]
+
+
+def _section_links(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
+    lines = ["## Turn 2+ TTFT across link bandwidths (paper Figure 5)", ""]
+    if not sweep:
+        return [*lines, "No link-bandwidth sweep in these records.", ""]
+    rows = [
+        [s.mode, s.label, _ms(s.point.ttft2_mean_ms), _ms(s.point.tpot2_mean_ms), _ms(s.point.e2e_mean_ms)]
+        for s in sweep
+    ]
+    lines += _table(["mode", "link", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "E2E (ms)"], rows)
+
+    def draw(axes: Any) -> None:
+        ax = axes[0]
+        for mode in _modes([s.point for s in sweep]):
+            mine = [s for s in sweep if s.mode == mode and s.value is not None]
+            ax.plot(
+                [s.value for s in mine],
+                [s.point.ttft2_mean_ms for s in mine],
+                marker="o",
+                label=mode,
+                color=_COLOURS.get(mode),
+            )
+        ax.set_xscale("log")
+        ax.invert_xaxis()
+        ax.set_xlabel("link bandwidth (GB/s, slower to the right)")
+        ax.set_ylabel("mean Turn 2+ TTFT (ms)")
+        ax.legend(loc="upper left", fontsize=7)  # never "best": it warns when slow
+
+    name = plots.save("figure5_links.png", "Turn 2+ TTFT across link bandwidths", draw)
+    return [*lines, f"![link sweep]({name})", ""]
+
+
+def _section_acceptance(result: Acceptance, shape: str) -> list[str]:
+    marks = {True: "PASS", False: "FAIL", None: "n/a"}
+    rows = [[c.name, marks[c.passed], c.detail] for c in result.checks]
+    return [f"## Acceptance figures ({shape})", "", *_table(["check", "result", "measured"], rows)]
+
+
+def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Path:
+    """Write ``report.md`` and its PNGs into ``out``; returns the report's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    caption = _provenance(inputs)
+    plots = _Plots(out, caption)
+    pts = points(inputs.records, inputs.manifest)
+    wt = wtpot_points(inputs.records, inputs.manifest)
+    links = bandwidth_points(inputs.records, inputs.manifest)
+    folders = ", ".join(sorted({f.parent.name for f in inputs.files}))
+    lines = [
+        "# PPD reproduction report",
+        "",
+        f"What was run: {caption}.",
+        f"Records: {len(inputs.files)} JSONL files in {folders}.",
+    ]
+    if inputs.manifest.notes:
+        lines.append(inputs.manifest.notes)
+    lines.append("")
+    lines += _section_acceptance(acceptance(pts, wt, links, shape), shape)
+    lines += _section_table1(pts, plots)
+    lines += _section_pareto(pts, plots)
+    lines += _section_failures(pts)
+    lines += _section_winners(pts)
+    lines += _section_wtpot(wt, plots)
+    lines += _section_links(links, plots)
+    path = out / REPORT_NAME
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _run_simulation(args: argparse.Namespace) -> None:
+    from loadgen.report.reproduce import ReproduceSettings, reproduce
+
+    settings = ReproduceSettings(
+        seed=args.seed,
+        duration_s=args.duration,
+        workload=args.workload,
+        shapes=args.shapes,
+        qps_levels=args.qps,
+        tables=args.tables,
+        stress_qps=args.stress_qps,
+        wtpot_values=args.wtpot,
+        link_duration_s=args.link_duration,
+    )
+    reproduce(settings, args.records, progress=not args.no_progress)
+
+
+def _report(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    del environ
+    if args.run:
+        _run_simulation(args)
+    inputs = load_inputs(args.records)
+    path = write_report(inputs, args.out, shape=args.shape)
+    print(f"report: {path}")
+    for line in path.read_text("utf-8").splitlines():
+        if line.startswith("| ") and ("PASS" in line or "FAIL" in line or "n/a" in line):
+            print(line)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``report`` subcommand of ``ppd-bench``."""
+    parser = sub.add_parser(
+        "report",
+        help="write the Markdown reproduction report with PNG plots from benchmark records",
+        description="Reads *.jsonl records (and manifest.json) under --records; writes report.md and PNGs "
+        "to --out: Turn 2+ TTFT by mode across QPS (Table 1), P99 TTFT vs tokens/s (Figure 1), failure "
+        "rates (Table 5), per-metric winners (Table 3), the w_tpot sweep (Figure 6), the link sweep "
+        "(Figure 5), and the acceptance checks.",
+    )
+    parser.add_argument("--records", type=Path, required=True, help="folder of *.jsonl records")
+    parser.add_argument("--out", type=Path, required=True, help="folder for report.md and the PNGs")
+    parser.add_argument("--shape", default="1P3D", help="shape for the acceptance checks (default 1P3D)")
+    run = parser.add_argument_group(
+        "--run", "first produce the records on the virtual-time cluster simulation (into --records)"
+    )
+    run.add_argument("--run", action="store_true", help="run the QPS, w_tpot and link sweeps first")
+    run.add_argument("--seed", type=int, default=0, help="seed of arrivals and conversations (default 0)")
+    run.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
+    )
+    run.add_argument("--workload", default="sharegpt", help="sharegpt or a synthetic name (default sharegpt)")
+    run.add_argument("--shapes", type=_names, default=("1P3D", "2P2D", "3P1D"), help="default 1P3D,2P2D,3P1D")
+    run.add_argument(
+        "--qps", type=_floats, default=(0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0),
+        help="QPS levels (default the paper's ten)",
+    )  # fmt: skip
+    run.add_argument(
+        "--stress-qps",
+        type=_floats,
+        default=(),
+        help="extra QPS levels on 1P3D beyond the grid, e.g. 144,160,176",
+    )
+    run.add_argument("--tables", type=Path, default=Path("tables"), help="tables for ppd (default tables/)")
+    run.add_argument(
+        "--wtpot",
+        type=_floats,
+        default=(1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0),
+        help="w_tpot values of the sweep (default 1,4,16,...,4096)",
+    )
+    run.add_argument(
+        "--link-duration", type=float, default=60.0, help="seconds per link-sweep point (default 60)"
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=_report)

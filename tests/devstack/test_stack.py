@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from devstack.stack import StackCommands, StackSettings, gateway_config, run_stack
+from devstack.supervisor import ChildError, ChildSpec, Supervisor
+from tests.support.polling import eventually
+
+pytestmark = pytest.mark.integration
+
+STANDIN = str(Path(__file__).with_name("standin.py"))
+CLUSTER = {
+    "topology": "1P3D",
+    "workers": [
+        {"id": "P0", "role": "prefill", "url": "http://127.0.0.1:1001"},
+        {"id": "D0", "role": "decode", "url": "http://127.0.0.1:1002"},
+    ],
+}
+
+
+def standin(*args: str) -> tuple[str, ...]:
+    return (sys.executable, STANDIN, *args)
+
+
+async def test_a_ready_child_reports_its_json_line_and_stops_on_sigterm() -> None:
+    sup = Supervisor()
+    child = await sup.start(ChildSpec("svc", standin("--ready", '{"grpc": 5}'), 30))
+    assert child.ready == {"grpc": 5}
+    assert await sup.stop_all() == {"svc": 0}
+
+
+async def test_a_child_without_a_ready_line_is_returned_at_once_and_its_stdout_kept() -> None:
+    # A third-party server (SGLang's router in ppd-bench-routers) prints logs, not our JSON line.
+    sup = Supervisor()
+    try:
+        child = await sup.start(ChildSpec("peer", standin("--bad-ready"), 30, ready_line=False))
+        assert child.ready == {}
+
+        async def printed() -> bool:
+            return "not json" in child.tail
+
+        await eventually(printed)
+    finally:
+        assert await sup.stop_all() == {"peer": 0}
+
+
+@pytest.mark.parametrize(
+    ("args", "deadline", "reason"),
+    [
+        (("--stderr", "port in use", "--exit-before", "3"), 60.0, "exited with code 3 before it was ready"),
+        (("--bad-ready",), 60.0, "ready line is not a JSON object: 'not json'"),
+        (("--silent",), 0.5, "no ready line within 0.5 s"),  # never prints: the deadline always wins
+    ],
+)
+async def test_a_child_that_cannot_get_ready_is_named_with_the_reason(
+    args: tuple[str, ...], deadline: float, reason: str
+) -> None:
+    sup = Supervisor()
+    try:
+        with pytest.raises(ChildError) as exc:
+            await sup.start(ChildSpec("decision service", standin(*args), deadline))
+    finally:
+        await sup.stop_all()
+    assert exc.value.name == "decision service"
+    assert exc.value.reason == reason
+    if "--stderr" in args:
+        assert "port in use" in exc.value.tail
+
+
+async def test_a_missing_program_is_a_child_error() -> None:
+    with pytest.raises(ChildError, match="cannot start"):
+        await Supervisor().start(ChildSpec("x", ("/nonexistent/ppd-binary",), 1))
+
+
+async def test_a_child_that_ignores_sigterm_is_killed_after_the_grace() -> None:
+    sup = Supervisor(grace_s=0.3)
+    await sup.start(ChildSpec("stubborn", standin("--ignore-term"), 30))
+    assert await sup.stop_all() == {"stubborn": -9}
+
+
+async def test_a_child_dying_later_is_reported_with_its_last_words() -> None:
+    relayed: list[str] = []
+    sup = Supervisor(relay=relayed.append)
+    await sup.start(ChildSpec("gateway", standin("--exit-after", "4"), 30))
+    failure = await sup.wait_any_exit()
+    await sup.stop_all()
+    assert failure.name == "gateway"
+    assert failure.reason == "exited with code 4 while the stack was running"
+    assert "bye" in failure.tail
+    assert "[gateway] bye" in relayed
+
+
+def test_gateway_config_comes_from_the_ready_lines() -> None:
+    import tomllib
+
+    text = gateway_config(StackSettings(mode="fraction:0.5"), CLUSTER, {"grpc": 7001, "metrics": 7002})
+    config = tomllib.loads(text)
+    assert config["mode"] == "fraction:0.5"
+    assert config["decision"] == {"address": "127.0.0.1:7001", "table_key": "1P3D/llama-3.1-8b"}
+    assert config["workers"] == CLUSTER["workers"]
+    with pytest.raises(ValueError, match="no workers"):
+        gateway_config(StackSettings(), {"workers": []}, {"grpc": 1})
+    with pytest.raises(ValueError, match="grpc"):
+        gateway_config(StackSettings(), CLUSTER, {})
+
+
+class _Out(io.StringIO):
+    """Captures what the stack prints and signals once its ready line is out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = asyncio.Event()
+
+    def write(self, s: str) -> int:
+        if s.endswith("\n"):
+            self.ready.set()
+        return super().write(s)
+
+
+def _commands(*, gateway_args: tuple[str, ...] = (), cluster_args: tuple[str, ...] = ()) -> StackCommands:
+    return StackCommands(
+        cluster=lambda s: standin("--ready", json.dumps(CLUSTER), *cluster_args),
+        decision=lambda s: standin("--ready", '{"grpc": 7001, "metrics": 7002}'),
+        gateway=lambda s, config: standin(
+            "--ready", f'{{"http": {s.port}}}', "--config", str(config), *gateway_args
+        ),
+    )
+
+
+async def test_the_stack_starts_in_order_prints_urls_and_stops_cleanly(tmp_path: Path) -> None:
+    out, stop = _Out(), asyncio.Event()
+    settings = StackSettings(port=18000, config_dir=tmp_path, ready_timeout_s=30)
+    task = asyncio.create_task(run_stack(settings, _commands(), out, stop))
+    await out.ready.wait()
+    first = json.loads(out.getvalue().splitlines()[0])
+    assert first["gateway"] == "http://127.0.0.1:18000"
+    assert first["decision"] == {"grpc": 7001, "metrics": 7002}
+    assert "curl -sN http://127.0.0.1:18000/v1/chat/completions" in out.getvalue()
+    assert "openai.OpenAI(base_url=" in out.getvalue()
+    assert (tmp_path / "gateway.toml").exists()
+    stop.set()
+    assert await task == 0
+
+
+async def test_the_stack_stops_everything_when_a_child_dies(caplog: pytest.LogCaptureFixture) -> None:
+    out, stop = _Out(), asyncio.Event()
+    code = await run_stack(StackSettings(port=0), _commands(gateway_args=("--exit-after", "2")), out, stop)
+    assert code == 1
+    assert "gateway: exited with code 2 while the stack was running" in caplog.text
+
+
+async def test_the_stack_gives_up_when_a_child_cannot_start(caplog: pytest.LogCaptureFixture) -> None:
+    out, stop = _Out(), asyncio.Event()
+    commands = _commands(cluster_args=("--exit-before", "5", "--stderr", "no such topology"))
+    assert await run_stack(StackSettings(), commands, out, stop) == 1
+    assert "simulator cluster: exited with code 5 before it was ready" in caplog.text
+    assert "no such topology" in caplog.text
+    assert out.getvalue() == ""
+
+
+def test_the_engine_picks_the_cluster_command() -> None:
+    real = StackCommands.real(python="py")
+    sim = real.cluster(StackSettings(topology="2P2D"))
+    assert sim[:4] == ("py", "-m", "simulator", "cluster")
+    assert sim[sim.index("--topology") + 1] == "2P2D"
+    vllm = real.cluster(StackSettings(topology="1P1D", engine="vllm-cpu"))
+    assert vllm == ("py", "-m", "vllm_harness", "cluster", "--topology", "1P1D")
+
+
+async def test_the_banner_names_the_clusters_own_model(tmp_path: Path) -> None:
+    out, stop = _Out(), asyncio.Event()
+    cluster = {**CLUSTER, "model": "llama-3-tiny-random"}
+    commands = StackCommands(
+        cluster=lambda s: standin("--ready", json.dumps(cluster)),
+        decision=lambda s: standin("--ready", '{"grpc": 7001, "metrics": 7002}'),
+        gateway=lambda s, config: standin("--ready", f'{{"http": {s.port}}}'),
+    )
+    settings = StackSettings(port=18001, config_dir=tmp_path, ready_timeout_s=30, engine="vllm-cpu")
+    task = asyncio.create_task(run_stack(settings, commands, out, stop))
+    await out.ready.wait()
+    stop.set()
+    assert await task == 0
+    assert '"model": "llama-3-tiny-random"' in out.getvalue()
+    assert "meta-llama" not in out.getvalue()
+    assert "real vLLM workers (CPU)" in out.getvalue()
+
+
+def test_ppd_up_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from devstack.stack import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "--topology" in capsys.readouterr().out
