@@ -17,7 +17,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ppd.modes import ModeError, parse_mode
 from loadgen.load import LoadError, LoadSettings, run_load
 from loadgen.report.comparison import ManifestError
 from loadgen.sharegpt import SHAREGPT_WORKLOAD, SharegptLimits, sharegpt_pool
@@ -31,6 +30,7 @@ from loadgen.workloads import (
     WorkloadError,
     single_token_words,
 )
+from ppd.modes import ModeError, parse_mode
 from table_builder.records import RecordsError, RecordWriter
 
 __all__ = ["build_parser", "main"]

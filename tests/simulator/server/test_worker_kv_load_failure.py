@@ -25,9 +25,9 @@ from simulator.core.faults import Faults
 from simulator.core.kv_load_policy import KvLoadFailurePolicy
 from simulator.core.profile import load_profile
 from simulator.core.topology import Role, Topology, WorkerSpec
+from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
 from simulator.server.worker import Worker
 from simulator.server.worker_group import GroupSettings, WorkerGroup
-from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
 from tests.simulator.client import post, sse
 from tests.support.nixl import prefill_kv_params
 
