@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 bad inputs or a table that fails validation (the reason
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -15,14 +16,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from decision_service.table import SUFFIX, Table, TableError, Weights, write_table
+from decision_service.header import DECISIONS, Weights
+from decision_service.table import SUFFIX, Table, TableError, write_table
 from table_builder.artifact import ArtifactError, read_artifact
 from table_builder.build import (
-    DEFAULT_PROFILES,
     BuildOptions,
     BuildResult,
     build_from_artifact,
     build_from_records,
+    default_header,
     table_file_name,
 )
 from table_builder.records import RecordsError, read_records
@@ -80,15 +82,28 @@ def _limit(text: str) -> int | None:
 
 
 def add_build_options(p: argparse.ArgumentParser) -> None:
-    """Flags shared by ``build`` and ``sweep``: everything that lands in the table header."""
+    """Flags shared by ``build`` and ``sweep``: everything that lands in the table header (their
+    defaults are ``default_header``'s)."""
+    header = default_header(shape="", model="")  # only its defaults are read here
     p.add_argument(
         "--min-samples", type=_positive_int, default=20, help="flag cells with fewer requests per mode"
     )
-    p.add_argument("--slo", type=_fraction, default=0.95, help="minimum success rate of a mode in a cell")
     p.add_argument(
-        "--default-decision", choices=("pd", "local"), default="pd", help="answer for cells without data"
+        "--slo", type=_fraction, default=header.min_success, help="minimum success rate of a mode in a cell"
     )
-    p.add_argument("--weights", type=_weights, default=Weights(1.0, 1.0), help="default W_TTFT,W_TPOT (1,1)")
+    p.add_argument(
+        "--default-decision",
+        choices=DECISIONS,
+        default=header.default_decision,
+        help="answer for cells without data",
+    )
+    weights = header.default_weights
+    p.add_argument(
+        "--weights",
+        type=_weights,
+        default=weights,
+        help=f"default W_TTFT,W_TPOT ({weights.w_ttft:g},{weights.w_tpot:g})",
+    )
     p.add_argument(
         "--profile",
         type=_profile,
@@ -97,22 +112,26 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
         help="a named weights profile (repeatable; replaces the built-in balanced/ttft/tpot)",
     )
     p.add_argument(
-        "--max-kv-usage", type=_fraction, default=0.95, help="live decode KV usage above which local turns pd"
+        "--max-kv-usage",
+        type=_fraction,
+        default=header.max_decode_kv_usage,
+        help="live decode KV usage above which local turns pd",
     )
     p.add_argument(
         "--max-decode-running",
         type=_limit,
-        default=192,
+        default=header.max_decode_running,
         metavar="N|off",
         help="decode-load guard: above N running requests on the session's decode worker, local turns pd "
-        "(default 192)",
+        f"(default {_limit_text(header.max_decode_running)})",
     )
     p.add_argument(
         "--max-prefill-queue",
         type=_limit,
-        default=8,
+        default=header.max_prefill_queue_depth,
         metavar="N|off",
-        help="...unless the prefill queue is deeper than N (then P is the scarcer side; default 8)",
+        help="...unless the prefill queue is deeper than N (then P is the scarcer side; default "
+        f"{_limit_text(header.max_prefill_queue_depth)})",
     )
     p.add_argument(
         "--timeout-ms", type=float, default=30_000.0, help="censored TTFT of a mode that completed nothing"
@@ -128,20 +147,26 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--built-at", help="ISO 8601 build time for the provenance (default: from the inputs)")
 
 
+def _limit_text(limit: int | None) -> str:
+    return "off" if limit is None else str(limit)
+
+
 def options_from_args(
     args: argparse.Namespace, *, shape: str, labels: dict[str, str] | None = None
 ) -> BuildOptions:
-    profiles = dict(args.profile) if args.profile else dict(DEFAULT_PROFILES)
-    return BuildOptions(
-        shape=shape,
-        model=args.model,
+    defaults = default_header(shape, args.model)
+    header = dataclasses.replace(
+        defaults,
         default_weights=args.weights,
-        profiles=profiles,
+        profiles=dict(args.profile) if args.profile else defaults.profiles,
         min_success=args.slo,
         default_decision=args.default_decision,
         max_decode_kv_usage=args.max_kv_usage,
         max_decode_running=args.max_decode_running,
         max_prefill_queue_depth=args.max_prefill_queue,
+    )
+    return BuildOptions(
+        header=header,
         min_samples=args.min_samples,
         timeout_ms=args.timeout_ms,
         labels={**dict(args.label), **(labels or {})},
@@ -206,7 +231,7 @@ def _record_paths(targets: Sequence[Path]) -> list[Path]:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     options = options_from_args(args, shape=args.shape)
-    out = resolve_out(args.out, options.shape, options.model)
+    out = resolve_out(args.out, options.header.shape, options.header.model)
     try:
         if args.records:
             records = read_records(_record_paths(args.records))
@@ -253,7 +278,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"FAIL {path}: unreadable: {exc.strerror or exc}")
             continue
         try:
-            nc, nw, nq = table.axes.shape
+            nc, nw, nq = table.header.axes.shape
             measured = sum(table.measured(c, w, q) for c in range(nc) for w in range(nw) for q in range(nq))
             cells = f"{measured}/{nc * nw * nq} cells measured"
             print(f"ok   {path}: key {table.key}, version {table.version}, {cells}")
@@ -274,14 +299,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"FAIL {args.file}: unreadable: {exc.strerror or exc}")
         return 1
     try:
-        if args.profile is not None and args.profile not in table.profiles:
-            known = ", ".join(sorted(table.profiles)) or "none"
+        profiles = table.header.profiles
+        if args.profile is not None and args.profile not in profiles:
+            known = ", ".join(sorted(profiles)) or "none"
             print(f"unknown profile {args.profile!r}; table {table.key} has: {known}")
             return 1
         grid = decision_grid(table, weights=args.weights, profile=args.profile)
         print(format_grid(grid, scores=args.scores))
         if args.provenance:
-            print(json.dumps(table.header.get("provenance", {}), indent=2, sort_keys=True))
+            print(json.dumps(table.header.provenance, indent=2, sort_keys=True))
         if args.png is not None:
             from table_builder.heatmap import PlotsMissingError, write_heatmap
 

@@ -54,7 +54,7 @@ async def _assert_serves(stub: pb_grpc.DecisionServiceAsyncStub, expected: Table
     described = await stub.DescribeTable(pb.DescribeTableRequest())
     answer = await stub.Route(turn2())
     assert described.table_version == answer.table_version == expected.version
-    nc, nw, nq = expected.axes.shape
+    nc, nw, nq = expected.header.axes.shape
     assert np.array_equal(_figures(described), expected.figures.reshape(nc * nw * nq, len(FIGURES)))
     [cell] = [
         c

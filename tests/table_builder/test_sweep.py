@@ -122,8 +122,8 @@ def test_cli_sweep_publishes_a_table_and_rebuilds_the_same_bytes(tmp_path: Path)
     first = table_path.read_bytes()
     table = Table.open(table_path)
     try:
-        assert table.header["provenance"]["labels"]["engine"] == "analytic"
-        assert table.header["provenance"]["labels"]["seed"] == "3"
+        assert table.header.provenance["labels"]["engine"] == "analytic"
+        assert table.header.provenance["labels"]["seed"] == "3"
     finally:
         table.close()
     # Rerun: every point is finished, nothing runs, the same table is published again.
