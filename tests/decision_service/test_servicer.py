@@ -13,6 +13,7 @@ from decision_service.table import write_table
 from ppd.decision.v1 import decision_pb2 as pb
 from tests.decision_service.harness import Running, start_server, turn2
 from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, version_of, write_table_file
+from tests.support.metrics import sample
 from tests.support.tables import synthetic_spec, with_header
 
 
@@ -300,7 +301,7 @@ async def test_an_unexpected_failure_is_internal_and_logged_never_raised(
 async def test_decisions_and_errors_are_counted(running: Running) -> None:
     await running.stub.Route(turn2(turn=1))
     await route_error(running, turn2(turn=0))
-    sample = running.metrics.registry.get_sample_value
-    assert sample("ppd_decisions_total", {"decision": "pd", "reason": "turn_one"}) == 1
-    assert sample("ppd_route_errors_total", {"code": "INVALID_ARGUMENT"}) == 1
-    assert sample("ppd_route_latency_seconds_count") == 1
+    registry = running.metrics.registry
+    assert sample(registry, "ppd_decisions_total", decision="pd", reason="turn_one") == 1
+    assert sample(registry, "ppd_route_errors_total", code="INVALID_ARGUMENT") == 1
+    assert sample(registry, "ppd_route_latency_seconds_count") == 1

@@ -21,6 +21,7 @@ from simulator.topology import Topology
 from simulator.worker import Worker
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
+from tests.support.metrics import sample
 
 pytestmark = pytest.mark.integration
 
@@ -38,8 +39,7 @@ class _Stack:
         return str(self.server.make_url("/v1/chat/completions"))
 
     def inflight(self) -> float:
-        value: float = self.server.app[DEPS].metrics.inflight._value.get()
-        return value
+        return sample(self.server.app[DEPS].metrics.registry, "ppd_gateway_requests_in_flight") or 0.0
 
 
 @asynccontextmanager

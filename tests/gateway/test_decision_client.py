@@ -30,6 +30,7 @@ from gateway.settings import DecisionSettings, Settings, SettingsError
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from tests.gateway.fake_decision import FakeDecision
 from tests.gateway.processes import REPO, Process, start
+from tests.support.metrics import sample
 
 QUERY = RouteQuery("r1", 2, 40, 100, 900, 3.0, LiveSignals(decode_kv_usage=0.4))
 FALLBACK = Decision("pd", "fallback")
@@ -149,7 +150,7 @@ async def test_no_service_configured() -> None:
     await client.start()
     d = await client.route(QUERY, FALLBACK)
     assert (d.reason, d.fallback) == ("fallback_no_service", True)
-    assert metrics.fallbacks.labels("no_service")._value.get() == 1
+    assert sample(metrics.registry, "ppd_gateway_decision_fallbacks_total", cause="no_service") == 1
     await client.close()
 
 

@@ -9,7 +9,6 @@ prefill leg.
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +21,7 @@ from simulator.worker import Worker
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
 from tests.simulator.client import post, sse
+from tests.support.metrics import total
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -56,16 +56,15 @@ async def start_alone(worker_id: str, role: Role, **worker: Any) -> WorkerGroup:
 
 
 async def metric(
-    http: aiohttp.ClientSession, url: str, name: str, labels: str = "", *, absent: float | None = None
+    http: aiohttp.ClientSession, url: str, name: str, *, absent: float | None = None, **labels: str
 ) -> float:
     """A sample of /metrics; `absent` is its value when not shown (a histogram never observed)."""
     async with http.get(f"{url}/metrics") as response:
-        text = await response.text()
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    if match is None and absent is not None:
+        value = total(await response.text(), name, labels)
+    if value is None and absent is not None:
         return absent
-    assert match is not None, f"{name} {labels} not in /metrics"
-    return float(match.group(1))
+    assert value is not None, f"{name} {labels} not in /metrics"
+    return value
 
 
 def chat(history: list[dict[str, str]], max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -138,7 +137,7 @@ async def test_decode_leg_returns_its_blocks_params_on_the_final_chunk(
         assert 470.0 < expiry - d.driver.now() <= 480.0
         assert d.engine.stats().num_pinned == 1
         assert p.engine.stats().num_pinned == 0
-        assert await metric(http, d.url, "vllm:request_success_total", 'finished_reason="length"') == 1
+        assert await metric(http, d.url, "vllm:request_success_total", finished_reason="length") == 1
     finally:
         await g.stop()
 
@@ -149,7 +148,8 @@ async def test_next_turn_prefill_pulls_the_decoders_blocks(http: aiohttp.ClientS
         p, d = g.workers
         history, usage1, d_params = await turn1(http, p, d, 120)
         hits_before = await metric(http, p.url, "vllm:prefix_cache_hits_total")
-        compute_before = await metric(http, p.url, "vllm:prompt_tokens_by_source_total", "local_compute")
+        by_source = "vllm:prompt_tokens_by_source_total"
+        compute_before = await metric(http, p.url, by_source, source="local_compute")
 
         client = chat(history, 10)
         status, p_resp = await post(
@@ -165,7 +165,7 @@ async def test_next_turn_prefill_pulls_the_decoders_blocks(http: aiohttp.ClientS
         assert pulled >= 64
         assert await metric(http, p.url, "vllm:nixl_xfer_time_seconds_count", absent=0.0) == 1
         assert await metric(http, p.url, "vllm:external_prefix_cache_hits_total") == pulled
-        computed = await metric(http, p.url, "vllm:prompt_tokens_by_source_total", "local_compute")
+        computed = await metric(http, p.url, by_source, source="local_compute")
         assert computed - compute_before == prompt2 - local - pulled  # the shorter prefill
         # P reports the pulled tokens as cached, to its client and to D (remote_prefill_cached_tokens).
         assert p_resp["usage"]["prompt_tokens_details"]["cached_tokens"] == local + pulled

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -18,6 +17,7 @@ from simulator.topology import Role, Topology, WorkerSpec
 from simulator.worker_group import GroupSettings, WorkerGroup
 from simulator.worker_settings import DEFAULT_MODEL, WorkerSettings
 from tests.simulator.client import post, sse
+from tests.support.metrics import total
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -43,10 +43,9 @@ async def group() -> AsyncIterator[WorkerGroup]:
 
 async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
     async with http.get(f"{url}/metrics") as response:
-        text = await response.text()
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    assert match is not None, f"{name} not in /metrics"
-    return float(match.group(1))
+        value = total(await response.text(), name)
+    assert value is not None, f"{name} not in /metrics"
+    return value
 
 
 async def test_small_routes(group: WorkerGroup, http: aiohttp.ClientSession) -> None:
