@@ -7,7 +7,6 @@ Exit codes: 0 success; 1 bad inputs or a table that fails validation (the reason
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -16,162 +15,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from decision_service.header import DECISIONS, Weights
 from decision_service.table import SUFFIX, Table, TableError, write_table
 from table_builder.artifact import ArtifactError, read_artifact
-from table_builder.build import (
-    BuildOptions,
-    BuildResult,
-    build_from_artifact,
-    build_from_records,
-    default_header,
-    table_file_name,
-)
+from table_builder.build import BuildResult, build_from_artifact, build_from_records, table_file_name
+from table_builder.flags import add_build_options, options_from_args, positive_int, weights_arg
 from table_builder.records import RecordsError, read_records
 
 __all__ = ["main"]
 
 logger = logging.getLogger("table_builder")
-
-
-def _weights(text: str) -> Weights:
-    try:
-        a, b = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected W_TTFT,W_TPOT (two numbers), got {text!r}") from None
-    if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
-        raise argparse.ArgumentTypeError(f"weights must be finite, >= 0 and not both zero, got {text!r}")
-    return Weights(a, b)
-
-
-def _profile(text: str) -> tuple[str, Weights]:
-    name, sep, rest = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=W_TTFT,W_TPOT, got {text!r}")
-    return name, _weights(rest)
-
-
-def _label(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _limit(text: str) -> int | None:
-    if text == "off":
-        return None
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 or 'off', got {text}")
-    return value
-
-
-def add_build_options(p: argparse.ArgumentParser) -> None:
-    """Flags shared by ``build`` and ``sweep``: everything that lands in the table header (their
-    defaults are ``default_header``'s)."""
-    header = default_header(shape="", model="")  # only its defaults are read here
-    p.add_argument(
-        "--min-samples", type=_positive_int, default=20, help="flag cells with fewer requests per mode"
-    )
-    p.add_argument(
-        "--slo", type=_fraction, default=header.min_success, help="minimum success rate of a mode in a cell"
-    )
-    p.add_argument(
-        "--default-decision",
-        choices=DECISIONS,
-        default=header.default_decision,
-        help="answer for cells without data",
-    )
-    weights = header.default_weights
-    p.add_argument(
-        "--weights",
-        type=_weights,
-        default=weights,
-        help=f"default W_TTFT,W_TPOT ({weights.w_ttft:g},{weights.w_tpot:g})",
-    )
-    p.add_argument(
-        "--profile",
-        type=_profile,
-        action="append",
-        metavar="NAME=W_TTFT,W_TPOT",
-        help="a named weights profile (repeatable; replaces the built-in balanced/ttft/tpot)",
-    )
-    p.add_argument(
-        "--max-kv-usage",
-        type=_fraction,
-        default=header.max_decode_kv_usage,
-        help="live decode KV usage above which local turns pd",
-    )
-    p.add_argument(
-        "--max-decode-running",
-        type=_limit,
-        default=header.max_decode_running,
-        metavar="N|off",
-        help="decode-load guard: above N running requests on the session's decode worker, local turns pd "
-        f"(default {_limit_text(header.max_decode_running)})",
-    )
-    p.add_argument(
-        "--max-prefill-queue",
-        type=_limit,
-        default=header.max_prefill_queue_depth,
-        metavar="N|off",
-        help="...unless the prefill queue is deeper than N (then P is the scarcer side; default "
-        f"{_limit_text(header.max_prefill_queue_depth)})",
-    )
-    p.add_argument(
-        "--timeout-ms", type=float, default=30_000.0, help="censored TTFT of a mode that completed nothing"
-    )
-    p.add_argument(
-        "--label",
-        type=_label,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="provenance label (repeatable)",
-    )
-    p.add_argument("--built-at", help="ISO 8601 build time for the provenance (default: from the inputs)")
-
-
-def _limit_text(limit: int | None) -> str:
-    return "off" if limit is None else str(limit)
-
-
-def options_from_args(
-    args: argparse.Namespace, *, shape: str, labels: dict[str, str] | None = None
-) -> BuildOptions:
-    defaults = default_header(shape, args.model)
-    header = dataclasses.replace(
-        defaults,
-        default_weights=args.weights,
-        profiles=dict(args.profile) if args.profile else defaults.profiles,
-        min_success=args.slo,
-        default_decision=args.default_decision,
-        max_decode_kv_usage=args.max_kv_usage,
-        max_decode_running=args.max_decode_running,
-        max_prefill_queue_depth=args.max_prefill_queue,
-    )
-    return BuildOptions(
-        header=header,
-        min_samples=args.min_samples,
-        timeout_ms=args.timeout_ms,
-        labels={**dict(args.label), **(labels or {})},
-        built_at=args.built_at,
-    )
 
 
 def _is_folder(raw: str) -> bool:
@@ -448,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("file", type=Path, metavar="FILE", help="a table file")
     who = show.add_mutually_exclusive_group()
-    who.add_argument("--weights", type=_weights, help="W_TTFT,W_TPOT instead of the table's default")
+    who.add_argument("--weights", type=weights_arg, help="W_TTFT,W_TPOT instead of the table's default")
     who.add_argument("--profile", help="one of the table's named weights profiles")
     show.add_argument("--scores", action="store_true", help="print the score S next to each decision")
     show.add_argument("--provenance", action="store_true", help="print the table's provenance as JSON")
@@ -476,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
     )
     sweep.add_argument("--seed", type=int, default=0, help="seed of every point's arrivals and noise")
-    sweep.add_argument("--jobs", type=_positive_int, default=1, help="points run in parallel processes")
+    sweep.add_argument("--jobs", type=positive_int, default=1, help="points run in parallel processes")
     sweep.add_argument("--out", type=Path, required=True, help="sweep folder: records/, sweep.json, tables")
     sweep.add_argument(
         "--publish", help="table file, or folder (existing, or ending in /) to publish into (default: --out)"
