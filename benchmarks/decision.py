@@ -49,7 +49,16 @@ from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, Router, check_query
 from decision_service.servicer import DecisionServicer
 from decision_service.settings import Settings
-from decision_service.table import FIGURES, SUFFIX, Table, TableSpec, Weights, encode_table, write_table
+from decision_service.table import (
+    FIGURES,
+    SUFFIX,
+    Table,
+    TableHeader,
+    TableSpec,
+    Weights,
+    encode_table,
+    write_table,
+)
 from devstack.ready import start_ready
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
@@ -147,14 +156,14 @@ def bench_spec(seed: int = 0, *, shape: str = "1P3D", model: str = "bench") -> T
                 local_ttft = pd_ttft * (0.4 + 0.3 * rng.random())
                 local_tpot = pd_tpot * (1.0 + 0.5 * rng.random())
                 figures[c, w, q] = (pd_ttft, pd_tpot, local_ttft, local_tpot, 1.0, 1.0, 50, 50)
-    return TableSpec(
+    header = TableHeader(
         shape=shape,
         model=model,
         axes=axes,
-        figures=figures,
         profiles={"ttft": Weights(1.0, 0.2), "tpot": Weights(0.2, 1.0)},
         provenance={"source": "benchmarks.decision", "seed": seed},
     )
+    return TableSpec(header, figures)
 
 
 @dataclass
@@ -386,8 +395,8 @@ def _saturate(server: ServerProcess, decisions: int, work: Any) -> dict[str, flo
 def bench_core(loops: int) -> dict[str, float]:
     table = Table.from_bytes(_encoded(0))
     router = Router(table)
-    query = Query(2, 256, 64, 1500, 4.0)
-    weighted = Query(2, 256, 64, 1500, 4.0, Weights(1.0, 0.5))
+    query = Query(turn=2, n_in=256, n_out=64, n_ctx=1500, qps=4.0)
+    weighted = Query(turn=2, n_in=256, n_out=64, n_ctx=1500, qps=4.0, weights=Weights(1.0, 0.5))
 
     def checked_route(q: Query) -> object:
         check_query(q, table)

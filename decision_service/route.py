@@ -22,12 +22,14 @@ Rule 5 (decode-load guard): more running requests on the session's decode worker
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from enum import IntEnum
-from typing import NamedTuple
 
 from decision_service.classify import CompiledClassifier
-from decision_service.table import Table, Weights
+from decision_service.header import Figure, Weights
+from decision_service.table import Table
 
 __all__ = [
     "MAX_TOKENS",
@@ -62,7 +64,10 @@ class QueryError(ValueError):
     """The query cannot be answered as asked (maps to INVALID_ARGUMENT)."""
 
 
-class Query(NamedTuple):
+# Not frozen, unlike the verdicts: one is built per Route call, and a frozen dataclass's __init__
+# (object.__setattr__ per field) costs about three times as much on that path. Nothing keeps one.
+@dataclass(slots=True, kw_only=True)
+class Query:
     """psi plus the caller's options. ``None`` means "not given"."""
 
     turn: int
@@ -77,7 +82,8 @@ class Query(NamedTuple):
     decode_running: int | None = None
 
 
-class Verdict(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
     """A decision with its provenance. ``context``/``workload``/``qps_level`` are None for turn 1."""
 
     local: bool
@@ -90,7 +96,8 @@ class Verdict(NamedTuple):
     detail: str
 
 
-class CellRule(NamedTuple):
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CellRule:
     """One compiled cell: its deltas (from the nearest measured level) and default-weight verdict."""
 
     context: str
@@ -122,8 +129,8 @@ def check_query(q: Query, table: Table) -> None:
             raise QueryError(f"weights must be finite and >= 0, got w_ttft={w.w_ttft} w_tpot={w.w_tpot}")
         if w.w_ttft == 0 and w.w_tpot == 0:
             raise QueryError("weights w_ttft and w_tpot are both zero")
-    if q.profile is not None and q.profile not in table.profiles:
-        known = ", ".join(sorted(table.profiles)) or "none"
+    if q.profile is not None and q.profile not in table.header.profiles:
+        known = ", ".join(sorted(table.header.profiles)) or "none"
         raise QueryError(f"unknown weights profile {q.profile!r} (table {table.key} has: {known})")
     if q.decode_kv_usage is not None and not (0.0 <= q.decode_kv_usage <= 1.0):
         raise QueryError(f"decode_kv_usage must be within 0..1, got {q.decode_kv_usage}")
@@ -142,11 +149,18 @@ class Router:
 
     def __init__(self, table: Table) -> None:
         self.table = table
-        self._classifier = CompiledClassifier(table.axes)
-        nc, nw, nq = table.axes.shape
-        default_local = table.default_decision == "local"
+        self._classifier = CompiledClassifier(table.header.axes)
+        nc, nw, nq = table.header.axes.shape
+        default_local = table.header.default_decision == "local"
         self._turn_one = Verdict(
-            False, Reason.TURN_ONE, None, None, None, 0.0, False, "turn 1 always takes PD"
+            local=False,
+            reason=Reason.TURN_ONE,
+            context=None,
+            workload=None,
+            qps_level=None,
+            score=0.0,
+            default_local=False,
+            detail="turn 1 always takes PD",
         )
         cells: list[CellRule] = []
         for c in range(nc):
@@ -157,39 +171,50 @@ class Router:
         self._cells = tuple(cells)
 
     def _compile_cell(self, c: int, w: int, q: int, measured_q: list[int], default_local: bool) -> CellRule:
-        t = self.table
-        axes = t.axes
+        h = self.table.header
+        axes = h.axes
         ctx, wl = axes.context_classes[c], axes.workloads[w].name
         level = axes.qps_levels[q]
         if not measured_q:
             v = Verdict(
-                default_local,
-                Reason.DEFAULT,
-                ctx,
-                wl,
-                level,
-                0.0,
-                default_local,
-                f"no measurements for ({ctx}, {wl}) at any QPS; table default {t.default_decision}",
+                local=default_local,
+                reason=Reason.DEFAULT,
+                context=ctx,
+                workload=wl,
+                qps_level=level,
+                score=0.0,
+                default_local=default_local,
+                detail=f"no measurements for ({ctx}, {wl}) at any QPS; table default {h.default_decision}",
             )
-            return CellRule(ctx, wl, level, 0.0, 0.0, (default_local, Reason.DEFAULT), v)
+            return CellRule(
+                context=ctx,
+                workload=wl,
+                qps_level=level,
+                delta_ttft=0.0,
+                delta_tpot=0.0,
+                forced=(default_local, Reason.DEFAULT),
+                verdict=v,
+            )
         # Nearest measured level; on a tie the lower one (its figures are the less optimistic for PD).
         src = min(measured_q, key=lambda m: (abs(axes.qps_levels[m] - level), m))
-        pd_ttft, pd_tpot, lo_ttft, lo_tpot, pd_ok, lo_ok, _, _ = (float(x) for x in t.figures[c, w, src])
+        row = self.table.figures[c, w, src]
+        pd_ttft, pd_tpot = float(row[Figure.PD_TTFT_MS]), float(row[Figure.PD_TPOT_MS])
+        lo_ttft, lo_tpot = float(row[Figure.LOCAL_TTFT_MS]), float(row[Figure.LOCAL_TPOT_MS])
+        pd_ok, lo_ok = float(row[Figure.PD_SUCCESS]), float(row[Figure.LOCAL_SUCCESS])
         d_ttft = (pd_ttft - lo_ttft) / pd_ttft
         d_tpot = (lo_tpot - pd_tpot) / pd_tpot
         forced: tuple[bool, Reason] | None = None
-        pd_failed, lo_failed = pd_ok < t.min_success, lo_ok < t.min_success
+        pd_failed, lo_failed = pd_ok < h.min_success, lo_ok < h.min_success
         if pd_failed and (not lo_failed or lo_ok > pd_ok):
             forced = (True, Reason.PD_FAILED_IN_CELL)
         elif lo_failed and (not pd_failed or pd_ok > lo_ok):
             forced = (False, Reason.LOCAL_FAILED_IN_CELL)
-        dw = t.default_weights
+        dw = h.default_weights
         score = dw.w_ttft * d_ttft - dw.w_tpot * d_tpot
         used = axes.qps_levels[src]
         if forced is not None:
             local, reason = forced
-            detail = f"success pd={pd_ok:.3f} local={lo_ok:.3f} vs SLO {t.min_success}"
+            detail = f"success pd={pd_ok:.3f} local={lo_ok:.3f} vs SLO {h.min_success}"
         else:
             local, reason = score > 0, Reason.TABLE
             detail = ""
@@ -200,12 +225,29 @@ class Router:
             if forced is None:
                 reason = Reason.NEAREST_CELL
             forced = (local, reason) if forced is not None else None
-        v = Verdict(local, reason, ctx, wl, used, score, local, detail)
-        return CellRule(ctx, wl, used, d_ttft, d_tpot, forced, v)
+        v = Verdict(
+            local=local,
+            reason=reason,
+            context=ctx,
+            workload=wl,
+            qps_level=used,
+            score=score,
+            default_local=local,
+            detail=detail,
+        )
+        return CellRule(
+            context=ctx,
+            workload=wl,
+            qps_level=used,
+            delta_ttft=d_ttft,
+            delta_tpot=d_tpot,
+            forced=forced,
+            verdict=v,
+        )
 
     def cell(self, c: int, w: int, q: int) -> CellRule:
         """The compiled rule of cell (context c, workload w, QPS level q)."""
-        _, nw, nq = self.table.axes.shape
+        _, nw, nq = self.table.header.axes.shape
         return self._cells[(c * nw + w) * nq + q]
 
     def route(self, q: Query) -> Verdict:
@@ -214,30 +256,29 @@ class Router:
             return self._turn_one
         cell = self._cells[self._classifier.cell_index(q.n_in, q.n_out, q.n_ctx, q.qps)]
         weights = q.weights
+        header = self.table.header
         if weights is None and q.profile is not None:
-            weights = self.table.profiles[q.profile]
+            weights = header.profiles[q.profile]
         v = cell.verdict
-        if weights is not None and cell.forced is None and weights != self.table.default_weights:
+        if weights is not None and cell.forced is None and weights != header.default_weights:
             score = weights.w_ttft * cell.delta_ttft - weights.w_tpot * cell.delta_tpot
             reason = Reason.WEIGHTS if v.reason is Reason.TABLE else v.reason
-            v = Verdict(
-                score > 0, reason, v.context, v.workload, v.qps_level, score, v.default_local, v.detail
-            )
+            v = dataclasses.replace(v, local=score > 0, reason=reason, score=score)
         if v.local:
             overload = self._live_overload(q)
             if overload is not None:
-                v = v._replace(local=False, reason=Reason.LIVE_SIGNAL, detail=overload)
+                v = dataclasses.replace(v, local=False, reason=Reason.LIVE_SIGNAL, detail=overload)
         return v
 
     def _live_overload(self, q: Query) -> str | None:
         """Why a live signal forbids LOCAL (rules 4 and 5), or None when none does."""
-        t = self.table
-        if q.decode_kv_usage is not None and q.decode_kv_usage > t.max_decode_kv_usage:
-            return f"decode KV usage {q.decode_kv_usage:.2f} above the table's limit {t.max_decode_kv_usage}"
-        limit = t.max_decode_running
+        h = self.table.header
+        if q.decode_kv_usage is not None and q.decode_kv_usage > h.max_decode_kv_usage:
+            return f"decode KV usage {q.decode_kv_usage:.2f} above the table's limit {h.max_decode_kv_usage}"
+        limit = h.max_decode_running
         if limit is None or q.decode_running is None or q.decode_running <= limit:
             return None
-        queue_limit, queue = t.max_prefill_queue_depth, q.prefill_queue_depth
+        queue_limit, queue = h.max_prefill_queue_depth, q.prefill_queue_depth
         if queue_limit is not None and queue is not None and queue > queue_limit:
             return None  # P is the scarcer side: keep the prefill on D
         return f"decode worker runs {q.decode_running} requests, above the table's limit {limit}"

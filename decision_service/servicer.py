@@ -32,7 +32,7 @@ from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, QueryError, Router, Verdict, check_query
 from decision_service.settings import DEFAULT_MAX_BATCH_ITEMS
-from decision_service.table import FORMAT_VERSION, Table, Weights
+from decision_service.table import FORMAT_VERSION, Figure, Table, Weights
 from decision_service.wire import Malformed, RateLimitedLog, exactly_one, lenient
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
@@ -74,16 +74,20 @@ def _query(request: pb.RouteRequest) -> Query:
     weights = request.weights if request.HasField("weights") else None
     live = request.live if request.HasField("live") else None
     return Query(
-        request.turn,
-        request.new_input_tokens,
-        request.expected_output_tokens,
-        request.context_tokens,
-        request.qps,
-        None if weights is None else Weights(weights.w_ttft, weights.w_tpot),
-        request.weights_profile or None,
-        None if live is None or not live.HasField("decode_kv_usage") else live.decode_kv_usage,
-        None if live is None or not live.HasField("prefill_queue_depth") else live.prefill_queue_depth,
-        None
+        turn=request.turn,
+        n_in=request.new_input_tokens,
+        n_out=request.expected_output_tokens,
+        n_ctx=request.context_tokens,
+        qps=request.qps,
+        weights=None if weights is None else Weights(weights.w_ttft, weights.w_tpot),
+        profile=request.weights_profile or None,
+        decode_kv_usage=None
+        if live is None or not live.HasField("decode_kv_usage")
+        else live.decode_kv_usage,
+        prefill_queue_depth=None
+        if live is None or not live.HasField("prefill_queue_depth")
+        else live.prefill_queue_depth,
+        decode_running=None
         if live is None or not live.HasField("decode_running_requests")
         else live.decode_running_requests,
     )
@@ -291,7 +295,8 @@ def add_to_server(servicer: DecisionServicer, server: grpc.aio.Server) -> None:
 
 def _describe(router: Router, tables: TableSet) -> pb.DescribeTableResponse:
     table = router.table
-    axes = table.axes
+    header = table.header
+    axes = header.axes
     response = pb.DescribeTableResponse(
         table_key=table.key,
         table_version=table.version,
@@ -303,14 +308,16 @@ def _describe(router: Router, tables: TableSet) -> pb.DescribeTableResponse:
             for w in axes.workloads
         ],
         qps_levels=axes.qps_levels,
-        default_weights=pb.Weights(w_ttft=table.default_weights.w_ttft, w_tpot=table.default_weights.w_tpot),
-        success_slo=table.min_success,
-        default_decision=pb.DECISION_LOCAL if table.default_decision == "local" else pb.DECISION_PD,
-        header_json=json.dumps(table.header, sort_keys=True),
+        default_weights=pb.Weights(
+            w_ttft=header.default_weights.w_ttft, w_tpot=header.default_weights.w_tpot
+        ),
+        success_slo=header.min_success,
+        default_decision=pb.DECISION_LOCAL if header.default_decision == "local" else pb.DECISION_PD,
+        header_json=json.dumps(table.raw_header, sort_keys=True),
         table_keys=tables.keys(),
         default_table_key=tables.default_key or "",
     )
-    for name, weights in sorted(table.profiles.items()):
+    for name, weights in sorted(header.profiles.items()):
         response.weights_profiles[name].w_ttft = weights.w_ttft
         response.weights_profiles[name].w_tpot = weights.w_tpot
     response.cells.extend(_cell_figures(router))
@@ -320,15 +327,13 @@ def _describe(router: Router, tables: TableSet) -> pb.DescribeTableResponse:
 def _cell_figures(router: Router) -> list[pb.CellFigures]:
     """Every cell's measured figures with the router's precomputed default-weight verdict."""
     table = router.table
-    axes = table.axes
+    axes = table.header.axes
     nc, nw, nq = axes.shape
     cells: list[pb.CellFigures] = []
     for c in range(nc):
         for w in range(nw):
             for q in range(nq):
-                pd_ttft, pd_tpot, lo_ttft, lo_tpot, pd_ok, lo_ok, pd_n, lo_n = (
-                    float(x) for x in table.figures[c, w, q]
-                )
+                row = table.figures[c, w, q]
                 own = router.cell(c, w, q)
                 cells.append(
                     pb.CellFigures(
@@ -338,14 +343,14 @@ def _cell_figures(router: Router) -> list[pb.CellFigures]:
                             qps_level=axes.qps_levels[q],
                         ),
                         measured=table.measured(c, w, q),
-                        pd_ttft_ms=pd_ttft,
-                        pd_tpot_ms=pd_tpot,
-                        local_ttft_ms=lo_ttft,
-                        local_tpot_ms=lo_tpot,
-                        pd_success=pd_ok,
-                        local_success=lo_ok,
-                        pd_samples=int(pd_n),
-                        local_samples=int(lo_n),
+                        pd_ttft_ms=float(row[Figure.PD_TTFT_MS]),
+                        pd_tpot_ms=float(row[Figure.PD_TPOT_MS]),
+                        local_ttft_ms=float(row[Figure.LOCAL_TTFT_MS]),
+                        local_tpot_ms=float(row[Figure.LOCAL_TPOT_MS]),
+                        pd_success=float(row[Figure.PD_SUCCESS]),
+                        local_success=float(row[Figure.LOCAL_SUCCESS]),
+                        pd_samples=int(row[Figure.PD_SAMPLES]),
+                        local_samples=int(row[Figure.LOCAL_SAMPLES]),
                         delta_ttft=own.delta_ttft,
                         delta_tpot=own.delta_tpot,
                         default_decision=_DECISION[own.verdict.local],

@@ -10,9 +10,10 @@ Layout (all integers little-endian)::
     ...        arrays    raw little-endian arrays at the offsets the header names (64-byte aligned)
     end - 32   32 bytes  SHA-256 of every byte before it
 
-The header holds the key (``<shape>/<model>``), a content-derived version, the axes, weights, the SLO,
-the default decision, live-signal limits and provenance. The one array, ``figures``, is float64 of shape
-(context, workload, qps, len(FIGURES)).
+The JSON header is a ``TableHeader`` (header.py: the key ``<shape>/<model>``, the axes, weights, the
+SLO, the default decision, live-signal limits, provenance; its fields and checks are listed there only)
+plus what this layer adds: a content-derived ``version`` and the ``arrays`` list. The one array,
+``figures``, is float64 of shape (context, workload, qps, len(Figure)).
 
 Rule 1: a file is validated completely (checksum, header, axes against arrays, finite figures) before a
 ``Table`` exists; a ``Table`` is therefore always good. Rule 2: writing is deterministic (sorted JSON keys,
@@ -27,26 +28,38 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from decision_service.axes import Axes, AxesError
+from decision_service.axes import AxesError
+from decision_service.header import (
+    FIGURES,
+    LATENCIES,
+    SUCCESS_RATES,
+    Figure,
+    HeaderError,
+    TableHeader,
+    Weights,
+)
 
 __all__ = [
+    "DIGEST_SIZE",
     "FIGURES",
     "FORMAT_VERSION",
     "MAGIC",
+    "PREAMBLE",
     "SUFFIX",
+    "Figure",
     "Table",
     "TableError",
+    "TableHeader",
     "TableSpec",
     "Weights",
     "encode_table",
@@ -56,19 +69,11 @@ __all__ = [
 MAGIC: Final = b"PPDTABLE"
 FORMAT_VERSION: Final = 1
 SUFFIX: Final = ".ppdt"
-FIGURES: Final = (
-    "pd_ttft_ms",
-    "pd_tpot_ms",
-    "local_ttft_ms",
-    "local_tpot_ms",
-    "pd_success",
-    "local_success",
-    "pd_samples",
-    "local_samples",
-)
-_PREAMBLE = struct.Struct("<8sHHI")
+#: magic, format version, reserved, header length (the layout above).
+PREAMBLE: Final = struct.Struct("<8sHHI")
+#: The trailing SHA-256.
+DIGEST_SIZE: Final = 32
 _ALIGN = 64
-_DIGEST = 32
 _DTYPE = "<f8"
 _REASONS = (
     "bad_magic",
@@ -96,64 +101,21 @@ class TableError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class Weights:
-    w_ttft: float
-    w_tpot: float
-
-    def to_json(self) -> dict[str, float]:
-        return {"w_ttft": self.w_ttft, "w_tpot": self.w_tpot}
-
-
-@dataclass(frozen=True, slots=True)
 class TableSpec:
     """Everything a table file holds; the input of ``encode_table``.
 
-    ``figures[c, w, q]`` holds FIGURES for one cell; a cell is measured when both sample counts are > 0.
+    ``figures[c, w, q]`` holds one cell's row, indexed by ``Figure``; a cell is measured when both
+    sample counts are > 0.
     """
 
-    shape: str
-    model: str
-    axes: Axes
+    header: TableHeader
     figures: Figures
-    default_weights: Weights = Weights(1.0, 1.0)
-    profiles: Mapping[str, Weights] = field(default_factory=dict)
-    min_success: float = 0.95
-    default_decision: str = "pd"
-    max_decode_kv_usage: float = 0.95
-    # Decode-load guard (route.py rule 5): above this many running requests on the session's decode
-    # worker, LOCAL turns PD unless the prefill queue is deeper than max_prefill_queue_depth. None: off.
-    max_decode_running: int | None = None
-    max_prefill_queue_depth: int | None = None
-    provenance: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def key(self) -> str:
-        return f"{self.shape}/{self.model}"
 
 
 def encode_table(spec: TableSpec) -> bytes:
     """Serialise ``spec`` (validating it first, as a reader would)."""
     figures = np.ascontiguousarray(spec.figures, dtype=_DTYPE)
-    header: dict[str, Any] = {
-        "format": "ppd-table",
-        "key": spec.key,
-        "shape": spec.shape,
-        "model": spec.model,
-        "axes": spec.axes.to_json(),
-        "figures": list(FIGURES),
-        "weights": {
-            "default": spec.default_weights.to_json(),
-            "profiles": {name: w.to_json() for name, w in sorted(spec.profiles.items())},
-        },
-        "slo": {"min_success": spec.min_success},
-        "default_decision": spec.default_decision,
-        "live": {
-            "max_decode_kv_usage": spec.max_decode_kv_usage,
-            "max_decode_running": spec.max_decode_running,
-            "max_prefill_queue_depth": spec.max_prefill_queue_depth,
-        },
-        "provenance": dict(spec.provenance),
-    }
+    header = spec.header.to_json()
     data = figures.tobytes()
     header["version"] = hashlib.sha256(_canonical(header) + data).hexdigest()[:16]
     # The array offset depends on the header length, which depends on the offset's digits: settle it.
@@ -163,12 +125,12 @@ def encode_table(spec: TableSpec) -> bytes:
             {"name": "figures", "dtype": _DTYPE, "shape": list(figures.shape), "offset": offset}
         ]
         raw = _canonical(header)
-        start = _align(_PREAMBLE.size + len(raw))
+        start = _align(PREAMBLE.size + len(raw))
         if start == offset:
             break
         offset = start
-    raw = raw.ljust(start - _PREAMBLE.size, b" ")
-    body = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(raw)) + raw + data
+    raw = raw.ljust(start - PREAMBLE.size, b" ")
+    body = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(raw)) + raw + data
     blob = body + hashlib.sha256(body).digest()
     _decode(memoryview(blob))  # never write what we would refuse to read
     return blob
@@ -194,43 +156,21 @@ def write_table(path: str | os.PathLike[str], spec: TableSpec) -> Path:
 
 class Table:
     """A validated table held in private, immutable memory (see Rule 3). ``close()`` is kept for callers
-    that release tables explicitly; it only drops the arrays."""
+    that release tables explicitly; it only drops the arrays.
 
-    __slots__ = (
-        "axes",
-        "default_decision",
-        "default_weights",
-        "figures",
-        "header",
-        "key",
-        "max_decode_kv_usage",
-        "max_decode_running",
-        "max_prefill_queue_depth",
-        "min_success",
-        "model",
-        "path",
-        "profiles",
-        "shape",
-        "version",
-    )
+    ``header`` is what the table says (``TableHeader``); ``raw_header`` the JSON header object exactly as
+    stored, ``version`` and ``arrays`` included (DescribeTable hands it out as is).
+    """
+
+    __slots__ = ("figures", "header", "key", "path", "raw_header", "version")
 
     def __init__(self, parsed: _Parsed, path: Path | None) -> None:
         self.path = path
         self.header = parsed.header
-        self.axes = parsed.axes
+        self.raw_header = parsed.raw_header
         self.figures = parsed.figures
-        h = parsed.header
-        self.key: str = h["key"]
-        self.shape: str = h["shape"]
-        self.model: str = h["model"]
-        self.version: str = h["version"]
-        self.default_weights = parsed.default_weights
-        self.profiles = parsed.profiles
-        self.min_success: float = h["slo"]["min_success"]
-        self.default_decision: str = h["default_decision"]
-        self.max_decode_kv_usage: float = h["live"]["max_decode_kv_usage"]
-        self.max_decode_running: int | None = parsed.max_decode_running
-        self.max_prefill_queue_depth: int | None = parsed.max_prefill_queue_depth
+        self.key = parsed.header.key
+        self.version: str = parsed.raw_header["version"]
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Table:
@@ -249,7 +189,7 @@ class Table:
 
     def measured(self, c: int, w: int, q: int) -> bool:
         row = self.figures[c, w, q]
-        return bool(row[6] > 0 and row[7] > 0)
+        return bool(row[Figure.PD_SAMPLES] > 0 and row[Figure.LOCAL_SAMPLES] > 0)
 
     def close(self) -> None:
         """Drop the arrays. Arrays of a closed table must not be used any more."""
@@ -261,13 +201,9 @@ class Table:
 
 @dataclass(frozen=True, slots=True)
 class _Parsed:
-    header: dict[str, Any]
-    axes: Axes
+    header: TableHeader
+    raw_header: Mapping[str, Any]
     figures: Figures
-    default_weights: Weights
-    profiles: dict[str, Weights]
-    max_decode_running: int | None
-    max_prefill_queue_depth: int | None
 
 
 def _decode(buf: memoryview) -> _Parsed:
@@ -278,62 +214,46 @@ def _decode(buf: memoryview) -> _Parsed:
         if size < len(MAGIC) and MAGIC.startswith(bytes(buf)):
             raise TableError("truncated", f"{size} bytes, shorter than the preamble")
         raise TableError("bad_magic", f"not a PPD table (magic {bytes(buf[:8])!r}, expected {MAGIC!r})")
-    if size < _PREAMBLE.size:
+    if size < PREAMBLE.size:
         raise TableError("truncated", f"{size} bytes, shorter than the preamble")
-    _, version, _, header_len = _PREAMBLE.unpack_from(buf, 0)
+    _, version, _, header_len = PREAMBLE.unpack_from(buf, 0)
     if version > FORMAT_VERSION:
         raise TableError(
             "future_version", f"format version {version}; this reader knows up to {FORMAT_VERSION}"
         )
     if version < 1:
         raise TableError("header", f"format version {version} does not exist")
-    header_end = _PREAMBLE.size + header_len
-    if size < header_end + _DIGEST:
-        raise TableError("truncated", f"{size} bytes, but the header alone needs {header_end + _DIGEST}")
-    body = buf[: size - _DIGEST]
+    header_end = PREAMBLE.size + header_len
+    if size < header_end + DIGEST_SIZE:
+        raise TableError("truncated", f"{size} bytes, but the header alone needs {header_end + DIGEST_SIZE}")
+    body = buf[: size - DIGEST_SIZE]
     _verify_digest(buf, header_end)
     try:
-        header = json.loads(bytes(buf[_PREAMBLE.size : header_end]))
+        header = json.loads(bytes(buf[PREAMBLE.size : header_end]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TableError("header", f"header is not valid JSON: {exc}") from exc
     if not isinstance(header, dict):
         raise TableError("header", "header is not a JSON object")
     try:
         return _interpret(header, body)
+    except HeaderError as exc:
+        raise TableError("header", str(exc)) from exc
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, AxesError):
             raise TableError("axes", str(exc)) from exc
         raise TableError("header", f"malformed header: {exc!r}") from exc
 
 
-def _interpret(header: dict[str, Any], body: memoryview) -> _Parsed:
-    for key in ("key", "shape", "model", "version", "default_decision"):
-        if not isinstance(header[key], str) or not header[key]:
-            raise TableError("header", f"header field {key!r} must be a non-empty string")
-    if header["key"] != f"{header['shape']}/{header['model']}":
-        raise TableError("header", f"key {header['key']!r} is not shape/model")
-    if header["default_decision"] not in ("pd", "local"):
-        raise TableError(
-            "header", f"default_decision must be 'pd' or 'local', got {header['default_decision']!r}"
-        )
-    if list(header["figures"]) != list(FIGURES):
-        raise TableError("header", f"figures {header['figures']} differ from this reader's {list(FIGURES)}")
-    axes = Axes.from_json(header["axes"])
-    default_weights = _weights(header["weights"]["default"], "default")
-    profiles = {str(n): _weights(w, n) for n, w in header["weights"]["profiles"].items()}
-    min_success = float(header["slo"]["min_success"])
-    kv_limit = float(header["live"]["max_decode_kv_usage"])
-    if not (0.0 <= min_success <= 1.0) or not (0.0 <= kv_limit <= 1.0):
-        raise TableError("header", "slo.min_success and live.max_decode_kv_usage must be within 0..1")
-    # Absent in tables written before the decode-load guard existed: the guard is off for them.
-    running_limit = _optional_count(header["live"], "max_decode_running")
-    queue_limit = _optional_count(header["live"], "max_prefill_queue_depth")
-    arrays = header["arrays"]
+def _interpret(raw: dict[str, Any], body: memoryview) -> _Parsed:
+    if not isinstance(raw["version"], str) or not raw["version"]:
+        raise TableError("header", "header field 'version' must be a non-empty string")
+    header = TableHeader.from_json(raw)
+    arrays = raw["arrays"]
     if len(arrays) != 1 or arrays[0]["name"] != "figures" or arrays[0]["dtype"] != _DTYPE:
         raise TableError("header", f"expected one {_DTYPE} array 'figures', got {arrays}")
     spec = arrays[0]
     shape = tuple(int(n) for n in spec["shape"])
-    expected = (*axes.shape, len(FIGURES))
+    expected = (*header.axes.shape, len(FIGURES))
     if shape != expected:
         raise TableError("axes", f"figures have shape {shape}, the axes need {expected}")
     offset = int(spec["offset"])
@@ -345,16 +265,7 @@ def _interpret(header: dict[str, Any], body: memoryview) -> _Parsed:
         )
     figures = np.frombuffer(body, dtype=_DTYPE, count=int(np.prod(shape)), offset=offset).reshape(shape)
     _check_figures(figures)
-    return _Parsed(header, axes, figures, default_weights, profiles, running_limit, queue_limit)
-
-
-def _optional_count(section: dict[str, Any], key: str) -> int | None:
-    value = section.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TableError("header", f"live.{key} must be a whole number >= 0 or null, got {value!r}")
-    return value
+    return _Parsed(header, raw, figures)
 
 
 def _check_figures(figures: Figures) -> None:
@@ -368,20 +279,20 @@ def _check_figures(figures: Figures) -> None:
         raise TableError(
             "figures", f"negative figure {FIGURES[bad[3]]} in cell {tuple(int(i) for i in bad[:3])}"
         )
-    if (figures[..., 4:6] > 1).any():
+    if (figures[..., SUCCESS_RATES] > 1).any():
         raise TableError("figures", "success rates must be within 0..1")
-    measured = (figures[..., 6] > 0) & (figures[..., 7] > 0)
+    measured = (figures[..., Figure.PD_SAMPLES] > 0) & (figures[..., Figure.LOCAL_SAMPLES] > 0)
     if not measured.any():
         raise TableError("empty", "no cell has measurements for both modes")
-    positive = figures[..., 0:4][measured]
+    positive = figures[..., LATENCIES][measured]
     if (positive <= 0).any():
         raise TableError("figures", "a measured cell has a zero TTFT or TPOT")
 
 
 def _verify_digest(buf: memoryview, header_end: int) -> None:
     size = len(buf)
-    if hashlib.sha256(buf[: size - _DIGEST]).digest() != bytes(buf[size - _DIGEST :]):
-        declared = _declared_size(bytes(buf[_PREAMBLE.size : header_end]))
+    if hashlib.sha256(buf[: size - DIGEST_SIZE]).digest() != bytes(buf[size - DIGEST_SIZE :]):
+        declared = _declared_size(bytes(buf[PREAMBLE.size : header_end]))
         if declared is not None and declared > size:
             raise TableError("truncated", f"{size} bytes, but the header describes {declared}")
         raise TableError("checksum", "SHA-256 of the content does not match the stored digest")
@@ -391,18 +302,9 @@ def _declared_size(raw_header: bytes) -> int | None:
     """The file size the header describes, or None when the header cannot tell (best effort)."""
     try:
         spec = json.loads(raw_header)["arrays"][0]
-        return int(spec["offset"]) + int(np.prod(spec["shape"])) * 8 + _DIGEST
+        return int(spec["offset"]) + int(np.prod(spec["shape"])) * 8 + DIGEST_SIZE
     except (ValueError, KeyError, TypeError, IndexError):
         return None
-
-
-def _weights(raw: Mapping[str, Any], name: str) -> Weights:
-    w = Weights(float(raw["w_ttft"]), float(raw["w_tpot"]))
-    if not (math.isfinite(w.w_ttft) and math.isfinite(w.w_tpot)) or w.w_ttft < 0 or w.w_tpot < 0:
-        raise TableError("header", f"weights {name!r} must be finite and non-negative")
-    if w.w_ttft == 0 and w.w_tpot == 0:
-        raise TableError("header", f"weights {name!r} are both zero")
-    return w
 
 
 def _canonical(header: Mapping[str, Any]) -> bytes:

@@ -2,13 +2,14 @@
 
 Rules:
 
-1. The table format and its validation are the decision service's (``decision_service.table``); this
-   module only fills a ``TableSpec``. ``check`` reads files back with the server's own reader.
+1. The table format and its validation are the decision service's (``decision_service.table``, the
+   header's fields in ``decision_service.header``); this module only fills a ``TableSpec`` from a
+   ``TableHeader`` and figures. ``check`` reads files back with the server's own reader.
 2. Deterministic: no clock, no environment, no dict-order or input-order dependence. The build time in
    the provenance comes from the inputs (newest record start time, newest artifact timestamp) or from an
    explicit option, so the same inputs always give the same bytes.
 3. A cell goes into the table as measured only when both static modes sent Turn-2+ requests there and
-   at least one of them completed some. Figures per mode (``FIGURES``):
+   at least one of them completed some. Figures per mode (``Figure``):
 
    - ``*_ttft_ms`` / ``*_tpot_ms``: means over completed Turn-2+ requests;
    - ``*_success``: completed / sent;
@@ -24,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -35,7 +37,8 @@ import numpy as np
 
 from decision_service.axes import Axes, paper_axes
 from decision_service.classify import CompiledClassifier
-from decision_service.table import FIGURES, TableSpec, Weights, encode_table
+from decision_service.header import Figure, TableHeader, Weights
+from decision_service.table import TableSpec, encode_table
 from ppd.catalog import TURN1_SETTINGS
 from table_builder.aggregate import (
     CellKey,
@@ -58,6 +61,7 @@ __all__ = [
     "axes_locator",
     "build_from_artifact",
     "build_from_records",
+    "default_header",
     "spec_from_measurements",
     "table_file_name",
 ]
@@ -76,24 +80,31 @@ DEFAULT_PROFILES: Final[Mapping[str, Weights]] = {
 _EPOCH_2001: Final = 978_307_200.0
 
 
+def default_header(shape: str, model: str) -> TableHeader:
+    """The header a build writes unless told otherwise (also the defaults of ``ppd-table``'s flags).
+
+    ``TableHeader``'s own defaults, plus the paper's axes, ``DEFAULT_PROFILES`` and the decode-load
+    guard (decision_service.route rule 5) on: 192 running requests is where, on the simulated H100
+    1P3D/3P1D clusters, keeping append-prefills on a loaded decode worker starts to cost more (long
+    answers timing out) than sending them through an idle P (README, "Overload"), unless the prefill
+    queue is deeper than 8.
+    """
+    return TableHeader(
+        shape=shape,
+        model=model,
+        axes=paper_axes(),
+        profiles=dict(DEFAULT_PROFILES),
+        max_decode_running=192,
+        max_prefill_queue_depth=8,
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BuildOptions:
-    """Everything a build needs besides its inputs; all of it lands in the table header."""
+    """Everything a build needs besides its inputs. ``header`` lands in the table as it is, except its
+    provenance, which the build writes (see ``spec_from_measurements``)."""
 
-    shape: str
-    model: str
-    axes: Axes = field(default_factory=paper_axes)
-    default_weights: Weights = field(default_factory=lambda: Weights(1.0, 1.0))
-    profiles: Mapping[str, Weights] = field(default_factory=lambda: dict(DEFAULT_PROFILES))
-    min_success: float = 0.95
-    default_decision: str = "pd"
-    max_decode_kv_usage: float = 0.95
-    #: The decode-load guard (decision_service.route rule 5); None turns it off. 192 running requests is
-    #: where, on the simulated H100 1P3D/3P1D clusters, keeping append-prefills on a loaded decode
-    #: worker starts to cost more (long answers timing out) than sending them through an idle P
-    #: (README, "Overload").
-    max_decode_running: int | None = 192
-    max_prefill_queue_depth: int | None = 8
+    header: TableHeader
     #: A cell whose modes sent fewer Turn-2+ requests than this is flagged low-sample (still used).
     min_samples: int = 20
     #: Censored TTFT of a mode that completed nothing in a cell (the benchmark's request timeout).
@@ -242,10 +253,10 @@ def spec_from_measurements(
     measurements: Measurements, options: BuildOptions, provenance: Mapping[str, Any]
 ) -> BuildResult:
     """Fill the figures array and the header; the summary says what each cell got."""
-    axes = options.axes
+    axes = options.header.axes
     axes.validate()
     nc, nw, nq = axes.shape
-    figures = np.zeros((nc, nw, nq, len(FIGURES)), dtype=np.float64)
+    figures = np.zeros((nc, nw, nq, len(Figure)), dtype=np.float64)
     low: list[CellNote] = []
     missing: list[CellNote] = []
     censored: list[CellNote] = []
@@ -263,12 +274,12 @@ def spec_from_measurements(
                 filled += 1
                 if censor:
                     censored.append(_with(note, censor))
-                fewest = min(int(row[6]), int(row[7]))
+                fewest = min(int(row[Figure.PD_SAMPLES]), int(row[Figure.LOCAL_SAMPLES]))
                 if fewest < options.min_samples:
                     low.append(_with(note, f"{fewest} < {options.min_samples} requests"))
     tally = measurements.tally
     summary = BuildSummary(
-        key=f"{options.shape}/{options.model}",
+        key=options.header.key,
         total_cells=nc * nw * nq,
         cells_per_context=nw * nq,
         filled=filled - len(low),
@@ -290,21 +301,10 @@ def spec_from_measurements(
         "censored_cells": [n.label() for n in censored],
         "left_out": dict(tally.left_out),
     }
-    spec = TableSpec(
-        shape=options.shape,
-        model=options.model,
-        axes=axes,
-        figures=figures,
-        default_weights=options.default_weights,
-        profiles=dict(sorted(options.profiles.items())),
-        min_success=options.min_success,
-        default_decision=options.default_decision,
-        max_decode_kv_usage=options.max_decode_kv_usage,
-        max_decode_running=options.max_decode_running,
-        max_prefill_queue_depth=options.max_prefill_queue_depth,
-        provenance=full_provenance,
+    header = dataclasses.replace(
+        options.header, profiles=dict(sorted(options.header.profiles.items())), provenance=full_provenance
     )
-    return BuildResult(spec=spec, summary=summary)
+    return BuildResult(spec=TableSpec(header, figures), summary=summary)
 
 
 def _with(note: CellNote, detail: str) -> CellNote:
@@ -335,17 +335,17 @@ def _cell_row(
         censor.append(f"local completed 0/{local.sent}")
     if pd_ttft <= 0 or local_ttft <= 0:
         return None, "zero TTFT measured", ""
-    row = (
-        pd_ttft,
-        pd_tpot,
-        local_ttft,
-        local_tpot,
-        pd.success_rate,
-        local.success_rate,
-        float(pd.sent),
-        float(local.sent),
-    )
-    return row, "", "; ".join(censor)
+    by_figure = {
+        Figure.PD_TTFT_MS: pd_ttft,
+        Figure.PD_TPOT_MS: pd_tpot,
+        Figure.LOCAL_TTFT_MS: local_ttft,
+        Figure.LOCAL_TPOT_MS: local_tpot,
+        Figure.PD_SUCCESS: pd.success_rate,
+        Figure.LOCAL_SUCCESS: local.success_rate,
+        Figure.PD_SAMPLES: float(pd.sent),
+        Figure.LOCAL_SAMPLES: float(local.sent),
+    }
+    return tuple(by_figure[f] for f in Figure), "", "; ".join(censor)
 
 
 def _iso_from_start_time(newest: float | None) -> str | None:
@@ -356,11 +356,12 @@ def _iso_from_start_time(newest: float | None) -> str | None:
 
 def build_from_records(records: Sequence[Record], options: BuildOptions) -> BuildResult:
     """Records (any order, split over files in any way) -> table spec."""
-    axes = options.axes
+    header = options.header
+    axes = header.axes
     measurements = aggregate_records(
         records,
-        shape=options.shape,
-        model=options.model,
+        shape=header.shape,
+        model=header.model,
         locate=axes_locator(axes),
         qps_levels=axes.qps_levels,
     )
@@ -368,7 +369,7 @@ def build_from_records(records: Sequence[Record], options: BuildOptions) -> Buil
     for line in sorted(r.to_json() for r in records):
         digest.update(line.encode())
         digest.update(b"\n")
-    used = [r for r in records if r.shape == options.shape and r.model == options.model]
+    used = [r for r in records if r.shape == header.shape and r.model == header.model]
     newest = max((r.start_time for r in used), default=None)
     built_at = options.built_at or _iso_from_start_time(newest)
     provenance: dict[str, Any] = {
@@ -384,9 +385,9 @@ def build_from_records(records: Sequence[Record], options: BuildOptions) -> Buil
 
 def build_from_artifact(points: Sequence[ArtifactPoint], options: BuildOptions) -> BuildResult:
     """Artifact points -> table spec."""
-    axes = options.axes
+    shape, axes = options.header.shape, options.header.axes
     measurements = aggregate_points(
-        points, shape=options.shape, locate=axes_locator(axes), qps_levels=axes.qps_levels
+        points, shape=shape, locate=axes_locator(axes), qps_levels=axes.qps_levels
     )
     canonical = json.dumps(
         sorted(
@@ -405,7 +406,7 @@ def build_from_artifact(points: Sequence[ArtifactPoint], options: BuildOptions) 
         ),
         separators=(",", ":"),
     )
-    used = [p for p in points if p.shape == options.shape]
+    used = [p for p in points if p.shape == shape]
     stamps = [p.timestamp for p in used if p.timestamp]
     built_at = options.built_at or (max(stamps) if stamps else None)
     provenance: dict[str, Any] = {

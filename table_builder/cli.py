@@ -15,138 +15,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from decision_service.table import SUFFIX, Table, TableError, Weights, write_table
+from decision_service.table import SUFFIX, Table, TableError, write_table
 from table_builder.artifact import ArtifactError, read_artifact
-from table_builder.build import (
-    DEFAULT_PROFILES,
-    BuildOptions,
-    BuildResult,
-    build_from_artifact,
-    build_from_records,
-    table_file_name,
-)
+from table_builder.build import BuildResult, build_from_artifact, build_from_records, table_file_name
+from table_builder.flags import add_build_options, options_from_args, positive_int, weights_arg
 from table_builder.records import RecordsError, read_records
 
 __all__ = ["main"]
 
 logger = logging.getLogger("table_builder")
-
-
-def _weights(text: str) -> Weights:
-    try:
-        a, b = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected W_TTFT,W_TPOT (two numbers), got {text!r}") from None
-    if not (math.isfinite(a) and math.isfinite(b)) or a < 0 or b < 0 or a == b == 0:
-        raise argparse.ArgumentTypeError(f"weights must be finite, >= 0 and not both zero, got {text!r}")
-    return Weights(a, b)
-
-
-def _profile(text: str) -> tuple[str, Weights]:
-    name, sep, rest = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=W_TTFT,W_TPOT, got {text!r}")
-    return name, _weights(rest)
-
-
-def _label(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
-def _limit(text: str) -> int | None:
-    if text == "off":
-        return None
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 or 'off', got {text}")
-    return value
-
-
-def add_build_options(p: argparse.ArgumentParser) -> None:
-    """Flags shared by ``build`` and ``sweep``: everything that lands in the table header."""
-    p.add_argument(
-        "--min-samples", type=_positive_int, default=20, help="flag cells with fewer requests per mode"
-    )
-    p.add_argument("--slo", type=_fraction, default=0.95, help="minimum success rate of a mode in a cell")
-    p.add_argument(
-        "--default-decision", choices=("pd", "local"), default="pd", help="answer for cells without data"
-    )
-    p.add_argument("--weights", type=_weights, default=Weights(1.0, 1.0), help="default W_TTFT,W_TPOT (1,1)")
-    p.add_argument(
-        "--profile",
-        type=_profile,
-        action="append",
-        metavar="NAME=W_TTFT,W_TPOT",
-        help="a named weights profile (repeatable; replaces the built-in balanced/ttft/tpot)",
-    )
-    p.add_argument(
-        "--max-kv-usage", type=_fraction, default=0.95, help="live decode KV usage above which local turns pd"
-    )
-    p.add_argument(
-        "--max-decode-running",
-        type=_limit,
-        default=192,
-        metavar="N|off",
-        help="decode-load guard: above N running requests on the session's decode worker, local turns pd "
-        "(default 192)",
-    )
-    p.add_argument(
-        "--max-prefill-queue",
-        type=_limit,
-        default=8,
-        metavar="N|off",
-        help="...unless the prefill queue is deeper than N (then P is the scarcer side; default 8)",
-    )
-    p.add_argument(
-        "--timeout-ms", type=float, default=30_000.0, help="censored TTFT of a mode that completed nothing"
-    )
-    p.add_argument(
-        "--label",
-        type=_label,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="provenance label (repeatable)",
-    )
-    p.add_argument("--built-at", help="ISO 8601 build time for the provenance (default: from the inputs)")
-
-
-def options_from_args(
-    args: argparse.Namespace, *, shape: str, labels: dict[str, str] | None = None
-) -> BuildOptions:
-    profiles = dict(args.profile) if args.profile else dict(DEFAULT_PROFILES)
-    return BuildOptions(
-        shape=shape,
-        model=args.model,
-        default_weights=args.weights,
-        profiles=profiles,
-        min_success=args.slo,
-        default_decision=args.default_decision,
-        max_decode_kv_usage=args.max_kv_usage,
-        max_decode_running=args.max_decode_running,
-        max_prefill_queue_depth=args.max_prefill_queue,
-        min_samples=args.min_samples,
-        timeout_ms=args.timeout_ms,
-        labels={**dict(args.label), **(labels or {})},
-        built_at=args.built_at,
-    )
 
 
 def _is_folder(raw: str) -> bool:
@@ -206,7 +83,7 @@ def _record_paths(targets: Sequence[Path]) -> list[Path]:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     options = options_from_args(args, shape=args.shape)
-    out = resolve_out(args.out, options.shape, options.model)
+    out = resolve_out(args.out, options.header.shape, options.header.model)
     try:
         if args.records:
             records = read_records(_record_paths(args.records))
@@ -253,7 +130,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"FAIL {path}: unreadable: {exc.strerror or exc}")
             continue
         try:
-            nc, nw, nq = table.axes.shape
+            nc, nw, nq = table.header.axes.shape
             measured = sum(table.measured(c, w, q) for c in range(nc) for w in range(nw) for q in range(nq))
             cells = f"{measured}/{nc * nw * nq} cells measured"
             print(f"ok   {path}: key {table.key}, version {table.version}, {cells}")
@@ -274,14 +151,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"FAIL {args.file}: unreadable: {exc.strerror or exc}")
         return 1
     try:
-        if args.profile is not None and args.profile not in table.profiles:
-            known = ", ".join(sorted(table.profiles)) or "none"
+        profiles = table.header.profiles
+        if args.profile is not None and args.profile not in profiles:
+            known = ", ".join(sorted(profiles)) or "none"
             print(f"unknown profile {args.profile!r}; table {table.key} has: {known}")
             return 1
         grid = decision_grid(table, weights=args.weights, profile=args.profile)
         print(format_grid(grid, scores=args.scores))
         if args.provenance:
-            print(json.dumps(table.header.get("provenance", {}), indent=2, sort_keys=True))
+            print(json.dumps(table.header.provenance, indent=2, sort_keys=True))
         if args.png is not None:
             from table_builder.heatmap import PlotsMissingError, write_heatmap
 
@@ -422,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("file", type=Path, metavar="FILE", help="a table file")
     who = show.add_mutually_exclusive_group()
-    who.add_argument("--weights", type=_weights, help="W_TTFT,W_TPOT instead of the table's default")
+    who.add_argument("--weights", type=weights_arg, help="W_TTFT,W_TPOT instead of the table's default")
     who.add_argument("--profile", help="one of the table's named weights profiles")
     show.add_argument("--scores", action="store_true", help="print the score S next to each decision")
     show.add_argument("--provenance", action="store_true", help="print the table's provenance as JSON")
@@ -450,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
     )
     sweep.add_argument("--seed", type=int, default=0, help="seed of every point's arrivals and noise")
-    sweep.add_argument("--jobs", type=_positive_int, default=1, help="points run in parallel processes")
+    sweep.add_argument("--jobs", type=positive_int, default=1, help="points run in parallel processes")
     sweep.add_argument("--out", type=Path, required=True, help="sweep folder: records/, sweep.json, tables")
     sweep.add_argument(
         "--publish", help="table file, or folder (existing, or ending in /) to publish into (default: --out)"

@@ -20,7 +20,7 @@ from typing import Final
 from decision_service.table import write_table
 from ppd.catalog import WORKLOADS
 from table_builder.analytic import AnalyticEngine
-from table_builder.build import BuildOptions, build_from_records, table_file_name
+from table_builder.build import BuildOptions, build_from_records, default_header, table_file_name
 from table_builder.records import Record, read_records, write_records
 from table_builder.sweep import SweepPlan
 
@@ -31,7 +31,7 @@ MODEL: Final = "llama-3.1-8b"
 RECORDS: Final = Path("tables/example/records.jsonl")
 TABLE: Final = Path("tables/example") / table_file_name(SHAPE, MODEL)
 EXAMPLE_OPTIONS: Final = BuildOptions(
-    shape=SHAPE, model=MODEL, min_samples=5, labels={"engine": "analytic", "example": "true"}
+    header=default_header(SHAPE, MODEL), min_samples=5, labels={"engine": "analytic", "example": "true"}
 )
 _PLAN: Final = SweepPlan((SHAPE,), MODEL, ("pd", "local"), WORKLOADS, (1.0, 8.0, 20.0))
 _ENGINE: Final = AnalyticEngine(conversations=5, seed=2026)

@@ -14,8 +14,9 @@ from typing import Final
 
 from decision_service.axes import Axes
 from decision_service.classify import CompiledClassifier
+from decision_service.header import TableHeader, Weights
 from decision_service.route import Query, Reason, Router
-from decision_service.table import Table, Weights
+from decision_service.table import Table
 
 __all__ = ["LEGEND", "Grid", "GridCell", "decision_grid", "format_grid", "live_limits", "probe_shapes"]
 
@@ -66,13 +67,13 @@ class Grid:
     live: str | None = None
 
 
-def live_limits(table: Table) -> str:
+def live_limits(header: TableHeader) -> str:
     """The header's live-signal limits in words."""
-    parts = [f"decode KV usage > {table.max_decode_kv_usage:g}"]
-    if table.max_decode_running is not None:
-        guard = f"decode running requests > {table.max_decode_running}"
-        if table.max_prefill_queue_depth is not None:
-            guard += f" (unless the prefill queue is > {table.max_prefill_queue_depth})"
+    parts = [f"decode KV usage > {header.max_decode_kv_usage:g}"]
+    if header.max_decode_running is not None:
+        guard = f"decode running requests > {header.max_decode_running}"
+        if header.max_prefill_queue_depth is not None:
+            guard += f" (unless the prefill queue is > {header.max_prefill_queue_depth})"
         parts.append(guard)
     return "live signals turn local into pd: " + "; ".join(parts)
 
@@ -116,13 +117,14 @@ def probe_shapes(axes: Axes) -> tuple[tuple[int, int] | None, ...]:
 def decision_grid(table: Table, *, weights: Weights | None = None, profile: str | None = None) -> Grid:
     """Ask the router every cell of ``table`` under the default weights, a profile, or given weights."""
     router = Router(table)
-    axes = table.axes
+    header = table.header
+    axes = header.axes
     if weights is not None:
         used, label = weights, "given"
     elif profile is not None:
-        used, label = table.profiles[profile], f"profile {profile}"
+        used, label = header.profiles[profile], f"profile {profile}"
     else:
-        used, label = table.default_weights, "table default"
+        used, label = header.default_weights, "table default"
     shapes = probe_shapes(axes)
     rows = []
     for c in range(len(axes.context_classes)):
@@ -139,7 +141,7 @@ def decision_grid(table: Table, *, weights: Weights | None = None, profile: str 
                 cells.append(GridCell(v.local, v.reason, v.score))
             per_workload.append(tuple(cells))
         rows.append(tuple(per_workload))
-    return Grid(table.key, table.version, used, label, axes, tuple(rows), live_limits(table))
+    return Grid(table.key, table.version, used, label, axes, tuple(rows), live_limits(header))
 
 
 def _context_range(axes: Axes, c: int) -> str:

@@ -9,6 +9,8 @@ A query the rule refuses (``QueryError``) takes PD, as the gateway's fallback wo
 
 from __future__ import annotations
 
+import dataclasses
+
 from decision_service.route import Query, QueryError, Router, check_query
 from decision_service.table import Table, Weights
 
@@ -34,7 +36,7 @@ class TableRouter:
     def local(self, conversation_id: str, query: Query) -> bool:
         del conversation_id
         if self._weights is not None:
-            query = query._replace(weights=self._weights)
+            query = dataclasses.replace(query, weights=self._weights)
         try:
             check_query(query, self._table)
         except QueryError:

@@ -15,9 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.gateway.processes import Process
+from tests.support.metrics import samples
 
 __all__ = ["Cluster", "Response", "http"]
 
@@ -70,13 +69,8 @@ class Cluster:
 
     def samples(self, worker_id: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
         """Every sample called ``name`` on the worker's /metrics, by its sorted labels."""
-        text = http(self.url(worker_id) + "/metrics").body.decode()
-        found: dict[tuple[tuple[str, str], ...], float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name:
-                    found[tuple(sorted(sample.labels.items()))] = sample.value
-        return found
+        found = samples(http(self.url(worker_id) + "/metrics").body, name)
+        return {tuple(sorted(labels)): value for (_, labels), value in found.items()}
 
     def metric(self, worker_id: str, name: str, **labels: str) -> float:
         """The sum of ``name``'s samples whose labels include ``labels``."""

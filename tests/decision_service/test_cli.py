@@ -18,6 +18,7 @@ from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 from tests.decision_service.harness import turn2
 from tests.decision_service.process import ServeProcess, serve_process
 from tests.decision_service.tables import DEFAULT_KEY, version_of, write_table_file
+from tests.support.metrics import sample, samples
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
@@ -42,12 +43,12 @@ async def test_serve_announces_ports_answers_and_exports_metrics(loaded_dir: Pat
             with pytest.raises(grpc.aio.AioRpcError):
                 await stub.Route(turn2(turn=0))
         text = scrape(served)
-        assert "ppd_decisions_total{" in text
-        assert "ppd_route_latency_seconds_bucket" in text
-        assert 'ppd_table_reloads_total{result="loaded"} 1.0' in text
-        labels = f'file="{loaded_dir / "1p3d.ppdt"}",key="{DEFAULT_KEY}",version="{version_of()}"'
-        assert f"ppd_table_info{{{labels}}} 1.0" in text
-        assert 'ppd_route_errors_total{code="INVALID_ARGUMENT"} 1.0' in text
+        assert samples(text, "ppd_decisions_total")
+        assert samples(text, "ppd_route_latency_seconds_bucket")
+        assert sample(text, "ppd_table_reloads_total", result="loaded") == 1
+        file = str(loaded_dir / "1p3d.ppdt")
+        assert sample(text, "ppd_table_info", file=file, key=DEFAULT_KEY, version=version_of()) == 1
+        assert sample(text, "ppd_route_errors_total", code="INVALID_ARGUMENT") == 1
         status, log = served.stop()
         assert status == 0, log
         assert "Traceback" not in log
@@ -69,7 +70,7 @@ async def test_poll_picks_up_a_new_table_and_rejects_a_bad_one(tables_dir: Path)
             (tables_dir / "a.ppdt").write_bytes(b"garbage, not a table")
 
             async def rejected() -> bool:
-                return 'ppd_table_reloads_total{result="bad_magic"} 1.0' in scrape(served)
+                return sample(scrape(served), "ppd_table_reloads_total", result="bad_magic") == 1
 
             await eventually(rejected)
             stub = pb_grpc.DecisionServiceStub(channel)
@@ -150,11 +151,7 @@ def test_workers_share_one_port(loaded_dir: Path) -> None:
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{worker['metrics']}/metrics", timeout=10
             ) as response:
-                counts = [
-                    float(line.rsplit(" ", 1)[1])
-                    for line in response.read().decode().splitlines()
-                    if line.startswith("ppd_decisions_total{")
-                ]
+                counts = samples(response.read(), "ppd_decisions_total").values()
             if sum(counts) > 0:
                 answered.add(worker["pid"])
         status, log = served.stop()

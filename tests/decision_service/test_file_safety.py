@@ -23,6 +23,7 @@ from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 from tests.decision_service.harness import turn2
 from tests.decision_service.process import ServeProcess, serve_process
 from tests.decision_service.tables import table_bytes, write_table_file
+from tests.support.metrics import sample
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,7 @@ def rejected_as(served: ServeProcess, reason: str) -> Callable[[], Awaitable[boo
 
     async def check() -> bool:
         text = await asyncio.to_thread(scrape)
-        return f'ppd_table_reloads_total{{result="{reason}"}} 1.0' in text
+        return sample(text, "ppd_table_reloads_total", result=reason) == 1
 
     return check
 
@@ -54,7 +55,7 @@ async def _assert_serves(stub: pb_grpc.DecisionServiceAsyncStub, expected: Table
     described = await stub.DescribeTable(pb.DescribeTableRequest())
     answer = await stub.Route(turn2())
     assert described.table_version == answer.table_version == expected.version
-    nc, nw, nq = expected.axes.shape
+    nc, nw, nq = expected.header.axes.shape
     assert np.array_equal(_figures(described), expected.figures.reshape(nc * nw * nq, len(FIGURES)))
     [cell] = [
         c

@@ -12,12 +12,13 @@ from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
 from decision_service.table import Table
 from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, version_of, write_table_file
+from tests.support.metrics import sample
 from tests.support.polling import eventually
 from tests.support.tables import bad_fixtures
 
 
 def reloads(metrics: DecisionMetrics, result: str) -> float:
-    return metrics.registry.get_sample_value("ppd_table_reloads_total", {"result": result}) or 0.0
+    return sample(metrics.registry, "ppd_table_reloads_total", result=result) or 0.0
 
 
 def version(tables: TableSet, key: str = DEFAULT_KEY) -> str:
@@ -39,9 +40,9 @@ def test_loads_every_valid_file_and_picks_a_default(tables_dir: Path, metrics: D
     assert holder.current.default_key == DEFAULT_KEY  # first in sorted order at the first load
     assert holder.current.ready
     assert reloads(metrics, "loaded") == 2
-    assert metrics.registry.get_sample_value("ppd_tables_loaded") == 2
+    assert sample(metrics.registry, "ppd_tables_loaded") == 2
     labels = {"key": OTHER_KEY, "version": version_of(OTHER_KEY), "file": str(tables_dir / "a.ppdt")}
-    assert metrics.registry.get_sample_value("ppd_table_info", labels) == 1
+    assert sample(metrics.registry, "ppd_table_info", labels) == 1
 
 
 def test_configured_default_key_wins(tables_dir: Path) -> None:
@@ -97,9 +98,9 @@ def test_changed_file_is_picked_up_with_one_swap(tables_dir: Path, metrics: Deci
     assert before is not after
     assert version(before) == v1  # an in-flight request keeps its snapshot
     assert version(after) == v2
-    info = metrics.registry.get_sample_value
-    assert info("ppd_table_info", {"key": DEFAULT_KEY, "version": v2, "file": str(path)}) == 1
-    assert info("ppd_table_info", {"key": DEFAULT_KEY, "version": v1, "file": str(path)}) is None
+    registry = metrics.registry
+    assert sample(registry, "ppd_table_info", key=DEFAULT_KEY, version=v2, file=str(path)) == 1
+    assert sample(registry, "ppd_table_info", key=DEFAULT_KEY, version=v1, file=str(path)) is None
 
 
 def test_unchanged_directory_keeps_the_same_snapshot(tables_dir: Path) -> None:

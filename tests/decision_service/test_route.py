@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decision_service.axes import paper_axes
-from decision_service.classify import context_class, qps_index, workload_class
 from decision_service.route import MAX_TOKENS, Query, QueryError, Reason, Router, check_query, route
-from decision_service.table import Table, TableSpec, Weights, encode_table
-from tests.support.tables import synthetic_spec
+from decision_service.table import Figure, Table, Weights, encode_table
+from tests.support.tables import row, synthetic_spec, with_header
 
 
 @pytest.fixture(scope="module")
@@ -24,46 +21,6 @@ def table() -> Table:
 @pytest.fixture(scope="module")
 def router(table: Table) -> Router:
     return Router(table)
-
-
-@pytest.mark.parametrize(
-    ("n_in", "n_out", "expected"),
-    [
-        (8, 64, "tiny"),
-        # The benchmark's "tiny" turn (16 in, 32 out) has r = 0.5: the live rule calls it balanced.
-        (16, 32, "small_bal"),
-        (32, 256, "short_gen"),
-        (32, 512, "long_gen"),
-        (64, 1024, "very_long_gen"),
-        (64, 64, "small_bal"),
-        (128, 128, "mid_bal"),
-        (256, 64, "mid_paste"),
-        (512, 64, "big_paste"),
-        (1024, 32, "huge_paste"),
-        (5, 0, "mid_paste"),  # n_out 0 counts as 1: r = 5
-        (0, 0, "tiny"),
-        (10, 65, "short_gen"),
-    ],
-)
-def test_workload_classes_of_the_paper(n_in: int, n_out: int, expected: str) -> None:
-    axes = paper_axes()
-    assert axes.workloads[workload_class(axes, n_in, n_out)].name == expected
-
-
-@pytest.mark.parametrize(
-    ("n_ctx", "expected"), [(0, "small"), (512, "small"), (513, "large"), (4096, "large"), (4097, "huge")]
-)
-def test_context_classes(n_ctx: int, expected: str) -> None:
-    axes = paper_axes()
-    assert axes.context_classes[context_class(axes, n_ctx)] == expected
-
-
-@pytest.mark.parametrize(
-    ("qps", "level"), [(0.0, 0.5), (0.75, 0.5), (0.8, 1.0), (3.0, 2.0), (3.1, 4.0), (99.0, 20.0)]
-)
-def test_qps_snaps_to_nearest_level_ties_down(qps: float, level: float) -> None:
-    axes = paper_axes()
-    assert axes.qps_levels[qps_index(axes, qps)] == level
 
 
 def test_turn_one_is_always_pd(router: Router) -> None:
@@ -88,13 +45,15 @@ def test_heavy_tpot_weight_flips_to_pd_and_says_weights(router: Router) -> None:
 def test_named_profile_is_applied(router: Router, table: Table) -> None:
     q = Query(turn=3, n_in=128, n_out=128, n_ctx=1000, qps=4.0, profile="tpot")
     v = router.route(q)
-    w = table.profiles["tpot"]
-    direct = router.route(q._replace(profile=None, weights=w))
+    w = table.header.profiles["tpot"]
+    direct = router.route(dataclasses.replace(q, profile=None, weights=w))
     assert v == direct
 
 
 def test_default_weights_given_explicitly_say_table(router: Router, table: Table) -> None:
-    v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, weights=table.default_weights))
+    v = router.route(
+        Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, weights=table.header.default_weights)
+    )
     assert v.reason is Reason.TABLE
 
 
@@ -106,8 +65,8 @@ def test_pd_failing_its_slo_forces_local_whatever_the_weights(router: Router) ->
 def test_local_failing_its_slo_forces_pd() -> None:
     spec = synthetic_spec(holes=False)
     fig = spec.figures.copy()
-    fig[1, 5, :, 5] = 0.5  # local success 50 % in (large, mid_bal)
-    table = Table.from_bytes(encode_table(_with(spec, fig)))
+    fig[1, 5, :, Figure.LOCAL_SUCCESS] = 0.5  # in (large, mid_bal)
+    table = Table.from_bytes(encode_table(dataclasses.replace(spec, figures=fig)))
     v = Router(table).route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, weights=Weights(100, 0)))
     assert (v.local, v.reason) == (False, Reason.LOCAL_FAILED_IN_CELL)
 
@@ -119,7 +78,9 @@ def test_missing_qps_level_uses_nearest_measured_and_says_so(router: Router, tab
     assert v.qps_level == 8.0
     assert "no measurements at 10 QPS; nearest measured level 8" in v.detail
     # ...and it is scored with the 8-QPS cell's own figures: S = w_ttft*dTTFT - w_tpot*dTPOT, (1, 1).
-    pd_ttft, pd_tpot, lo_ttft, lo_tpot = (float(x) for x in table.figures[0, 0, 5, :4])
+    row = table.figures[0, 0, 5]
+    pd_ttft, pd_tpot = float(row[Figure.PD_TTFT_MS]), float(row[Figure.PD_TPOT_MS])
+    lo_ttft, lo_tpot = float(row[Figure.LOCAL_TTFT_MS]), float(row[Figure.LOCAL_TPOT_MS])
     assert v.score == 1.0 * ((pd_ttft - lo_ttft) / pd_ttft) - 1.0 * ((lo_tpot - pd_tpot) / pd_tpot)
 
 
@@ -127,8 +88,17 @@ def _uniform_table(pd_ttft: float, pd_tpot: float, local_ttft: float, local_tpot
     """Every cell measured with the same figures, both modes meeting the SLO, default weights (1, 1)."""
     spec = synthetic_spec(holes=False)
     fig = spec.figures.copy()
-    fig[...] = (pd_ttft, pd_tpot, local_ttft, local_tpot, 1.0, 1.0, 40, 40)
-    return Table.from_bytes(encode_table(_with(spec, fig)))
+    fig[...] = row(
+        pd_ttft_ms=pd_ttft,
+        pd_tpot_ms=pd_tpot,
+        local_ttft_ms=local_ttft,
+        local_tpot_ms=local_tpot,
+        pd_success=1.0,
+        local_success=1.0,
+        pd_samples=40,
+        local_samples=40,
+    )
+    return Table.from_bytes(encode_table(dataclasses.replace(spec, figures=fig)))
 
 
 @pytest.mark.parametrize(
@@ -169,7 +139,7 @@ def test_high_decode_kv_usage_turns_local_into_pd(router: Router) -> None:
 
 @pytest.fixture(scope="module")
 def guarded() -> Router:
-    spec = dataclasses.replace(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
+    spec = with_header(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
     return Router(Table.from_bytes(encode_table(spec)))
 
 
@@ -212,7 +182,7 @@ def test_decode_load_guard_never_turns_pd_into_local(guarded: Router) -> None:
 
 
 def test_a_table_without_a_decode_limit_ignores_the_running_count(router: Router) -> None:
-    assert router.table.max_decode_running is None
+    assert router.table.header.max_decode_running is None
     v = router.route(local_cell(running=1_000_000, queue=0))
     assert (v.local, v.reason) == (True, Reason.TABLE)
 
@@ -262,7 +232,15 @@ def test_rule_is_total(
     weights: tuple[float, float] | None,
     kv: float | None,
 ) -> None:
-    q = Query(turn, n_in, n_out, n_ctx, qps, Weights(*weights) if weights else None, None, kv)
+    q = Query(
+        turn=turn,
+        n_in=n_in,
+        n_out=n_out,
+        n_ctx=n_ctx,
+        qps=qps,
+        weights=Weights(*weights) if weights else None,
+        decode_kv_usage=kv,
+    )
     check_query(q, table)
     v = router.route(q)
     assert isinstance(v.local, bool)
@@ -270,9 +248,3 @@ def test_rule_is_total(
     assert (turn == 1) == (v.reason is Reason.TURN_ONE)
     if v.local and v.reason in (Reason.TABLE, Reason.WEIGHTS):
         assert v.score > 0
-
-
-def _with(spec: TableSpec, figures: np.ndarray) -> TableSpec:
-    return TableSpec(
-        shape=spec.shape, model=spec.model, axes=spec.axes, figures=figures, profiles=spec.profiles
-    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -15,7 +14,8 @@ from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 from tests.decision_service.harness import Running, start_server, turn2
 from tests.decision_service.tables import DEFAULT_KEY, OTHER_KEY, version_of, write_table_file
-from tests.support.tables import synthetic_spec
+from tests.support.metrics import sample
+from tests.support.tables import synthetic_spec, with_header
 
 
 async def route_error(running: Running, request: pb.RouteRequest) -> grpc.aio.AioRpcError:
@@ -256,15 +256,13 @@ async def test_live_kv_usage_above_the_limit_turns_local_into_pd(running: Runnin
 
 
 async def test_live_decode_load_above_the_tables_limit_turns_local_into_pd(running: Running) -> None:
-    spec = dataclasses.replace(
-        synthetic_spec(shape="3P1D"), max_decode_running=100, max_prefill_queue_depth=4
-    )
+    spec = with_header(synthetic_spec(shape="3P1D"), max_decode_running=100, max_prefill_queue_depth=4)
     write_table(running.tables_dir / "guarded.ppdt", spec)
     await running.holder.refresh()
     local_weights = pb.Weights(w_ttft=1.0, w_tpot=0.0)
 
     def ask(live: pb.LiveSignals) -> pb.RouteRequest:
-        return turn2(table_key=spec.key, weights=local_weights, live=live)
+        return turn2(table_key=spec.header.key, weights=local_weights, live=live)
 
     quiet = await running.stub.Route(ask(pb.LiveSignals(decode_running_requests=100, prefill_queue_depth=0)))
     assert quiet.decision == pb.DECISION_LOCAL
@@ -318,7 +316,7 @@ async def test_an_unexpected_failure_is_internal_and_logged_never_raised(
 async def test_decisions_and_errors_are_counted(running: Running) -> None:
     await running.stub.Route(turn2(turn=1))
     await route_error(running, turn2(turn=0))
-    sample = running.metrics.registry.get_sample_value
-    assert sample("ppd_decisions_total", {"decision": "pd", "reason": "turn_one"}) == 1
-    assert sample("ppd_route_errors_total", {"code": "INVALID_ARGUMENT"}) == 1
-    assert sample("ppd_route_latency_seconds_count") == 1
+    registry = running.metrics.registry
+    assert sample(registry, "ppd_decisions_total", decision="pd", reason="turn_one") == 1
+    assert sample(registry, "ppd_route_errors_total", code="INVALID_ARGUMENT") == 1
+    assert sample(registry, "ppd_route_latency_seconds_count") == 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +13,16 @@ from hypothesis import strategies as st
 from decision_service.axes import paper_axes
 from decision_service.table import (
     _REASONS,
-    FIGURES,
+    Figure,
     Table,
     TableError,
+    TableHeader,
     TableSpec,
     Weights,
     encode_table,
     write_table,
 )
-from tests.support.tables import bad_cases, bad_fixtures, patch_header, synthetic_spec
+from tests.support.tables import bad_cases, bad_fixtures, patch_header, row, synthetic_spec, with_header
 
 FIXTURES = Path(__file__).resolve().parent.parent / "testdata" / "tables"
 
@@ -40,9 +39,9 @@ def test_good_fixture_opens_with_its_header() -> None:
     table = Table.open(FIXTURES / "good.ppdt")
     try:
         assert table.key == "1P3D/llama-3.1-8b"
-        assert table.axes == paper_axes()
-        assert table.figures.shape == (3, 9, 10, len(FIGURES))
-        assert table.profiles["ttft"] == Weights(1.0, 0.2)
+        assert table.header.axes == paper_axes()
+        assert table.figures.shape == (3, 9, 10, len(Figure))
+        assert table.header.profiles["ttft"] == Weights(1.0, 0.2)
         assert table.measured(1, 0, 0)
         assert not table.measured(2, 0, 0)
     finally:
@@ -110,19 +109,19 @@ def test_every_reader_reason_about_content_has_a_fixture() -> None:
 
 
 def test_decode_guard_limits_round_trip() -> None:
-    spec = dataclasses.replace(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
+    spec = with_header(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
     table = Table.from_bytes(encode_table(spec))
-    assert (table.max_decode_running, table.max_prefill_queue_depth) == (192, 8)
-    assert table.header["live"]["max_decode_running"] == 192
+    assert (table.header.max_decode_running, table.header.max_prefill_queue_depth) == (192, 8)
+    assert table.raw_header["live"]["max_decode_running"] == 192
 
 
 def test_a_table_written_before_the_decode_guard_loads_with_the_guard_off() -> None:
     def drop(header: dict[str, Any]) -> None:
         del header["live"]["max_decode_running"], header["live"]["max_prefill_queue_depth"]
 
-    guarded = dataclasses.replace(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
+    guarded = with_header(synthetic_spec(), max_decode_running=192, max_prefill_queue_depth=8)
     table = Table.from_bytes(patch_header(encode_table(guarded), drop))
-    assert (table.max_decode_running, table.max_prefill_queue_depth) == (None, None)
+    assert (table.header.max_decode_running, table.header.max_prefill_queue_depth) == (None, None)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "9", True])
@@ -152,7 +151,19 @@ def test_same_spec_gives_same_bytes_and_version_tracks_content() -> None:
 
 def test_arrays_are_aligned_to_64_bytes() -> None:
     table = Table.from_bytes(encode_table(synthetic_spec()))
-    assert table.header["arrays"][0]["offset"] % 64 == 0
+    assert table.raw_header["arrays"][0]["offset"] % 64 == 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    [FIXTURES / "good.ppdt", *sorted((FIXTURES.parent.parent.parent / "tables").rglob("*.ppdt"))],
+    ids=lambda p: p.name if p.parent.name != "example" else f"example/{p.name}",
+)
+def test_a_table_read_and_written_again_is_the_same_bytes(path: Path) -> None:
+    """The header value type carries every field: nothing a reader drops, nothing a writer adds."""
+    blob = path.read_bytes()
+    table = Table.from_bytes(blob)
+    assert encode_table(TableSpec(table.header, table.figures)) == blob
 
 
 def test_write_publishes_atomically_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -163,7 +174,7 @@ def test_write_publishes_atomically_and_leaves_no_temp(tmp_path: Path) -> None:
 
 def test_encoder_refuses_a_spec_it_could_not_read() -> None:
     spec = synthetic_spec()
-    bad = TableSpec(shape=spec.shape, model=spec.model, axes=spec.axes, figures=spec.figures[:, :, :-1])
+    bad = TableSpec(spec.header, spec.figures[:, :, :-1])
     with pytest.raises(TableError, match="axes"):
         encode_table(bad)
 
@@ -184,21 +195,23 @@ def test_write_read_round_trip(
     ttft: float, tpot: float, success: float, samples: int, w: tuple[float, float], profile: str
 ) -> None:
     axes = paper_axes()
-    fig = np.zeros((*axes.shape, len(FIGURES)))
-    fig[...] = (ttft, tpot, ttft / 2, tpot * 1.1, success, 1.0, samples, samples)
-    spec = TableSpec(
-        shape="2P2D",
-        model="m",
-        axes=axes,
-        figures=fig,
-        default_weights=Weights(*w),
-        profiles={profile: Weights(*w)},
+    fig = np.zeros((*axes.shape, len(Figure)))
+    fig[...] = row(
+        pd_ttft_ms=ttft,
+        pd_tpot_ms=tpot,
+        local_ttft_ms=ttft / 2,
+        local_tpot_ms=tpot * 1.1,
+        pd_success=success,
+        local_success=1.0,
+        pd_samples=samples,
+        local_samples=samples,
     )
-    table = Table.from_bytes(encode_table(spec))
+    header = TableHeader(
+        shape="2P2D", model="m", axes=axes, default_weights=Weights(*w), profiles={profile: Weights(*w)}
+    )
+    table = Table.from_bytes(encode_table(TableSpec(header, fig)))
     assert np.array_equal(table.figures, fig)
-    assert table.default_weights == Weights(*w)
-    assert table.profiles == {profile: Weights(*w)}
-    assert math.isclose(table.min_success, spec.min_success)
+    assert table.header == header
 
 
 @settings(max_examples=200, deadline=None)

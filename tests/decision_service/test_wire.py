@@ -17,6 +17,7 @@ from decision_service.servicer import BATCH_SLICE, DecisionServicer
 from decision_service.wire import RateLimitedLog
 from ppd.decision.v1 import decision_pb2 as pb
 from tests.decision_service.harness import Running, start_server, turn2
+from tests.support.metrics import sample
 
 SERVICE = "/ppd.decision.v1.DecisionService/"
 GARBAGE = b"\xff" * 12  # field number 0x1fffffff... with a truncated varint: never a valid message
@@ -58,8 +59,7 @@ async def test_garbage_is_invalid_argument_with_one_short_line_not_a_traceback(
     lines = [r for r in caplog.records if "malformed" in r.getMessage()]
     assert 1 <= len(lines) < 20  # rate-limited: a client cannot flood the log
     assert "\n" not in lines[0].getMessage()
-    sample = running.metrics.registry.get_sample_value
-    assert sample("ppd_route_errors_total", {"code": "INVALID_ARGUMENT"}) == 20
+    assert sample(running.metrics.registry, "ppd_route_errors_total", code="INVALID_ARGUMENT") == 20
 
 
 async def test_a_unary_call_with_two_messages_is_refused(running: Running) -> None:

@@ -21,6 +21,7 @@ from simulator.core.topology import Topology
 from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
 from simulator.server.worker import Worker
 from simulator.server.worker_group import GroupSettings, WorkerGroup
+from tests.support.metrics import sample
 
 pytestmark = pytest.mark.integration
 
@@ -38,8 +39,7 @@ class _Stack:
         return str(self.server.make_url("/v1/chat/completions"))
 
     def inflight(self) -> float:
-        value: float = self.server.app[DEPS].metrics.inflight._value.get()
-        return value
+        return sample(self.server.app[DEPS].metrics.registry, "ppd_gateway_requests_in_flight") or 0.0
 
 
 @asynccontextmanager

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from tests.gateway.conftest import MODEL, Reply, Stack, StackFactory
+from tests.support.metrics import sample
 
 
 async def _two_turns(stack: Stack, *, stream: bool = False) -> tuple[Reply, list[dict[str, Any]]]:
@@ -147,7 +148,8 @@ async def test_prefill_timeout_retries_on_another_p(make_stack: StackFactory) ->
     stack.workers["P1"].knobs.hang = True
     reply = await stack.chat([{"role": "user", "content": "x"}])
     assert (reply.status, reply.path, reply.reason) == (200, "local", "prefill_failed")
-    assert stack.deps.metrics.upstream_errors.labels("P0", "prefill", "timeout")._value.get() == 1
+    labels = {"worker": "P0", "role": "prefill", "kind": "timeout"}
+    assert sample(stack.deps.metrics.registry, "ppd_gateway_upstream_errors_total", labels) == 1
 
 
 async def test_prefill_client_error_is_passed_on_without_retry(make_stack: StackFactory) -> None:
@@ -186,7 +188,7 @@ async def test_decode_breaks_mid_stream_gives_an_sse_error_event_then_done(make_
     assert reply.events[-1] == "[DONE]"
     assert "error" in reply.events[-2]
     assert reply.events[-2]["error"]["code"] == 502
-    assert stack.deps.metrics.stream_errors.labels("upstream")._value.get() == 1
+    assert sample(stack.deps.metrics.registry, "ppd_gateway_stream_errors_total", cause="upstream") == 1
 
 
 async def test_stream_without_done_is_reported_not_hidden(make_stack: StackFactory) -> None:
@@ -234,7 +236,7 @@ async def test_sessions_decode_worker_died_rebinds_through_p(make_stack: StackFa
         new,
         "3",
     )
-    assert stack.deps.metrics.rebinds._value.get() == 1
+    assert sample(stack.deps.metrics.registry, "ppd_gateway_session_rebinds_total") == 1
 
 
 async def test_sessions_decode_worker_left_the_pool_rebinds_through_p(make_stack: StackFactory) -> None:
@@ -283,10 +285,10 @@ async def test_client_disconnect_while_waiting_for_p_cancels_p(make_stack: Stack
     # The gateway's handler is cancelled and closes its P request: P sees the abort, D sees nothing.
     await asyncio.wait_for(stack.workers["P0"].aborted_event.wait(), timeout=30)
     for _ in range(200):
-        if stack.deps.metrics.inflight._value.get() == 0:
+        if sample(stack.deps.metrics.registry, "ppd_gateway_requests_in_flight") == 0:
             break
         await asyncio.sleep(0.01)
-    assert stack.deps.metrics.inflight._value.get() == 0
+    assert sample(stack.deps.metrics.registry, "ppd_gateway_requests_in_flight") == 0
     assert not stack.workers["D0"].completions()
 
 

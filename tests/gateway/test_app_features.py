@@ -13,6 +13,7 @@ import pytest
 from ppd.decision.v1 import decision_pb2
 from tests.gateway.conftest import MODEL, Reply, Stack, StackFactory
 from tests.gateway.fake_decision import FakeDecision
+from tests.support.metrics import sample, samples
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ async def test_ppd_mode_falls_back_when_the_service_is_down(make_stack: StackFac
     assert second.headers["X-PPD-Fallback"] == "1"
     metrics = (await stack.http.get(stack.url + "/metrics")).content
     text = (await metrics.read()).decode()
-    assert "ppd_gateway_decision_fallbacks_total" in text
+    assert samples(text, "ppd_gateway_decision_fallbacks_total")
 
 
 async def test_mode_header_overrides_the_config(make_stack: StackFactory) -> None:
@@ -149,7 +150,7 @@ async def test_reused_session_id_with_a_new_history_is_a_new_conversation(make_s
     """A second benchmark run with the same conversation ids: its Turn 1 must not join the old session."""
     stack = await make_stack(mode="local")
     sid = {"X-Session-ID": "small_tiny-s0-0"}
-    resets = stack.deps.metrics.session_resets
+    resets = stack.deps.metrics.registry
     for run in range(2):
         messages: list[dict[str, Any]] = [{"role": "user", "content": "a"}]
         first = await stack.chat(messages, headers=sid)
@@ -160,8 +161,8 @@ async def test_reused_session_id_with_a_new_history_is_a_new_conversation(make_s
         assert (second.path, second.headers["X-PPD-Turn"]) == ("local", "2")
         assert "X-PPD-Session-Reset" not in second.headers
         assert second.headers["X-PPD-Session-Id"] == "small_tiny-s0-0"
-    assert resets.labels("new_history")._value.get() == 1
-    assert resets.labels("fork")._value.get() == 0
+    assert sample(resets, "ppd_gateway_session_resets_total", reason="new_history") == 1
+    assert not sample(resets, "ppd_gateway_session_resets_total", reason="fork")
     # Another history under the same id that shares nothing with it: a new conversation again.
     other = await stack.chat([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
                               {"role": "user", "content": "z"}], headers=sid)  # fmt: skip
@@ -189,7 +190,7 @@ async def test_named_session_edited_back_to_an_earlier_turn_is_a_fork(make_stack
     )
     assert edited.headers["X-PPD-Decode-Worker"] == first.headers["X-PPD-Decode-Worker"]
     assert edited.headers["X-PPD-Session-Id"] == "conv-7"
-    assert stack.deps.metrics.session_resets.labels("fork")._value.get() == 1
+    assert sample(stack.deps.metrics.registry, "ppd_gateway_session_resets_total", reason="fork") == 1
 
 
 async def test_completions_endpoint_with_session_id(make_stack: StackFactory) -> None:
@@ -288,12 +289,14 @@ async def test_metrics_show_decisions_ttft_and_sessions(make_stack: StackFactory
     await _follow_up(stack, messages, first, "again")
     await stack.chat(messages, stream=True)
     text = await (await stack.http.get(stack.url + "/metrics")).text()
-    assert 'ppd_gateway_decisions_total{path="pd",reason="turn_one"} 1.0' in text
-    assert 'ppd_gateway_decisions_total{path="local",reason="mode_local"} 1.0' in text
-    assert 'ppd_gateway_time_to_first_token_seconds_count{path="local",turn_class="later"} 1.0' in text
-    assert 'ppd_gateway_time_per_output_token_seconds_count{path="pd",turn_class="first"} 1.0' in text
-    assert "ppd_gateway_sessions 2.0" in text
-    assert 'ppd_gateway_token_counts_total{source="exact"} 2.0' in text
+    assert sample(text, "ppd_gateway_decisions_total", path="pd", reason="turn_one") == 1
+    assert sample(text, "ppd_gateway_decisions_total", path="local", reason="mode_local") == 1
+    ttft = "ppd_gateway_time_to_first_token_seconds_count"
+    tpot = "ppd_gateway_time_per_output_token_seconds_count"
+    assert sample(text, ttft, path="local", turn_class="later") == 1
+    assert sample(text, tpot, path="pd", turn_class="first") == 1
+    assert sample(text, "ppd_gateway_sessions") == 2
+    assert sample(text, "ppd_gateway_token_counts_total", source="exact") == 2
 
 
 async def test_request_log_writes_benchmark_records(make_stack: StackFactory, tmp_path: Path) -> None:
@@ -336,8 +339,8 @@ async def test_unknown_models_are_counted_by_the_workers_tokenizer_in_ppd_mode(
     assert tokenized[-1].body["messages"] == [{"role": "user", "content": "four five"}]
     assert decision.seen[-1].new_input_tokens == len(json.dumps(tokenized[-1].body["messages"]).split())
     text = await (await stack.http.get(stack.url + "/metrics")).text()
-    assert 'ppd_gateway_token_counts_total{source="worker"} 1.0' in text
-    assert 'ppd_gateway_token_counts_total{source="estimate"} 1.0' in text
+    assert sample(text, "ppd_gateway_token_counts_total", source="worker") == 1
+    assert sample(text, "ppd_gateway_token_counts_total", source="estimate") == 1
 
 
 async def test_replica_mode_keeps_the_session_on_its_replica(make_stack: StackFactory) -> None:

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from tests.gateway.processes import REPO, Process, start
+from tests.support.metrics import sample, samples, total
 
 pytestmark = pytest.mark.integration
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -130,8 +131,8 @@ def test_multi_turn_through_the_openai_client(gateway: Process, stream: bool) ->
         assert h["x-ppd-table-version"]
         assert h["x-ppd-session-id"] == headers[0]["x-ppd-session-id"]
         assert h["x-ppd-decode-worker"] == headers[0]["x-ppd-decode-worker"]
-    metrics = _http(_url(gateway) + "/metrics")[1].decode()
-    assert 'ppd_gateway_route_rpc_seconds_count{outcome="ok"}' in metrics
+    metrics = _http(_url(gateway) + "/metrics")[1]
+    assert sample(metrics, "ppd_gateway_route_rpc_seconds_count", outcome="ok") is not None
 
 
 def test_models_tokenize_and_health_pass_through(gateway: Process) -> None:
@@ -227,13 +228,8 @@ def test_client_disconnect_aborts_the_workers_request(
     assert sum(_metric(d, "vllm:generation_tokens_total") for d in decoders) - generated < 20000
 
 
-def _metric(worker_url: str, prefix: str, contains: str = "") -> float:
-    text = _http(worker_url + "/metrics")[1].decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(prefix) and contains in line
-    )
+def _metric(worker_url: str, name: str) -> float:
+    return total(_http(worker_url + "/metrics")[1], name) or 0.0
 
 
 def _admin(gateway: Process, path: str) -> Any:
@@ -251,7 +247,7 @@ def test_a_request_past_the_models_length_never_reaches_a_worker(gateway: Proces
         time.sleep(0.05)
     assert all(w["max_model_len"] == {MODEL: 131072} for w in workers)  # simulate --max-model-len default
     urls = [w["url"] for w in cluster.ready["workers"]]
-    assert all("vllm:prompt_tokens_total" in _http(u + "/metrics")[1].decode() for u in urls)
+    assert all(samples(_http(u + "/metrics")[1], "vllm:prompt_tokens_total") for u in urls)
     prompt_tokens = sum(_metric(u, "vllm:prompt_tokens_total") for u in urls)
     client = openai.OpenAI(base_url=_url(gateway) + "/v1", api_key="unused", max_retries=0)
     long_prompt = [{"role": "user", "content": "word " * 20_000}]

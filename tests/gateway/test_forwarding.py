@@ -23,6 +23,7 @@ from tests.gateway.fakes import (
     forwarder_on_fakes,
     sse,
 )
+from tests.support.metrics import sample
 
 # No exact tokenizer knows this model: n_in is an estimate (or a worker's count).
 MODEL = "example-org/unknown-model"
@@ -58,7 +59,7 @@ async def _turn(forwarder: Forwarder, request: ClientRequest) -> FakeClient:
 
 
 def _sample(deps: Deps, name: str, **labels: str) -> float:
-    value = deps.metrics.registry.get_sample_value(name, labels)
+    value = sample(deps.metrics.registry, name, labels)
     return value if value is not None else 0.0
 
 

@@ -10,6 +10,7 @@ from gateway.probe import PoolMonitor, models_from_cards
 from gateway.settings import PoolSettings, TimeoutSettings
 from gateway.upstream import HttpUpstream
 from tests.gateway.fake_worker import MODEL, FakeWorker
+from tests.support.metrics import sample
 
 
 async def test_checks_mark_down_after_two_failures_and_scrape_load() -> None:
@@ -38,7 +39,7 @@ async def test_checks_mark_down_after_two_failures_and_scrape_load() -> None:
         assert not pool.is_live("D1")
         assert not pool.is_live("D2")
         assert pool.view().get("D0").load == Load(running=3.0, waiting=0.0, kv_usage=0.25)  # type: ignore[union-attr]
-        assert metrics.workers.labels("decode", "down")._value.get() == 2
+        assert sample(metrics.registry, "ppd_gateway_workers", role="decode", state="down") == 2
         d1.knobs.healthy = True
         clock[0] = 31.0  # D2 sent no heartbeat: removed
         await monitor.check_once()

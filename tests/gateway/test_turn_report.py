@@ -15,6 +15,7 @@ from gateway.settings import LimitSettings, LogSettings
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import PROVENANCE_HEADERS, TurnReport, provenance_headers
 from ppd.modes import Mode
+from tests.support.metrics import sample as sample_of
 
 
 def _turn(*, turn: int = 2, session_reset: str = "") -> TurnInputs:
@@ -79,7 +80,10 @@ def test_finish_observes_the_latencies_and_writes_one_record(tmp_path: Path) -> 
     outcome.ttft, outcome.last_token, outcome.overhead = 0.5, 100.9, 0.001
     report.finish(_turn(), outcome, end=101.0)
     log.close()
-    sample = metrics.registry.get_sample_value
+
+    def sample(name: str, labels: dict[str, str]) -> float | None:
+        return sample_of(metrics.registry, name, labels)
+
     assert sample("ppd_gateway_decisions_total", {"path": "local", "reason": "mode_fraction"}) == 1
     assert sample("ppd_gateway_token_counts_total", {"source": "exact"}) == 1
     assert (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -15,6 +14,7 @@ from simulator.core.profile import Profile, load_profile
 from simulator.core.topology import Role, Topology, WorkerSpec
 from simulator.core.worker_settings import WorkerSettings
 from simulator.server.worker_group import GroupSettings, WorkerGroup
+from tests.support.metrics import total
 
 __all__ = ["metric", "post", "sse", "start_alone", "start_group"]
 
@@ -52,17 +52,16 @@ async def start_alone(worker_id: str, role: Role, **worker: Any) -> WorkerGroup:
 
 
 async def metric(
-    http: aiohttp.ClientSession, url: str, name: str, labels: str = "", *, absent: float | None = None
+    http: aiohttp.ClientSession, url: str, name: str, *, absent: float | None = None, **labels: str
 ) -> float:
-    """A sample of /metrics whose labels contain `labels`; `absent` is its value when not shown (a
-    histogram never observed)."""
+    """The sum of the /metrics samples called `name` whose labels include `labels`; `absent` is its value
+    when none is shown (a histogram never observed)."""
     async with http.get(f"{url}/metrics") as response:
-        text = await response.text()
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    if match is None and absent is not None:
+        value = total(await response.text(), name, labels)
+    if value is None and absent is not None:
         return absent
-    assert match is not None, f"{name} {labels} not in /metrics"
-    return float(match.group(1))
+    assert value is not None, f"{name} {labels} not in /metrics"
+    return value
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: Any, **headers: str) -> tuple[int, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import struct
@@ -12,7 +13,15 @@ from typing import Any
 import numpy as np
 
 from decision_service.axes import paper_axes
-from decision_service.table import FIGURES, TableSpec, Weights, encode_table
+from decision_service.table import (
+    DIGEST_SIZE,
+    PREAMBLE,
+    Figure,
+    TableHeader,
+    TableSpec,
+    Weights,
+    encode_table,
+)
 
 PROFILES = {"ttft": Weights(1.0, 0.2), "tpot": Weights(0.2, 1.0), "balanced": Weights(1.0, 1.0)}
 
@@ -25,7 +34,7 @@ def synthetic_spec(
     axes = paper_axes()
     rng = np.random.default_rng(seed)
     nc, nw, nq = axes.shape
-    fig = np.zeros((nc, nw, nq, len(FIGURES)))
+    fig = np.zeros((nc, nw, nq, len(Figure)))
     for c in range(nc):
         for w, wl in enumerate(axes.workloads):
             for q, level in enumerate(axes.qps_levels):
@@ -34,42 +43,94 @@ def synthetic_spec(
                 pd_tpot = 9.0 + 0.1 * level
                 local_tpot = pd_tpot * (1.0 + 0.004 * wl.n_in / 16 + 0.01 * rng.random())
                 pd_ok = 0.80 if (c == 1 and level >= 20) else 1.0
-                fig[c, w, q] = (pd_ttft, pd_tpot, local_ttft, local_tpot, pd_ok, 1.0, 40, 40)
+                fig[c, w, q] = row(
+                    pd_ttft_ms=pd_ttft,
+                    pd_tpot_ms=pd_tpot,
+                    local_ttft_ms=local_ttft,
+                    local_tpot_ms=local_tpot,
+                    pd_success=pd_ok,
+                    local_success=1.0,
+                    pd_samples=40,
+                    local_samples=40,
+                )
     if holes:
-        fig[0, 0, 6, 6:] = 0  # (small, tiny) has no data at 10 QPS: nearest level answers
-        fig[0, 1, :, 6:] = 0  # (small, short_gen) has no data at all: the default answers
-        fig[2, :, :, 6:] = 0  # huge contexts were never measured
-    return TableSpec(
+        fig[0, 0, 6, SAMPLES] = 0  # (small, tiny) has no data at 10 QPS: nearest level answers
+        fig[0, 1, :, SAMPLES] = 0  # (small, short_gen) has no data at all: the default answers
+        fig[2, :, :, SAMPLES] = 0  # huge contexts were never measured
+    header = TableHeader(
         shape=shape,
         model=model,
         axes=axes,
-        figures=fig,
         profiles=PROFILES,
         provenance={"source": "tests/support/tables.py", "seed": seed},
     )
+    return TableSpec(header, fig)
+
+
+#: The sample-count columns: zero them and a cell is unmeasured.
+SAMPLES = [Figure.PD_SAMPLES, Figure.LOCAL_SAMPLES]
+
+
+def row(
+    *,
+    pd_ttft_ms: float,
+    pd_tpot_ms: float,
+    local_ttft_ms: float,
+    local_tpot_ms: float,
+    pd_success: float,
+    local_success: float,
+    pd_samples: float,
+    local_samples: float,
+) -> list[float]:
+    """One cell's figures, by name, in the array's order."""
+    named = {
+        Figure.PD_TTFT_MS: pd_ttft_ms,
+        Figure.PD_TPOT_MS: pd_tpot_ms,
+        Figure.LOCAL_TTFT_MS: local_ttft_ms,
+        Figure.LOCAL_TPOT_MS: local_tpot_ms,
+        Figure.PD_SUCCESS: pd_success,
+        Figure.LOCAL_SUCCESS: local_success,
+        Figure.PD_SAMPLES: pd_samples,
+        Figure.LOCAL_SAMPLES: local_samples,
+    }
+    return [named[f] for f in Figure]
+
+
+def with_header(spec: TableSpec, **changes: Any) -> TableSpec:
+    """``spec`` with some of its header fields changed."""
+    return dataclasses.replace(spec, header=dataclasses.replace(spec.header, **changes))
 
 
 def _resign(body: bytes) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
+def _header_of(blob: bytes) -> tuple[dict[str, Any], int]:
+    """The JSON header of a table file and its (padded) length."""
+    *_, hlen = PREAMBLE.unpack_from(blob, 0)
+    return json.loads(blob[PREAMBLE.size : PREAMBLE.size + hlen]), hlen
+
+
+def _array_offset(blob: bytes) -> int:
+    offset: int = _header_of(blob)[0]["arrays"][0]["offset"]
+    return offset
+
+
 def patch_header(blob: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     """Rewrite the JSON header in place (same length, space padded) and re-sign the file."""
-    _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
-    header = json.loads(blob[16 : 16 + hlen])
+    header, hlen = _header_of(blob)
     edit(header)
     raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     assert len(raw) <= hlen, "patched header grew past its padding"
-    body = blob[:16] + raw.ljust(hlen, b" ") + blob[16 + hlen : -32]
+    start = PREAMBLE.size
+    body = blob[:start] + raw.ljust(hlen, b" ") + blob[start + hlen : -DIGEST_SIZE]
     return _resign(body)
 
 
 def _nan_figures(blob: bytes) -> bytes:
-    _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
-    header = json.loads(blob[16 : 16 + hlen])
-    offset = header["arrays"][0]["offset"]
-    body = bytearray(blob[:-32])
-    body[offset + 8 : offset + 16] = struct.pack("<d", float("nan"))
+    at = _array_offset(blob) + 8 * Figure.PD_TPOT_MS  # cell (0, 0, 0)
+    body = bytearray(blob[:-DIGEST_SIZE])
+    body[at : at + 8] = struct.pack("<d", float("nan"))
     return _resign(bytes(body))
 
 
@@ -78,7 +139,8 @@ def _wrong_axes(header: dict[str, Any]) -> None:
 
 
 def _future_version(blob: bytes) -> bytes:
-    return _resign(blob[:8] + struct.pack("<H", 99) + blob[10:-32])
+    magic, _, reserved, hlen = PREAMBLE.unpack_from(blob, 0)
+    return _resign(PREAMBLE.pack(magic, 99, reserved, hlen) + blob[PREAMBLE.size : -DIGEST_SIZE])
 
 
 def _with_figures(edit: Callable[[np.ndarray], None], *, holes: bool = False) -> bytes:
@@ -87,23 +149,17 @@ def _with_figures(edit: Callable[[np.ndarray], None], *, holes: bool = False) ->
     blob = encode_table(spec)
     fig = spec.figures.copy()
     edit(fig)
-    _, _, _, hlen = struct.unpack_from("<8sHHI", blob, 0)
-    offset = json.loads(blob[16 : 16 + hlen])["arrays"][0]["offset"]
-    return _resign(blob[:offset] + fig.astype("<f8").tobytes())
+    return _resign(blob[: _array_offset(blob)] + fig.astype("<f8").tobytes())
 
 
 def _empty_cells() -> bytes:
     def unmeasure(fig: np.ndarray) -> None:
-        fig[..., 6:] = 0
+        fig[..., SAMPLES] = 0
 
     return _with_figures(unmeasure)
 
 
-# Indices into FIGURES.
-_PD_TTFT, _PD_TPOT, _LOCAL_TPOT, _PD_SUCCESS = 0, 1, 3, 4
-
-
-def _set_figure(index: int, value: float) -> Callable[[np.ndarray], None]:
+def _set_figure(index: Figure, value: float) -> Callable[[np.ndarray], None]:
     def edit(fig: np.ndarray) -> None:
         fig[1, 4, 3, index] = value  # (large, mid_bal, 4 QPS): a measured cell
 
@@ -134,7 +190,7 @@ def bad_fixtures() -> dict[str, bytes]:
         "nan": _nan_figures(good),
         "empty": _empty_cells(),
         "header": patch_header(good, lambda h: h.pop("model")),
-        "figures": _with_figures(_set_figure(_LOCAL_TPOT, -1.0)),
+        "figures": _with_figures(_set_figure(Figure.LOCAL_TPOT_MS, -1.0)),
     }
 
 
@@ -146,11 +202,19 @@ def bad_cases() -> dict[str, tuple[str, bytes, str]]:
     return {
         "figures--success_above_one": (
             "figures",
-            _with_figures(_set_figure(_PD_SUCCESS, 1.5)),
+            _with_figures(_set_figure(Figure.PD_SUCCESS, 1.5)),
             "success rates must be within 0..1",
         ),
-        "figures--zero_ttft": ("figures", _with_figures(_set_figure(_PD_TTFT, 0.0)), "zero TTFT or TPOT"),
-        "figures--zero_tpot": ("figures", _with_figures(_set_figure(_PD_TPOT, 0.0)), "zero TTFT or TPOT"),
+        "figures--zero_ttft": (
+            "figures",
+            _with_figures(_set_figure(Figure.PD_TTFT_MS, 0.0)),
+            "zero TTFT or TPOT",
+        ),
+        "figures--zero_tpot": (
+            "figures",
+            _with_figures(_set_figure(Figure.PD_TPOT_MS, 0.0)),
+            "zero TTFT or TPOT",
+        ),
         "header--key_mismatch": (
             "header",
             patch_header(good, _set(("key",), "2P2D/llama-3.1-8b")),

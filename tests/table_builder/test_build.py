@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 
-from decision_service.table import FIGURES, Table, TableError
+from decision_service.table import FIGURES, Figure, Table, TableError
 from table_builder.artifact import read_artifact
-from table_builder.build import BuildOptions, build_from_artifact, build_from_records, table_file_name
+from table_builder.build import (
+    BuildOptions,
+    build_from_artifact,
+    build_from_records,
+    default_header,
+    table_file_name,
+)
 from table_builder.records import Record
 from tests.support.records import ARTIFACT
 from tests.support.records import make_record as record
 
-OPTIONS = BuildOptions(shape="1P3D", model="llama-3.1-8b", min_samples=2)
+HEADER = default_header("1P3D", "llama-3.1-8b")
+OPTIONS = BuildOptions(header=HEADER, min_samples=2)
 SMALL_MID_PASTE_2 = (0, 6, 2)
 
 
@@ -58,7 +66,7 @@ def test_a_measured_cell_holds_both_modes_figures() -> None:
     assert result.summary.filled == 1
     assert len(result.summary.missing) == 269
     # Unmeasured cells keep the format's "no data" zeros.
-    assert np.count_nonzero(table.figures[..., 6]) == 1
+    assert np.count_nonzero(table.figures[..., Figure.PD_SAMPLES]) == 1
 
 
 def test_a_mode_that_completed_nothing_is_censored_at_the_timeout() -> None:
@@ -76,7 +84,7 @@ def test_a_mode_that_completed_nothing_is_censored_at_the_timeout() -> None:
     assert fig["pd_success"] == 0.0
     assert fig["pd_samples"] == 2.0
     assert [n.label() for n in result.summary.censored] == ["small/mid_paste@20"]
-    assert table.header["provenance"]["censored_cells"] == ["small/mid_paste@20"]
+    assert table.header.provenance["censored_cells"] == ["small/mid_paste@20"]
     # The cell has 1 local request: measured, flagged low-sample.
     assert [n.label() for n in result.summary.low_sample] == ["small/mid_paste@20"]
 
@@ -130,22 +138,22 @@ def test_same_records_in_any_order_give_the_same_bytes() -> None:
 def test_build_time_comes_from_the_inputs_or_the_option() -> None:
     records = _pair()
     records[1] = record(ttft_ms=120.0, conversation_id="c2", start_time=1_767_312_000.0)
-    provenance = Table.from_bytes(build_from_records(records, OPTIONS).encode()).header["provenance"]
+    provenance = Table.from_bytes(build_from_records(records, OPTIONS).encode()).header.provenance
     assert provenance["built_at"] == "2026-01-02T00:00:00Z"
     assert provenance["newest_start_time"] == 1_767_312_000.0
-    explicit = BuildOptions(shape="1P3D", model="llama-3.1-8b", built_at="2026-02-03T04:05:06Z")
-    provenance = Table.from_bytes(build_from_records(records, explicit).encode()).header["provenance"]
+    explicit = BuildOptions(header=HEADER, built_at="2026-02-03T04:05:06Z")
+    provenance = Table.from_bytes(build_from_records(records, explicit).encode()).header.provenance
     assert provenance["built_at"] == "2026-02-03T04:05:06Z"
     # Virtual (simulated) clocks start near 0: no calendar date is made up for them.
     virtual = [record(start_time=1.5), *_pair(start_time=2.0)]
-    provenance = Table.from_bytes(build_from_records(virtual, OPTIONS).encode()).header["provenance"]
+    provenance = Table.from_bytes(build_from_records(virtual, OPTIONS).encode()).header.provenance
     assert "built_at" not in provenance
 
 
 def test_provenance_names_the_inputs() -> None:
-    options = BuildOptions(shape="1P3D", model="llama-3.1-8b", labels={"hardware": "H100", "engine": "test"})
+    options = BuildOptions(header=HEADER, labels={"hardware": "H100", "engine": "test"})
     table = Table.from_bytes(build_from_records(_pair(), options).encode())
-    p = table.header["provenance"]
+    p = table.header.provenance
     assert p["source"] == "records"
     assert p["runs"] == ["run-local", "run-pd"]
     assert p["labels"] == {"engine": "test", "hardware": "H100"}
@@ -156,9 +164,10 @@ def test_provenance_names_the_inputs() -> None:
 
 
 def test_header_carries_weights_slo_and_default() -> None:
-    options = BuildOptions(
-        shape="3P1D", model="m", min_success=0.9, default_decision="local", max_decode_kv_usage=0.8
+    header = dataclasses.replace(
+        default_header("3P1D", "m"), min_success=0.9, default_decision="local", max_decode_kv_usage=0.8
     )
+    options = BuildOptions(header=header)
     records = [
         *(record(shape="3P1D", model="m", conversation_id=f"c{i}") for i in range(2)),
         *(
@@ -168,18 +177,18 @@ def test_header_carries_weights_slo_and_default() -> None:
     ]
     table = Table.from_bytes(build_from_records(records, options).encode())
     assert table.key == "3P1D/m"
-    assert table.min_success == 0.9
-    assert table.default_decision == "local"
-    assert table.max_decode_kv_usage == 0.8
-    assert sorted(table.profiles) == ["balanced", "tpot", "ttft"]
+    assert table.header.min_success == 0.9
+    assert table.header.default_decision == "local"
+    assert table.header.max_decode_kv_usage == 0.8
+    assert sorted(table.header.profiles) == ["balanced", "tpot", "ttft"]
 
 
 def test_artifact_build() -> None:
     result = build_from_artifact(read_artifact([ARTIFACT]).points, OPTIONS)
     table = Table.from_bytes(result.encode())
     assert table.measured(0, 6, 5)
-    assert table.header["provenance"]["source"] == "paper-artifact"
-    assert table.header["provenance"]["built_at"] == "2026-01-18T07:54:47.749909"
+    assert table.header.provenance["source"] == "paper-artifact"
+    assert table.header.provenance["built_at"] == "2026-01-18T07:54:47.749909"
     assert [n.label() for n in result.summary.censored] == ["large/huge_paste@20"]
     assert "tiny (16, 32) is classified small_bal" in result.summary.format()
     again = build_from_artifact(tuple(reversed(read_artifact([ARTIFACT]).points)), OPTIONS)

@@ -13,6 +13,7 @@ import pytest
 from decision_service.table import Table
 from devstack.ready import start_ready
 from table_builder.cli import main
+from tests.support.metrics import samples
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +43,7 @@ def _wait_for_version(metrics_port: int, version: str) -> None:
     while True:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
             text = response.read().decode()
-        if f'version="{version}"' in text:
+        if any(("version", version) in labels for _, labels in samples(text, "ppd_table_info")):
             return
         assert time.monotonic() < deadline, f"the service never served version {version}:\n{text[-2000:]}"
         time.sleep(0.1)

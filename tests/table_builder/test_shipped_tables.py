@@ -18,6 +18,7 @@ from table_builder.build import (
     BuildOptions,
     axes_locator,
     build_from_records,
+    default_header,
     table_file_name,
 )
 from table_builder.cli import main
@@ -35,14 +36,14 @@ def test_default_table_is_shipped_valid_and_documented(shape: str) -> None:
     table = Table.open(path)
     try:
         assert table.key == f"{shape}/{MODEL}"
-        p = table.header["provenance"]
+        p = table.header.provenance
         assert p["builder"] == BUILDER_VERSION
         assert p["source"] == "records"
         assert p["labels"]["engine"] == "sim"
         assert p["labels"]["profile"] == "llama-3.1-8b-h100"
         assert p["labels"]["hardware"] == "H100"
         assert len(p["inputs_sha256"]) == 64
-        assert (table.max_decode_running, table.max_prefill_queue_depth) == (192, 8)
+        assert (table.header.max_decode_running, table.header.max_prefill_queue_depth) == (192, 8)
         # The full paper grid (18 workloads) and the nine huge-context ones, x 10 QPS levels x 2 modes.
         assert len(p["runs"]) == 540
         assert p["cells"]["filled"] + p["cells"]["low_sample"] >= 100
@@ -65,7 +66,7 @@ def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str
     rules changed since the tables were made; rerun the README's command and commit the tables."""
     table = Table.open(TABLES / table_file_name(shape, MODEL))
     try:
-        labels = table.header["provenance"]["labels"]
+        labels = table.header.provenance["labels"]
         engine = SimEngine(
             duration_s=float(labels["duration_s"]),
             seed=int(labels["seed"]),
@@ -79,8 +80,8 @@ def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str
             for mode in ("pd", "local")
             for record in engine.run(GridPoint(shape, MODEL, mode, parse_workload(name), qps))
         ]
-        rebuilt = build_from_records(records, BuildOptions(shape=shape, model=MODEL)).spec.figures
-        axes = table.axes
+        rebuilt = build_from_records(records, BuildOptions(header=default_header(shape, MODEL))).spec.figures
+        axes = table.header.axes
         locate = axes_locator(axes)
         for name, qps in SPOT_CELLS:
             w = parse_workload(name)

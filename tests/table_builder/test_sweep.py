@@ -11,7 +11,7 @@ import pytest
 
 from decision_service.table import Table
 from ppd.catalog import parse_workload
-from table_builder.analytic import AnalyticEngine, parse_shape
+from table_builder.analytic import AnalyticEngine
 from table_builder.cli import main
 from table_builder.records import Record, read_records
 from table_builder.sweep import GridPoint, SweepError, SweepPlan, point_path, run_sweep
@@ -122,8 +122,8 @@ def test_cli_sweep_publishes_a_table_and_rebuilds_the_same_bytes(tmp_path: Path)
     first = table_path.read_bytes()
     table = Table.open(table_path)
     try:
-        assert table.header["provenance"]["labels"]["engine"] == "analytic"
-        assert table.header["provenance"]["labels"]["seed"] == "3"
+        assert table.header.provenance["labels"]["engine"] == "analytic"
+        assert table.header.provenance["labels"]["seed"] == "3"
     finally:
         table.close()
     # Rerun: every point is finished, nothing runs, the same table is published again.
@@ -180,30 +180,6 @@ def test_no_build_only_runs_points(tmp_path: Path) -> None:
     assert main([*SWEEP, "--out", str(tmp_path), "--no-build"]) == 0
     assert len(_tree(tmp_path)) == 8
     assert not list(tmp_path.glob("*.ppdt"))
-
-
-@pytest.mark.parametrize(("shape", "sizes"), [("1P3D", (1, 3)), ("2P2D", (2, 2)), ("3P1D", (3, 1))])
-def test_parse_shape(shape: str, sizes: tuple[int, int]) -> None:
-    assert parse_shape(shape) == sizes
-
-
-@pytest.mark.parametrize("shape", ["1P", "0P3D", "P3D", "1p3d"])
-def test_parse_shape_rejects(shape: str) -> None:
-    with pytest.raises(ValueError, match="not <n>P<m>D"):
-        parse_shape(shape)
-
-
-def test_analytic_engine_is_seeded_and_pd_fails_under_overload() -> None:
-    point = GridPoint("1P3D", "llama-3.1-8b", "pd", parse_workload("large_huge_paste"), 20.0)
-    engine = AnalyticEngine(conversations=30, seed=1)
-    records = engine.run(point)
-    assert records == engine.run(point)
-    assert records != AnalyticEngine(conversations=30, seed=2).run(point)
-    assert any(not r.ok for r in records)
-    local = engine.run(GridPoint("1P3D", "llama-3.1-8b", "local", parse_workload("small_mid_paste"), 1.0))
-    assert all(r.ok for r in local)
-    assert {r.path for r in local if r.turn == 2} == {"local"}
-    assert {r.n_ctx for r in local if r.turn == 2} == {256}
 
 
 def test_workload_groups() -> None:

@@ -247,17 +247,15 @@ def test_small_kv_pools_preempt_but_lose_nothing(profile: Profile, mode: str) ->
 def test_ppd_mode_applies_the_tables_decode_load_guard(profile: Profile) -> None:
     """The live running count reaches the rule: a low limit sends turns through P while the session's
     D is busy; the same table without the guard keeps them local."""
-    import dataclasses
-
     from decision_service.route import Reason
     from decision_service.table import Table, encode_table
     from simulator.core.routing import TableRouter
-    from tests.support.tables import synthetic_spec
+    from tests.support.tables import synthetic_spec, with_header
 
     convs = synthetic_conversations("large_mid_paste", qps=8, duration_s=5, seed=9)
     paths = {}
     for limit in (None, 2):
-        spec = dataclasses.replace(synthetic_spec(), max_decode_running=limit, max_prefill_queue_depth=None)
+        spec = with_header(synthetic_spec(), max_decode_running=limit, max_prefill_queue_depth=None)
         router = TableRouter(Table.from_bytes(encode_table(spec)))
         recs = simulate(profile, cfg("ppd", target_qps=8.0), convs, router=router).records
         paths[limit] = [r["path"] for r in recs if r["turn"] == 2]

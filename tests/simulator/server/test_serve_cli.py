@@ -5,7 +5,6 @@ cache, start-up fault flags, and a clean exit on SIGTERM."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from devstack.ready import start_ready
+from tests.support.metrics import total
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -63,10 +63,9 @@ def post_json(url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[
 
 def metric(url: str, name: str) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
-        text = response.read().decode()
-    match = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-    assert match is not None
-    return float(match.group(1))
+        value = total(response.read(), name)
+    assert value is not None
+    return value
 
 
 def test_ready_line_lists_every_worker(cluster: dict[str, Any]) -> None:

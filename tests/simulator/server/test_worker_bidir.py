@@ -100,7 +100,7 @@ async def test_decode_leg_returns_its_blocks_params_on_the_final_chunk(
         assert 470.0 < expiry - d.driver.now() <= 480.0
         assert d.engine.stats().num_pinned == 1
         assert p.engine.stats().num_pinned == 0
-        assert await metric(http, d.url, "vllm:request_success_total", 'finished_reason="length"') == 1
+        assert await metric(http, d.url, "vllm:request_success_total", finished_reason="length") == 1
     finally:
         await g.stop()
 
@@ -111,7 +111,8 @@ async def test_next_turn_prefill_pulls_the_decoders_blocks(http: aiohttp.ClientS
         p, d = g.workers
         history, usage1, d_params = await turn1(http, p, d, 120)
         hits_before = await metric(http, p.url, "vllm:prefix_cache_hits_total")
-        compute_before = await metric(http, p.url, "vllm:prompt_tokens_by_source_total", "local_compute")
+        by_source = "vllm:prompt_tokens_by_source_total"
+        compute_before = await metric(http, p.url, by_source, source="local_compute")
 
         client = chat(history, 10)
         status, p_resp = await post(
@@ -127,7 +128,7 @@ async def test_next_turn_prefill_pulls_the_decoders_blocks(http: aiohttp.ClientS
         assert pulled >= 64
         assert await metric(http, p.url, "vllm:nixl_xfer_time_seconds_count", absent=0.0) == 1
         assert await metric(http, p.url, "vllm:external_prefix_cache_hits_total") == pulled
-        computed = await metric(http, p.url, "vllm:prompt_tokens_by_source_total", "local_compute")
+        computed = await metric(http, p.url, by_source, source="local_compute")
         assert computed - compute_before == prompt2 - local - pulled  # the shorter prefill
         # P reports the pulled tokens as cached, to its client and to D (remote_prefill_cached_tokens).
         assert p_resp["usage"]["prompt_tokens_details"]["cached_tokens"] == local + pulled

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import subprocess
 import sys
 import urllib.error
@@ -29,6 +28,7 @@ from simulator.core.worker_settings import DEFAULT_MODEL, WorkerSettings
 from simulator.server.worker import Worker
 from simulator.server.worker_group import GroupSettings, WorkerGroup
 from tests.simulator.client import post, sse
+from tests.support.metrics import total
 from tests.support.nixl import prefill_kv_params
 
 pytestmark = pytest.mark.integration
@@ -63,11 +63,9 @@ def alone(worker_id: str, role: Role) -> Topology:
 
 
 def by_source(text: str, source: str) -> float:
-    match = re.search(
-        rf'^vllm:prompt_tokens_by_source_total\{{[^}}]*source="{source}"[^}}]*\}} (\S+)$', text, re.MULTILINE
-    )
-    assert match is not None, source
-    return float(match.group(1))
+    value = total(text, "vllm:prompt_tokens_by_source_total", source=source)
+    assert value is not None, source
+    return value
 
 
 async def sources(http: aiohttp.ClientSession, worker: Worker) -> tuple[float, float]:

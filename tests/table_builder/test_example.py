@@ -40,7 +40,7 @@ def test_check_passes_and_provenance_is_there() -> None:
     table = Table.open(REPO / TABLE)
     try:
         assert table.key == "1P3D/llama-3.1-8b"
-        p = table.header["provenance"]
+        p = table.header.provenance
         assert p["source"] == "records"
         assert p["labels"] == {"engine": "analytic", "example": "true"}
         assert p["built_at"].startswith("2026-01-01T")

@@ -46,7 +46,7 @@ def test_cli_sweep_on_the_simulator(tmp_path: Path) -> None:
     assert main(args) == 0
     table = Table.open(tmp_path / "1P3D__llama-3.1-8b.ppdt")
     try:
-        labels = table.header["provenance"]["labels"]
+        labels = table.header.provenance["labels"]
         assert labels["engine"] == "sim"
         assert labels["profile"] == "llama-3.1-8b-h100"
         assert table.measured(0, 6, 2)  # small context, mid_paste, 2 QPS

@@ -104,12 +104,12 @@ def test_build_options_land_in_the_header(tmp_path: Path) -> None:
     )  # fmt: skip
     table = Table.open(out)
     try:
-        assert table.min_success == 0.9
-        assert table.default_decision == "local"
-        assert table.default_weights.w_tpot == 0.5
-        assert list(table.profiles) == ["fast"]
-        assert table.header["provenance"]["labels"] == {"hardware": "H100"}
-        assert table.header["provenance"]["built_at"] == "2026-01-01T00:00:00Z"
+        assert table.header.min_success == 0.9
+        assert table.header.default_decision == "local"
+        assert table.header.default_weights.w_tpot == 0.5
+        assert list(table.header.profiles) == ["fast"]
+        assert table.header.provenance["labels"] == {"hardware": "H100"}
+        assert table.header.provenance["built_at"] == "2026-01-01T00:00:00Z"
     finally:
         table.close()
 
@@ -129,7 +129,7 @@ def test_decode_guard_limits_land_in_the_header_and_show_prints_them(
     out = _build(tmp_path, *flags)
     table = Table.open(out)
     try:
-        assert (table.max_decode_running, table.max_prefill_queue_depth) == (running, queue)
+        assert (table.header.max_decode_running, table.header.max_prefill_queue_depth) == (running, queue)
     finally:
         table.close()
     capsys.readouterr()
