@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--png", type=Path, metavar="OUT", help="also write a heatmap PNG (needs matplotlib)")
     show.set_defaults(run=_cmd_show)
 
-    from table_builder.engines import ENGINES
+    from table_builder.engines import DEFAULT_ENGINE, engine_names
 
     sweep = sub.add_parser(
         "sweep",
@@ -316,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run shape x mode x workload x QPS points (resumable: finished points are skipped), "
         "then build one table per shape and publish it atomically.",
     )
-    sweep.add_argument("--engine", choices=ENGINES, default=ENGINES[-1], help="what produces the records")
+    sweep.add_argument(
+        "--engine", choices=engine_names(), default=DEFAULT_ENGINE, help="what produces the records"
+    )
     sweep.add_argument("--shape", required=True, help="deployment shape(s), comma-separated: 1P3D,2P2D,3P1D")
     sweep.add_argument("--model", default="llama-3.1-8b", help="model label (default llama-3.1-8b)")
     sweep.add_argument("--modes", default="pd,local", help="static modes to run (default pd,local)")

@@ -3,7 +3,7 @@
 Rule: SHA-256 (16 hex digits) over the package's ``.py`` and ``.json`` files (profiles, calibration
 data), by relative path and content, in sorted order; compiled artefacts and caches do not count. So a
 compiled copy made by ``ppd-sim build-native`` has the fingerprint of the source it was made from, and
-tables built by a sweep name the simulator they came from (``table_builder.sim_engine``).
+tables built by a sweep name the simulator they came from (``simulator.tools.sweep_engine``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """The ``sim`` sweep engine: one grid point = one run of the simulator's virtual-time P/D cluster.
 
+``ppd-table sweep --engine sim`` finds it in the entry-point group ``ppd_table.engines``
+(pyproject.toml): the table builder is a product package and never imports the simulator; the
+simulator's tools implement the builder's ``Engine`` protocol instead.
+
 ``simulator.core.cluster.simulate`` runs Poisson two-turn conversations of one synthetic workload through a
 simulated cluster of the point's shape, in the point's static mode, with the calibrated cost model of a
 profile (default Llama-3.1-8B on H100), and returns one record per request sent. Records are checked
@@ -20,16 +24,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from simulator.core.cluster import ClusterConfig, simulate
+from simulator.core.profile import load_profile
+from simulator.core.topology import Topology
+from simulator.core.workload import turn_list_conversations
+from simulator.tools.fingerprint import source_fingerprint
+from table_builder.engines import EngineOptions
 from table_builder.records import Record
 from table_builder.sweep import GridPoint
 
-__all__ = ["SimEngine", "simulator_fingerprint"]
+__all__ = ["SimEngine", "make", "simulator_fingerprint"]
 
 
 def simulator_fingerprint() -> str:
     """The fingerprint of the simulator package in use (``simulator.tools.fingerprint``)."""
-    from simulator.tools.fingerprint import source_fingerprint
-
     return source_fingerprint()
 
 
@@ -60,11 +68,6 @@ class SimEngine:
         return zlib.crc32(f"{self.seed}/{point.workload.name}/{point.qps:g}".encode())
 
     def run(self, point: GridPoint) -> list[Record]:
-        from simulator.core.cluster import ClusterConfig, simulate
-        from simulator.core.profile import load_profile
-        from simulator.core.topology import Topology
-        from simulator.core.workload import turn_list_conversations
-
         first, second = point.workload.first, point.workload.second
         conversations = turn_list_conversations(
             [[(first.n_in, first.n_out), (second.n_in, second.n_out)]],
@@ -84,3 +87,8 @@ class SimEngine:
         )
         result = simulate(load_profile(self.profile), config, conversations)
         return [Record.from_dict(r) for r in result.records]
+
+
+def make(options: EngineOptions) -> SimEngine:
+    """The entry point of ``sim`` in the group ``ppd_table.engines``."""
+    return SimEngine(duration_s=options.duration_s, seed=options.seed)

@@ -13,6 +13,7 @@ import pytest
 
 from decision_service.table import Table
 from ppd.catalog import parse_workload
+from simulator.tools.sweep_engine import SimEngine
 from table_builder.build import (
     BUILDER_VERSION,
     BuildOptions,
@@ -22,7 +23,6 @@ from table_builder.build import (
     table_file_name,
 )
 from table_builder.cli import main
-from table_builder.sim_engine import SimEngine
 from table_builder.sweep import GridPoint
 
 TABLES = Path(__file__).resolve().parents[2] / "tables"

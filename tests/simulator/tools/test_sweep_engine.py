@@ -8,8 +8,8 @@ import pytest
 
 from decision_service.table import Table
 from ppd.catalog import parse_workload
+from simulator.tools.sweep_engine import SimEngine
 from table_builder.cli import main
-from table_builder.sim_engine import SimEngine
 from table_builder.sweep import GridPoint
 
 ENGINE = SimEngine(duration_s=2.0, seed=5)
