@@ -21,7 +21,7 @@ from table_builder.build import BuildResult, build_from_artifact, build_from_rec
 from table_builder.flags import add_build_options, options_from_args, positive_int, weights_arg
 from table_builder.records import RecordsError, read_records
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main", "publish", "resolve_out"]
 
 logger = logging.getLogger("table_builder")
 
