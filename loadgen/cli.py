@@ -101,9 +101,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from loadgen.report import report
+    from loadgen.report import command
 
-    report.add_parser(sub)
+    command.add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ Rule 1: pure. Input: ``Record`` values plus a ``Manifest`` that says which exper
         to (the QPS sweep, the w_tpot sweep, the link-bandwidth sweep) and with which seed.
 Rule 2: a point is one (shape, mode, QPS) group of one experiment; Turn 2+ figures use successful
         Turn 2+ requests; the failure rate is 1 - completed / sent; a figure without samples is None.
-Rule 3: QPS bands follow the paper's Table 1: low 0.5-2, medium 4-8, high 12-20.
+Rule 3: QPS bands follow the paper's Table 1: low 0.5-2, medium 4-8, high 12-20 (``paper.BANDS``).
 """
 
 from __future__ import annotations
@@ -16,16 +16,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from loadgen.report.paper import BANDS, HIGH_QPS
 from loadgen.summary import percentile
 from table_builder.records import Record
 
 __all__ = [
-    "BANDS",
-    "HIGH_QPS",
     "MANIFEST_NAME",
     "MODE_ORDER",
-    "PAPER_TABLE1",
-    "PAPER_TABLE5",
+    "PAPER_WTPOT_EXPERIMENT",
     "Acceptance",
     "Check",
     "Manifest",
@@ -38,6 +36,7 @@ __all__ = [
     "band_changes",
     "bandwidth_points",
     "failure_rates",
+    "paper_wtpot_experiments",
     "pareto",
     "points",
     "winners",
@@ -45,25 +44,12 @@ __all__ = [
 ]
 
 MODE_ORDER: Final = ("pd", "local", "ppd", "replica")
-BANDS: Final = (("low", 0.5, 2.0), ("medium", 4.0, 8.0), ("high", 12.0, 20.0))
-HIGH_QPS: Final = (8.0, 12.0, 16.0, 20.0)
-#: The paper's Table 1: change in Turn 2 TTFT from x=0 to x=1 per QPS band (low, medium, high).
-PAPER_TABLE1: Final[dict[str, tuple[float, float, float]]] = {
-    "1P3D": (-0.578, -0.652, -0.733),
-    "2P2D": (-0.477, -0.516, -0.562),
-    "3P1D": (-0.443, -0.381, -0.249),
-}
-#: The paper's Table 5: failure rates at QPS 8, 12, 16, 20 per (shape, mode).
-PAPER_TABLE5: Final[dict[tuple[str, str], tuple[float, float, float, float]]] = {
-    ("3P1D", "pd"): (0.11, 0.44, 0.61, 0.89),
-    ("3P1D", "local"): (0.06, 0.22, 0.44, 0.67),
-    ("2P2D", "pd"): (0.0, 0.06, 0.11, 0.22),
-    ("2P2D", "local"): (0.0, 0.0, 0.06, 0.11),
-}
 #: The manifest file beside the records (see ``Manifest``).
 MANIFEST_NAME: Final = "manifest.json"
 QPS_EXPERIMENT: Final = "qps"
 WTPOT_EXPERIMENT: Final = "wtpot"
+#: Figure 6 in the paper's setting: one experiment per QPS level, ``wtpot-paper@<qps>``.
+PAPER_WTPOT_EXPERIMENT: Final = "wtpot-paper"
 BANDWIDTH_EXPERIMENT: Final = "bandwidth"
 
 
@@ -296,9 +282,18 @@ class SweepPoint:
     point: Point
 
 
-def wtpot_points(records: Iterable[Record], manifest: Manifest) -> list[SweepPoint]:
-    """The w_tpot sweep: static PD (value None) first, then by increasing w_tpot."""
-    return _sweep(records, manifest, WTPOT_EXPERIMENT, lambda info: info.w_tpot, "w_tpot")
+def wtpot_points(
+    records: Iterable[Record], manifest: Manifest, experiment: str = WTPOT_EXPERIMENT
+) -> list[SweepPoint]:
+    """A w_tpot sweep (``experiment``): static PD (value None) first, then by increasing w_tpot."""
+    return _sweep(records, manifest, experiment, lambda info: info.w_tpot, "w_tpot")
+
+
+def paper_wtpot_experiments(manifest: Manifest) -> list[tuple[float, str]]:
+    """The (QPS, experiment) of each Figure-6-in-the-paper's-setting sweep in ``manifest``, by QPS."""
+    prefix = f"{PAPER_WTPOT_EXPERIMENT}@"
+    names = {info.experiment for info in manifest.runs.values() if info.experiment.startswith(prefix)}
+    return sorted((float(name.removeprefix(prefix)), name) for name in names)
 
 
 def bandwidth_points(records: Iterable[Record], manifest: Manifest) -> list[SweepPoint]:

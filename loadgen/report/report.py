@@ -8,21 +8,16 @@ carries a caption saying what was run and with which seed. matplotlib is importe
 
 from __future__ import annotations
 
-import argparse
 import logging
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from loadgen.report.comparison import (
-    BANDS,
-    HIGH_QPS,
     MANIFEST_NAME,
     MODE_ORDER,
-    PAPER_TABLE1,
-    PAPER_TABLE5,
     Acceptance,
     Manifest,
     Point,
@@ -31,14 +26,16 @@ from loadgen.report.comparison import (
     band_changes,
     bandwidth_points,
     failure_rates,
+    paper_wtpot_experiments,
     pareto,
     points,
     winners,
     wtpot_points,
 )
+from loadgen.report.paper import BANDS, HIGH_QPS, PAPER_FIGURE6_LOCAL, PAPER_TABLE1, PAPER_TABLE5
 from table_builder.records import Record, read_records
 
-__all__ = ["REPORT_NAME", "ReportInputs", "add_parser", "load_inputs", "write_report"]
+__all__ = ["REPORT_NAME", "ReportInputs", "load_inputs", "write_report"]
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +282,75 @@ def _section_wtpot(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
     return [*lines, f"![w_tpot sweep]({name})", ""]
 
 
+def _vs(value: float | None, base: float | None) -> str:
+    return "" if value is None or not base else f" ({100 * (value / base - 1):+.0f}%)"
+
+
+def _section_paper_wtpot(sweeps: Sequence[tuple[float, Sequence[SweepPoint]]], plots: _Plots) -> list[str]:
+    lines = ["## Figure 6 in the paper's setting: prefill-heavy conversations, 1P3D, QPS 8 and 16", ""]
+    if not sweeps:
+        return [*lines, "No w_tpot sweep in the paper's setting in these records.", ""]
+    lines += [
+        "The paper's operating points: static PD 0% local, w_tpot = 6: 20%, w_tpot = 3: 50%, "
+        "w_tpot = 1: 95%. Turn 2+ figures; the change in brackets is against static PD at the same QPS.",
+        "",
+    ]
+    for qps, sweep in sweeps:
+        pd = next((s.point for s in sweep if s.value is None), None)
+        pd_ttft = None if pd is None else pd.ttft2_mean_ms
+        pd_tpot = None if pd is None else pd.tpot2_mean_ms
+        rows = []
+        for s in sweep:
+            paper = 0.0 if s.value is None else PAPER_FIGURE6_LOCAL.get(s.value)
+            rows.append(
+                [
+                    s.label,
+                    _ms(s.point.ttft2_mean_ms) + _vs(s.point.ttft2_mean_ms, pd_ttft),
+                    _ms(s.point.tpot2_mean_ms) + _vs(s.point.tpot2_mean_ms, pd_tpot),
+                    "-" if s.point.local_share is None else f"{100 * s.point.local_share:.0f}%",
+                    "" if paper is None else f"{100 * paper:.0f}%",
+                ]
+            )
+        lines += [f"QPS {qps:g}:", ""]
+        lines += _table(["setting", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "routed local", "paper"], rows)
+
+    def draw(axes: Any) -> None:
+        share, frontier = axes
+        for qps, sweep in sweeps:
+            weighted = [s for s in sweep if s.value is not None and s.point.local_share is not None]
+            share.plot(
+                [s.value for s in weighted],
+                [100 * (s.point.local_share or 0.0) for s in weighted],
+                marker="o",
+                label=f"simulated, QPS {qps:g}",
+            )
+            frontier.plot(
+                [s.point.tpot2_mean_ms for s in sweep],
+                [s.point.ttft2_mean_ms for s in sweep],
+                marker="o",
+                label=f"QPS {qps:g} (static PD, then w_tpot up)",
+            )
+        share.scatter(
+            list(PAPER_FIGURE6_LOCAL),
+            [100 * v for v in PAPER_FIGURE6_LOCAL.values()],
+            marker="x",
+            color="black",
+            s=60,
+            label="paper",
+            zorder=3,
+        )
+        share.set_xscale("log")
+        share.set_xlabel("w_tpot")
+        share.set_ylabel("Turn 2+ routed locally (%)")
+        share.legend(fontsize=7)
+        frontier.set_xlabel("mean Turn 2+ TPOT (ms)")
+        frontier.set_ylabel("mean Turn 2+ TTFT (ms)")
+        frontier.legend(fontsize=7)
+
+    name = plots.save("figure6_paper_setting.png", "w_tpot in the paper's setting", draw, panels=2)
+    return [*lines, f"![w_tpot in the paper's setting]({name})", ""]
+
+
 def _section_links(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
     lines = ["## Turn 2+ TTFT across link bandwidths (paper Figure 5)", ""]
     if not sweep:
@@ -346,98 +412,12 @@ def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Pat
     lines += _section_failures(pts)
     lines += _section_winners(pts)
     lines += _section_wtpot(wt, plots)
+    paper_sweeps = [
+        (qps, wtpot_points(inputs.records, inputs.manifest, name))
+        for qps, name in paper_wtpot_experiments(inputs.manifest)
+    ]
+    lines += _section_paper_wtpot(paper_sweeps, plots)
     lines += _section_links(links, plots)
     path = out / REPORT_NAME
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def _run_simulation(args: argparse.Namespace) -> None:
-    from loadgen.report.reproduce import ReproduceSettings, reproduce
-
-    settings = ReproduceSettings(
-        seed=args.seed,
-        duration_s=args.duration,
-        workload=args.workload,
-        shapes=args.shapes,
-        qps_levels=args.qps,
-        tables=args.tables,
-        stress_qps=args.stress_qps,
-        wtpot_values=args.wtpot,
-        link_duration_s=args.link_duration,
-    )
-    reproduce(settings, args.records, progress=not args.no_progress)
-
-
-def _report(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    del environ
-    if args.run:
-        _run_simulation(args)
-    inputs = load_inputs(args.records)
-    path = write_report(inputs, args.out, shape=args.shape)
-    print(f"report: {path}")
-    for line in path.read_text("utf-8").splitlines():
-        if line.startswith("| ") and ("PASS" in line or "FAIL" in line or "n/a" in line):
-            print(line)
-    return 0
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``report`` subcommand of ``ppd-bench``."""
-    parser = sub.add_parser(
-        "report",
-        help="write the Markdown reproduction report with PNG plots from benchmark records",
-        description="Reads *.jsonl records (and manifest.json) under --records; writes report.md and PNGs "
-        "to --out: Turn 2+ TTFT by mode across QPS (Table 1), P99 TTFT vs tokens/s (Figure 1), failure "
-        "rates (Table 5), per-metric winners (Table 3), the w_tpot sweep (Figure 6), the link sweep "
-        "(Figure 5), and the acceptance checks.",
-    )
-    parser.add_argument("--records", type=Path, required=True, help="folder of *.jsonl records")
-    parser.add_argument("--out", type=Path, required=True, help="folder for report.md and the PNGs")
-    parser.add_argument("--shape", default="1P3D", help="shape for the acceptance checks (default 1P3D)")
-    run = parser.add_argument_group(
-        "--run", "first produce the records on the virtual-time cluster simulation (into --records)"
-    )
-    run.add_argument("--run", action="store_true", help="run the QPS, w_tpot and link sweeps first")
-    run.add_argument("--seed", type=int, default=0, help="seed of arrivals and conversations (default 0)")
-    run.add_argument(
-        "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
-    )
-    run.add_argument("--workload", default="sharegpt", help="sharegpt or a synthetic name (default sharegpt)")
-    run.add_argument("--shapes", type=_names, default=("1P3D", "2P2D", "3P1D"), help="default 1P3D,2P2D,3P1D")
-    run.add_argument(
-        "--qps", type=_floats, default=(0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0),
-        help="QPS levels (default the paper's ten)",
-    )  # fmt: skip
-    run.add_argument(
-        "--stress-qps",
-        type=_floats,
-        default=(),
-        help="extra QPS levels on 1P3D beyond the grid, e.g. 144,160,176",
-    )
-    run.add_argument("--tables", type=Path, default=Path("tables"), help="tables for ppd (default tables/)")
-    run.add_argument(
-        "--wtpot",
-        type=_floats,
-        default=(1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0),
-        help="w_tpot values of the sweep (default 1,4,16,...,4096)",
-    )
-    run.add_argument(
-        "--link-duration", type=float, default=60.0, help="seconds per link-sweep point (default 60)"
-    )
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(handler=_report)

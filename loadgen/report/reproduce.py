@@ -6,7 +6,12 @@ Three experiments, all on the same seeded arrivals so modes are compared on iden
    optional ``stress_qps`` levels on 1P3D, where PD's success rate starts to drop in the simulation);
 2. the w_tpot sweep (Figure 6): 1P3D, ``ppd`` with weights (w_ttft=1, w_tpot=w) for each w, plus the
    static PD baseline, at one QPS;
-3. the link sweep (Figure 5): 1P3D, ``pd`` and ``ppd`` over each interconnect of the profile, at one QPS.
+3. the link sweep (Figure 5): 1P3D, ``pd`` and ``ppd`` over each interconnect of the profile, at one QPS;
+4. Figure 6 in the paper's own setting: the w_tpot sweep again, on 1P3D at QPS 8 and 16, over the
+   prefill-heavy multi-turn ShareGPT conversations (those whose Turn 2+ turns together have more than
+   ``balanced_up_to`` (2) input tokens per output token, the decision service's own prefill-heavy
+   boundary); the paper used 500 such conversations from ShareGPT and WildChat, the bundled ShareGPT
+   has a few hundred. Experiment ``wtpot-paper@<qps>``, one per QPS level.
 
 ``ppd`` routes with the decision service's own rule over the table found for the shape in ``tables``
 (``simulator.core.routing.TableRouter``); a shape without a table gets no ``ppd`` runs, and the manifest
@@ -22,17 +27,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from loadgen.report.comparison import MANIFEST_NAME, Manifest, RunInfo
+from loadgen.report.comparison import MANIFEST_NAME, PAPER_WTPOT_EXPERIMENT, Manifest, RunInfo
 from loadgen.sharegpt import SHAREGPT_WORKLOAD, sharegpt_pool
 from loadgen.tokens import llama3_counter
 from ppd import catalog
 from table_builder.records import Record, write_records
 
-__all__ = ["PAPER_QPS", "ReproduceSettings", "find_table", "reproduce"]
+__all__ = [
+    "PAPER_QPS",
+    "PREFILL_HEAVY_WORKLOAD",
+    "ReproduceSettings",
+    "find_table",
+    "prefill_heavy_lists",
+    "reproduce",
+]
 
 logger = logging.getLogger(__name__)
 
 PAPER_QPS: Final = (0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0)
+#: The workload name its records carry.
+PREFILL_HEAVY_WORKLOAD: Final = "sharegpt-prefill-heavy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +68,12 @@ class ReproduceSettings:
     wtpot_values: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0)
     wtpot_qps: float = 4.0
     wtpot_shape: str = "1P3D"
+    #: Figure 6 in the paper's setting: w_tpot values (empty: not run), QPS levels, seconds per point,
+    #: and how many ShareGPT conversations are scanned for prefill-heavy ones (the whole pool by default).
+    paper_wtpot_values: tuple[float, ...] = (1.0, 3.0, 6.0, 12.0, 24.0)
+    paper_wtpot_qps: tuple[float, ...] = (8.0, 16.0)
+    paper_wtpot_duration_s: float = 30.0
+    paper_wtpot_scan: int = 100_000
     links: tuple[str, ...] = ("nvlink", "ib_ndr", "ib_hdr", "100gbe")
     link_qps: float = 1.0
     link_duration_s: float = 60.0
@@ -89,6 +109,25 @@ def _turn_lists(settings: ReproduceSettings) -> list[list[tuple[int, int]]]:
     return [[(workload.first.n_in, workload.first.n_out), (workload.second.n_in, workload.second.n_out)]]
 
 
+def prefill_heavy_lists(settings: ReproduceSettings) -> list[list[tuple[int, int]]]:
+    """The (n_in, n_out) turns of every prefill-heavy multi-turn ShareGPT conversation in the seeded pool.
+
+    Prefill-heavy as the decision service classifies a turn (``paper_axes``): the conversation's Turn 2+
+    turns together have more than ``balanced_up_to`` input tokens per output token.
+    """
+    from decision_service.axes import paper_axes
+
+    ratio = paper_axes().classifier.balanced_up_to
+    pool = sharegpt_pool(llama3_counter(), seed=settings.seed, count=settings.paper_wtpot_scan)
+    out = []
+    for i in range(len(pool.conversations)):
+        turns = [(t.n_in, t.n_out) for t in pool.conversation(i).turns]
+        later = turns[1:]
+        if later and sum(n_in for n_in, _ in later) > ratio * sum(n_out for _, n_out in later):
+            out.append(turns)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Run:
     experiment: str
@@ -100,6 +139,7 @@ class _Run:
     link: str = "nvlink"
     w_tpot: float | None = None
     table: Path | None = None
+    workload: str | None = None  # None: the settings' workload
 
 
 def _plan(settings: ReproduceSettings, tables: dict[str, Path | None]) -> list[_Run]:
@@ -122,6 +162,28 @@ def _plan(settings: ReproduceSettings, tables: dict[str, Path | None]) -> list[_
                  table=tables[shape])
             for w in settings.wtpot_values
         ]  # fmt: skip
+    if settings.paper_wtpot_values and tables.get(shape) is not None:
+        for q in settings.paper_wtpot_qps:
+            experiment, duration = f"{PAPER_WTPOT_EXPERIMENT}@{q:g}", settings.paper_wtpot_duration_s
+            runs.append(
+                _Run(
+                    experiment, f"{experiment}-pd", shape, "pd", q, duration, workload=PREFILL_HEAVY_WORKLOAD
+                )
+            )
+            runs += [
+                _Run(
+                    experiment,
+                    f"{experiment}-{w:g}",
+                    shape,
+                    "ppd",
+                    q,
+                    duration,
+                    w_tpot=w,
+                    table=tables[shape],
+                    workload=PREFILL_HEAVY_WORKLOAD,
+                )
+                for w in settings.paper_wtpot_values
+            ]
     for link in settings.links:
         for mode in ("pd", "ppd"):
             if mode == "ppd" and tables.get(shape) is None:
@@ -154,7 +216,7 @@ def _simulate(
     from simulator.core.workload import turn_list_conversations
 
     conversations = turn_list_conversations(
-        lists, run.qps, run.duration_s, workload=settings.workload, seed=settings.seed
+        lists, run.qps, run.duration_s, workload=run.workload or settings.workload, seed=settings.seed
     )
     router = None
     if run.mode == "ppd" and run.table is not None:
@@ -187,9 +249,9 @@ def reproduce(settings: ReproduceSettings, out: Path, *, progress: bool = False)
     notes = [
         f"Workload {settings.workload}; {settings.duration_s:g} s of Poisson arrivals per point "
         f"({settings.link_duration_s:g} s for the link sweep); 30 s request timeout; "
-        f"profile {settings.profile}. w_tpot weighs relative deltas as in the paper, but the simulated "
-        "TPOT cost of a local append-prefill is far below 1%, "
-        "so the crossing lies far above the paper's 1-6.",
+        f"profile {settings.profile}. w_tpot weighs relative deltas as in the paper; on this workload a "
+        "local append-prefill costs little TPOT, so the crossing lies far above the paper's 1-6 (on "
+        "prefill-heavy conversations it comes within them: Figure 6 in the paper's setting).",
     ]
     for shape, path in sorted(tables.items()):
         notes.append(
@@ -197,15 +259,21 @@ def reproduce(settings: ReproduceSettings, out: Path, *, progress: bool = False)
         )
     lists = _turn_lists(settings)
     plan = _plan(settings, tables)
+    heavy = prefill_heavy_lists(settings) if any(r.workload == PREFILL_HEAVY_WORKLOAD for r in plan) else []
+    if heavy:
+        notes.append(
+            f"Figure 6 in the paper's setting: {len(heavy)} prefill-heavy multi-turn ShareGPT conversations "
+            f"(seed {settings.seed}), {settings.paper_wtpot_duration_s:g} s of arrivals per point."
+        )
     runs: dict[str, RunInfo] = {}
     from tqdm import tqdm
 
     with tqdm(total=len(plan), unit="run", desc="simulating", disable=not progress) as bar:
         for run in plan:
-            records = _simulate(run, settings, lists)
+            records = _simulate(run, settings, heavy if run.workload == PREFILL_HEAVY_WORKLOAD else lists)
             write_records(out / run.experiment / f"{run.run_id}.jsonl", records)
-            if run.experiment == "wtpot":
-                runs[run.run_id] = RunInfo(experiment="wtpot", w_tpot=run.w_tpot)
+            if run.experiment == "wtpot" or run.experiment.startswith(PAPER_WTPOT_EXPERIMENT):
+                runs[run.run_id] = RunInfo(experiment=run.experiment, w_tpot=run.w_tpot)
             elif run.experiment == "bandwidth":
                 runs[run.run_id] = RunInfo(
                     experiment="bandwidth", link_gb_s=_link_gb_s(settings.profile, run.link), link=run.link
