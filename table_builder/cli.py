@@ -20,6 +20,7 @@ from table_builder.artifact import ArtifactError, read_artifact
 from table_builder.build import BuildResult, build_from_artifact, build_from_records, table_file_name
 from table_builder.flags import add_build_options, options_from_args, positive_int, weights_arg
 from table_builder.records import RecordsError, read_records
+from table_builder.sweep import Engine
 
 __all__ = ["build_parser", "main", "publish", "resolve_out"]
 
@@ -177,13 +178,25 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _engine(args: argparse.Namespace) -> Engine | None:
+    """The sweep's engine, or None (logged) when it cannot run with these arguments."""
+    from table_builder.engines import EngineOptions, make_engine
+
+    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
+    # An engine on real workers runs its points one at a time and holds processes until closed.
+    max_jobs: int | None = getattr(engine, "max_jobs", None)
+    if max_jobs is not None and args.jobs > max_jobs:
+        logger.error("the %s engine runs one point at a time; got --jobs %d", engine.name, args.jobs)
+        return None
+    return engine
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from decision_service.axes import paper_axes
     from ppd.catalog import select_workloads
     from table_builder.analytic import parse_shape
-    from table_builder.engines import EngineOptions, make_engine
     from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
 
     try:
@@ -202,7 +215,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
+    engine = _engine(args)
+    if engine is None:
+        return 2
     plan = SweepPlan(shapes, args.model, modes, workloads, levels)
     interactive = sys.stderr.isatty()
     bar = tqdm(
@@ -228,6 +243,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except SweepError as exc:
         logger.error("%s", exc)
         return 1
+    finally:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
     if args.no_build:
         return 0
     labels = {"engine": engine.name, **{k: str(v) for k, v in sorted(engine.settings().items())}}
