@@ -35,6 +35,11 @@ class Recording(TableRouter):
         self.seen[(conversation_id, query.turn)] = v
         return v
 
+    def reason(self, record: dict[str, Any]) -> Reason:
+        v = self.seen[(record["conversation_id"], record["turn"])]
+        assert v is not None
+        return v.reason
+
 
 def _table(**header: Any) -> Table:
     return Table.from_bytes(encode_table(with_header(synthetic_spec(), **header)))
@@ -121,9 +126,7 @@ def test_never_into_a_path_whose_cell_fails_the_slo(profile: Profile, convs: lis
     records = _run(profile, convs, router, ExploreSettings(epsilon=1.0, max_per_worker_per_s=UNCAPPED))
     later = [r for r in records if r["turn"] >= 2]
     assert later
-    assert {router.seen[(r["conversation_id"], r["turn"])].reason for r in later} == {  # type: ignore[union-attr]
-        Reason.PD_FAILED_IN_CELL
-    }
+    assert {router.reason(r) for r in later} == {Reason.PD_FAILED_IN_CELL}
     assert {r["path"] for r in later} == {"local"}
     assert not any("explored" in r for r in records)
 
@@ -135,9 +138,7 @@ def test_never_while_the_decode_load_guard_is_active(profile: Profile) -> None:
         profile, convs, router, ExploreSettings(epsilon=1.0, max_per_worker_per_s=UNCAPPED), qps=8.0
     )
     later = [r for r in records if r["turn"] >= 2]
-    guarded = [
-        r for r in later if router.seen[(r["conversation_id"], r["turn"])].reason is Reason.LIVE_SIGNAL
-    ]  # type: ignore[union-attr]
+    guarded = [r for r in later if router.reason(r) is Reason.LIVE_SIGNAL]
     assert guarded  # the guard fired ...
     assert all(r["path"] == "pd" and "explored" not in r for r in guarded)  # ... and nothing explored then
     free = [r for r in later if r not in guarded]
