@@ -15,6 +15,10 @@ Rule 5 (decode-load guard): more running requests on the session's decode worker
         TPOT cost grows with the decode batch it joins (the paper's micro-benchmark: +21% at batch 200),
         and a saturated decode worker times out long answers; moving the prefill to an idle P relieves
         it. A signal the caller did not send, or a limit the table does not set, never fires.
+Rule 6 (where exploration may go, ``ppd/explore.py``): ``alternative_allowed`` says whether the path
+        the verdict did not choose is safe to take: it met the success SLO in the cell that answered
+        (the nearest measured level's figures) and, when it is LOCAL, no live signal forbids it
+        (rules 4 and 5). Never for turn 1 or a (context, workload) without measurements.
 
 ``Router`` precomputes, once per table, every cell's default-weight verdict, so the common call
 (no explicit weights) is a classification plus one tuple index and allocates nothing.
@@ -94,6 +98,8 @@ class Verdict:
     score: float
     default_local: bool
     detail: str
+    # Rule 6: the path not chosen passes the cell's success SLO (and no live signal forbids LOCAL).
+    alternative_allowed: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +114,9 @@ class CellRule:
     # Set when one mode missed the SLO: (local?, reason); the weights do not matter then.
     forced: tuple[bool, Reason] | None
     verdict: Verdict
+    # Whether each mode met the success SLO here (both False without measurements): rule 6.
+    pd_passes: bool = False
+    local_passes: bool = False
 
 
 def check_query(q: Query, table: Table) -> None:
@@ -234,6 +243,7 @@ class Router:
             score=score,
             default_local=local,
             detail=detail,
+            alternative_allowed=not pd_failed if local else not lo_failed,
         )
         return CellRule(
             context=ctx,
@@ -243,6 +253,8 @@ class Router:
             delta_tpot=d_tpot,
             forced=forced,
             verdict=v,
+            pd_passes=not pd_failed,
+            local_passes=not lo_failed,
         )
 
     def cell(self, c: int, w: int, q: int) -> CellRule:
@@ -263,11 +275,17 @@ class Router:
         if weights is not None and cell.forced is None and weights != header.default_weights:
             score = weights.w_ttft * cell.delta_ttft - weights.w_tpot * cell.delta_tpot
             reason = Reason.WEIGHTS if v.reason is Reason.TABLE else v.reason
-            v = dataclasses.replace(v, local=score > 0, reason=reason, score=score)
+            local = score > 0
+            allowed = cell.pd_passes if local else cell.local_passes
+            v = dataclasses.replace(v, local=local, reason=reason, score=score, alternative_allowed=allowed)
         if v.local:
             overload = self._live_overload(q)
             if overload is not None:
-                v = dataclasses.replace(v, local=False, reason=Reason.LIVE_SIGNAL, detail=overload)
+                v = dataclasses.replace(
+                    v, local=False, reason=Reason.LIVE_SIGNAL, detail=overload, alternative_allowed=False
+                )
+        elif v.alternative_allowed and self._live_overload(q) is not None:
+            v = dataclasses.replace(v, alternative_allowed=False)  # rule 6: LOCAL is forbidden now
         return v
 
     def _live_overload(self, q: Query) -> str | None:

@@ -103,6 +103,7 @@ def _response(verdict: Verdict, table: Table, request_id: str) -> pb.RouteRespon
         table_key=table.key,
         request_id=request_id,
         detail=verdict.detail,
+        alternative_allowed=verdict.alternative_allowed,
     )
     if verdict.context is not None:
         cell = response.cell

@@ -33,15 +33,34 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
     serve.add_argument("--host", help="bind address (default: the config's host, 127.0.0.1)")
     serve.add_argument("--mode", help="routing mode, overrides the config: pd|local|ppd|replica|fraction:<x>")
+    serve.add_argument(
+        "--explore",
+        type=float,
+        metavar="EPSILON",
+        help="ppd mode: share of Turn 2+ requests that take the path the table did not choose, 0..1 "
+        "(overrides [explore] epsilon; default 0: off)",
+    )
+    serve.add_argument(
+        "--explore-seed", type=int, metavar="N", help="seed of the per-request exploration draw (default 0)"
+    )
+    serve.add_argument(
+        "--explore-max-per-worker-per-s",
+        type=float,
+        metavar="R",
+        help="at most R explorations per decode worker and second (default 1.0; 0: none)",
+    )
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     check = sub.add_parser("check-config", help="validate a config file and print it resolved")
     check.add_argument("config")
     return parser
 
 
-def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
-    from dataclasses import replace
+def _load(
+    path: str | None, mode: str | None, host: str | None, explore: dict[str, float | int] | None = None
+) -> Settings:
+    from dataclasses import asdict, replace
 
+    from gateway.settings import explore_settings
     from ppd.modes import parse_mode
 
     settings = Settings.from_toml(path) if path else Settings()
@@ -52,6 +71,8 @@ def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
             raise SettingsError(str(exc)) from None
     if host:
         settings = replace(settings, host=host)
+    if explore:
+        settings = replace(settings, explore=explore_settings({**asdict(settings.explore), **explore}))
     return settings
 
 
@@ -106,7 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        settings = _load(args.config, args.mode, args.host)
+        flags = {
+            "epsilon": args.explore,
+            "seed": args.explore_seed,
+            "max_per_worker_per_s": args.explore_max_per_worker_per_s,
+        }
+        settings = _load(args.config, args.mode, args.host, {k: v for k, v in flags.items() if v is not None})
     except SettingsError as exc:
         sys.stderr.write(f"ppd-gateway: {exc}\n")
         return 2

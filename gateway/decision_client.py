@@ -146,6 +146,7 @@ def decision_from_response(resp: decision_pb2.RouteResponse) -> Decision | None:
         table_version=resp.table_version,
         score=resp.score,
         detail=resp.detail,
+        alternative_allowed=resp.alternative_allowed,
     )
 
 

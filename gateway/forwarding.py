@@ -24,9 +24,10 @@ steps share one turn's inputs, outcome and pool view; the parts that stand alone
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from gateway.deps import Deps
 from gateway.errors import (
@@ -60,6 +61,7 @@ from gateway.sessions import Session, SessionMatch, explicit_key, find_session
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import TurnReport, provenance_headers
 from gateway.types import Role
+from ppd.explore import ExplorationPolicy
 from ppd.modes import Mode, ModeError, parse_mode
 
 __all__ = ["Forwarder"]
@@ -82,6 +84,7 @@ class Forwarder:
         s = deps.settings
         self._s = s
         self._report = TurnReport(deps.metrics, deps.request_log, s.log)
+        self._explorer = ExplorationPolicy(s.explore)
         self._worker_headers: tuple[tuple[str, str], ...] = (
             (("Authorization", f"Bearer {s.worker_api_key}"),) if s.worker_api_key else ()
         )
@@ -147,7 +150,7 @@ class Forwarder:
             if static is not None:
                 outcome.decision = static
             elif ask:
-                outcome.decision = await self._ask(turn, view)
+                outcome.decision = self._explore(turn, await self._ask(turn, view))
             else:
                 outcome.decision = _NOT_ASKED
             await self._serve(request, client, turn, outcome, view)
@@ -226,6 +229,27 @@ class Forwarder:
             table_key=s.table_key,
         )
         return await d.decisions.route(query, Decision(s.fallback, "fallback"))
+
+    def _explore(self, turn: TurnInputs, decision: Decision) -> Decision:
+        """ppd mode, turn 2+: the path the exploration policy takes (ppd/explore.py). Its draw is keyed
+        by session and turn, its cap by the session's decode worker; a fallback decision never
+        explores (the service did not allow it), nor one a live signal moved (reason live_signal)."""
+        e = self._explorer.decide(
+            request_key=f"{turn.session_id}#{turn.turn}",
+            chosen_local=decision.path == "local",
+            alternative_allowed=decision.alternative_allowed,
+            worker=(turn.session.worker if turn.session is not None else None) or "",
+            now=self._d.clock(),
+            guard_active=decision.reason == "live_signal",
+        )
+        if e.explored:
+            path: Literal["pd", "local"] = "local" if e.local else "pd"
+            return dataclasses.replace(
+                decision, path=path, reason="explore", explored=True, propensity=e.propensity
+            )
+        if e.propensity != decision.propensity:
+            return dataclasses.replace(decision, propensity=e.propensity)
+        return decision
 
     def _plan_request(self, headers: Mapping[str, str], turn: TurnInputs) -> PlanRequest:
         forwarded = self._worker_headers

@@ -33,6 +33,12 @@ class GatewayMetrics:
             ["path", "reason"],
             registry=r,
         )
+        self.explorations = Counter(
+            "ppd_gateway_explorations",
+            "ppd-mode Turn 2+ requests sent down the path the table did not choose, by that path",
+            ["path"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "ppd_gateway_decision_fallbacks",
             "ppd-mode decisions that used the configured fallback, by cause",

@@ -28,6 +28,12 @@ class Decision:
     score: float = 0.0
     detail: str = ""
     fallback: bool = False
+    # The DecisionService's word on exploring the other path (RouteResponse.alternative_allowed), and
+    # what the exploration policy made of it (ppd/explore.py): taken the other path, with the
+    # propensity of the path taken (1.0 when exploration is off or the request was not eligible).
+    alternative_allowed: bool = False
+    explored: bool = False
+    propensity: float = 1.0
 
 
 def static_decision(mode: Mode, *, turn: int, session_id: str) -> Decision | None:

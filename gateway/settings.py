@@ -16,10 +16,12 @@ from typing import Any, Literal
 
 from gateway.limits import LimitSettings
 from gateway.pool import WorkerSpec
+from ppd.explore import ExploreSettings
 from ppd.modes import Mode, parse_mode
 
 __all__ = [
     "DecisionSettings",
+    "ExploreSettings",
     "LimitSettings",
     "LogSettings",
     "PolicySettings",
@@ -29,6 +31,7 @@ __all__ = [
     "Settings",
     "SettingsError",
     "TimeoutSettings",
+    "explore_settings",
 ]
 
 
@@ -151,6 +154,9 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     log: LogSettings = field(default_factory=LogSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    # ppd mode: a share epsilon of Turn 2+ requests takes the path the table did not choose
+    # (ppd/explore.py: seed, cap per decode worker and second); epsilon 0 (the default) is off.
+    explore: ExploreSettings = field(default_factory=ExploreSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -172,6 +178,7 @@ class Settings:
             "pool": PoolSettings(**_section(PoolSettings, data.pop("pool", {}), "pool")),
             "log": LogSettings(**_section(LogSettings, data.pop("log", {}), "log")),
             "limits": LimitSettings(**_section(LimitSettings, data.pop("limits", {}), "limits")),
+            "explore": explore_settings(_section(ExploreSettings, data.pop("explore", {}), "explore")),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -220,6 +227,14 @@ class Settings:
             raise SettingsError(
                 "limits.max_messages and limits.max_id_length must be >= 1, limits.header_timeout_s positive"
             )
+
+
+def explore_settings(values: Mapping[str, Any]) -> ExploreSettings:
+    """``ExploreSettings`` from checked keys; a value out of range is a SettingsError."""
+    try:
+        return ExploreSettings(**values)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _section(cls: type[Any], raw: Any, name: str, *, skip: set[str] | None = None) -> dict[str, Any]:

@@ -1,9 +1,13 @@
 """What a turn leaves behind: its provenance headers, its metrics and its request-log line.
 
-Rule 1: every routed response carries the provenance headers (`PROVENANCE_HEADERS`, README).
+Rule 1: every routed response carries the provenance headers (`PROVENANCE_HEADERS`, README);
+`X-PPD-Explored: 1` marks a request exploring the path the table did not choose.
 Rule 2: at the end of every turn, served or not, `finish` counts the decision and the token-count
 source, observes TTFT, TPOT and the gateway's own overhead, and writes one request-log line in the
-benchmark record schema.
+benchmark record schema; an explored request, or one whose path was drawn with a propensity below 1,
+also counts in `ppd_gateway_explorations_total` (explored only) and carries `explored`/`propensity` in
+its line (ppd/records.py leaves them out at their defaults, so with exploration off the lines are as
+they always were).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ PROVENANCE_HEADERS = (
     "X-PPD-Prefill-Worker",
     "X-PPD-Fallback",
     "X-PPD-Session-Reset",
+    "X-PPD-Explored",
     "X-Request-Id",
 )
 
@@ -50,6 +55,8 @@ def provenance_headers(turn: TurnInputs, outcome: TurnOutcome) -> dict[str, str]
         headers["X-PPD-Session-Reset"] = turn.session_reset
     if decision is not None and decision.fallback:
         headers["X-PPD-Fallback"] = "1"
+    if decision is not None and decision.explored:
+        headers["X-PPD-Explored"] = "1"
     return headers
 
 
@@ -65,8 +72,11 @@ class TurnReport:
 
     def finish(self, turn: TurnInputs, outcome: TurnOutcome, *, end: float) -> None:
         m = self._m
+        decision = outcome.decision
         if outcome.path:
             m.decisions.labels(outcome.path, outcome.reason).inc()
+        if decision is not None and decision.explored:
+            m.explorations.labels(decision.path).inc()
         m.token_counts.labels(turn.psi.n_in.source).inc()
         n_out = outcome.completion_tokens if outcome.completion_tokens is not None else turn.psi.n_out
         tpot: float | None = None
@@ -100,5 +110,7 @@ class TurnReport:
                 ok=outcome.ok,
                 error=outcome.error,
                 start_time=turn.start_wall,
+                explored=decision is not None and decision.explored,
+                propensity=decision.propensity if decision is not None else 1.0,
             )
         )

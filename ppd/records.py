@@ -4,8 +4,13 @@ builder, which reads it (``table_builder/records.py`` holds the file reader and 
 
 One line per request. Rules this module keeps:
 
-1. A record is a frozen value. Every field is required, in the order of ``FIELDS``; unknown fields are
+1. A record is a frozen value. Every field of ``FIELDS`` is required, in that order; unknown fields are
    an error (a typo such as ``"ttft"`` must not silently become "no data").
+   ``OPTIONAL_FIELDS`` follow, each with its default: a line leaves them out exactly when they all
+   hold their defaults (so a writer that never sets them writes the lines it always wrote), and a
+   reader fills a missing one in with its default. Today they mark exploration (``ppd/explore.py``):
+   ``explored`` (the path taken is not the one the table chose; default false) and ``propensity``
+   (P(path taken | chosen path), in (0, 1]; default 1.0).
 2. Types are exact: integers are JSON integers (not floats, not booleans), floats are finite (NaN and
    infinities are refused even though Python's ``json`` accepts them), ``ok`` is a JSON boolean; the
    mode follows the one grammar of :mod:`ppd.modes`.
@@ -23,7 +28,7 @@ from typing import Any, Final
 
 from ppd.modes import ModeError, parse_mode
 
-__all__ = ["FIELDS", "PATHS", "Record", "RecordError", "UncheckedRecord"]
+__all__ = ["FIELDS", "OPTIONAL_FIELDS", "PATHS", "Record", "RecordError", "UncheckedRecord"]
 
 #: The path a single request actually took.
 PATHS: Final = frozenset({"pd", "local", "replica"})
@@ -55,6 +60,12 @@ FIELDS: Final[Mapping[str, str]] = {
     "ok": _BOOL,
     "error": _OPT_STR,
     "start_time": _FLOAT,
+}
+
+#: Optional field name -> (JSON type, default), written after ``FIELDS`` unless all hold their defaults.
+OPTIONAL_FIELDS: Final[Mapping[str, tuple[str, object]]] = {
+    "explored": (_BOOL, False),
+    "propensity": (_FLOAT, 1.0),
 }
 
 # Far beyond any context window; a larger count is a bug upstream, not a measurement.
@@ -93,9 +104,15 @@ class UncheckedRecord:
     ok: bool
     error: str | None
     start_time: float
+    explored: bool = False
+    propensity: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in FIELDS}
+        out = {name: getattr(self, name) for name in FIELDS}
+        if self.explored or self.propensity != 1.0:
+            out["explored"] = self.explored
+            out["propensity"] = self.propensity
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +122,8 @@ class Record(UncheckedRecord):
 
     def __post_init__(self) -> None:
         for name, kind in FIELDS.items():
+            _check_type(name, kind, getattr(self, name))
+        for name, (kind, _) in OPTIONAL_FIELDS.items():
             _check_type(name, kind, getattr(self, name))
         _check_values(self)
 
@@ -117,13 +136,13 @@ class Record(UncheckedRecord):
         missing = [name for name in FIELDS if name not in obj]
         if missing:
             raise RecordError(f"missing field(s): {', '.join(missing)}")
-        unknown = sorted(set(obj) - set(FIELDS))
+        unknown = sorted(set(obj) - set(FIELDS) - set(OPTIONAL_FIELDS))
         if unknown:
             raise RecordError(f"unknown field(s): {', '.join(unknown)}")
         values = dict(obj)
         # JSON has one number type: accept 2 for a float field, never 2.0 for an int field.
-        for name, kind in FIELDS.items():
-            value = values[name]
+        for name, kind in (*FIELDS.items(), *((n, k) for n, (k, _) in OPTIONAL_FIELDS.items())):
+            value = values.get(name)
             if kind in (_FLOAT, _OPT_FLOAT) and type(value) is int:
                 values[name] = float(value)
         return cls(**values)
@@ -212,3 +231,7 @@ def _check_numbers(r: Record) -> None:
             raise RecordError(f"{name} must be >= 0, got {value!r}")
     if r.start_time < 0:
         raise RecordError(f"start_time must be >= 0, got {r.start_time!r}")
+    if not 0.0 < r.propensity <= 1.0:
+        raise RecordError(f"propensity must lie in (0, 1], got {r.propensity!r}")
+    if r.explored and r.turn == 1:
+        raise RecordError("explored is true on turn 1 (turn 1 always takes pd; only turns 2+ explore)")

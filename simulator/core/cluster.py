@@ -17,6 +17,11 @@ Routing: turn 1 takes ``pd`` (``replica`` in replica mode) on the least-loaded P
 conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``fraction:<x>`` (a fixed
 share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`LocalPolicy`,
 normally :class:`simulator.core.routing.TableRouter`: the decision service's pure rule over a table).
+With ``ClusterConfig.explore`` (``ppd`` mode), the gateway's exploration policy (``ppd/explore.py``)
+may send a Turn 2+ request down the path the table did not choose, within the same bounds (the
+verdict's ``alternative_allowed``; the decode-load guard, a ``LIVE_SIGNAL`` verdict; the cap per
+decode worker, in virtual time); its record then carries ``explored`` and ``propensity`` as the
+gateway's request log does (left out at their defaults: ε = 0 gives the records of no exploration).
 A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
 its engines, and ends its conversation.
 
@@ -38,11 +43,12 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from decision_service.route import Query
+from decision_service.route import Query, Reason, Verdict
+from ppd.explore import ExplorationPolicy, ExploreSettings
 from ppd.modes import fraction_goes_local, parse_mode
 from simulator.core.engine import (
     Engine,
@@ -91,6 +97,9 @@ class ClusterConfig:
     apply_overheads: bool = True
     fast_forward: bool = True
     kv_capacity_tokens: int | None = None  # per engine; None = the profile's
+    # ppd mode: explore the path the table did not choose (ppd/explore.py); needs a router with
+    # ``verdict`` (simulator.core.routing.TableRouter).
+    explore: ExploreSettings | None = None
 
 
 @dataclass(slots=True)
@@ -148,6 +157,7 @@ class _Req:
         "deadline",
         "done",
         "error",
+        "explored",
         "finish",
         "first",
         "idx",
@@ -157,6 +167,7 @@ class _Req:
         "p",
         "p_done",
         "path",
+        "propensity",
         "rid",
         "stream",
         "transfer",
@@ -182,6 +193,8 @@ class _Req:
         self.done = False
         self.error: str | None = None
         self.transfer: tuple[_LinkState, int] | None = None
+        self.explored = False
+        self.propensity = 1.0
 
 
 class _Sim:
@@ -193,6 +206,13 @@ class _Sim:
         if self.kind == "ppd" and router is None:
             raise ValueError("mode ppd needs a router")
         self.router = router
+        self.explorer: ExplorationPolicy | None = None
+        self.verdict_of: Callable[[str, Query], Verdict | None] | None = None
+        if config.explore is not None and self.kind == "ppd":
+            self.verdict_of = getattr(router, "verdict", None)
+            if self.verdict_of is None:
+                raise ValueError("exploration needs a router that gives verdicts (TableRouter)")
+            self.explorer = ExplorationPolicy(config.explore)
         ecfg = EngineConfig(
             kv_pull=config.kv_pull,
             record_sampled=False,
@@ -334,7 +354,21 @@ class _Sim:
             decode_running=req.d.engine.running_count(),
             prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
         )
-        return self.router.local(req.conv.conversation_id, query)
+        if self.explorer is None or self.verdict_of is None:
+            return self.router.local(req.conv.conversation_id, query)
+        verdict = self.verdict_of(req.conv.conversation_id, query)
+        if verdict is None:
+            return False  # refused: PD, as the gateway's fallback; no exploration
+        e = self.explorer.decide(
+            request_key=req.rid,
+            chosen_local=verdict.local,
+            alternative_allowed=verdict.alternative_allowed,
+            worker=req.d.name,
+            now=self.now,
+            guard_active=verdict.reason is Reason.LIVE_SIGNAL,
+        )
+        req.explored, req.propensity = e.explored, e.propensity
+        return e.local
 
     def on_dispatch(self, req: _Req, t: float) -> None:
         if req.done:
@@ -578,6 +612,8 @@ class _Sim:
                     "start_time": arrival,
                 }
             )
+            if req.explored or req.propensity != 1.0:  # ppd/records.py: left out at their defaults
+                out[-1].update(explored=req.explored, propensity=req.propensity)
         return out
 
 

@@ -5,13 +5,15 @@ The same code decides in simulation and in production: :class:`TableRouter` wrap
 protocol, with the live signals a gateway would attach (the session's decode worker's running batch,
 the chosen prefill worker's queue), so the table's decode-load guard acts here as it does live.
 A query the rule refuses (``QueryError``) takes PD, as the gateway's fallback would, and is counted.
+``verdict`` gives the whole verdict (for exploration, ``ClusterConfig.explore``: whether the other
+path is allowed, and whether a live signal acted), ``local`` only its path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from decision_service.route import Query, QueryError, Router, check_query
+from decision_service.route import Query, QueryError, Router, Verdict, check_query
 from decision_service.table import Table, Weights
 
 __all__ = ["TableRouter"]
@@ -34,6 +36,11 @@ class TableRouter:
         return cls(Table.open(path), weights)
 
     def local(self, conversation_id: str, query: Query) -> bool:
+        verdict = self.verdict(conversation_id, query)
+        return verdict is not None and verdict.local
+
+    def verdict(self, conversation_id: str, query: Query) -> Verdict | None:
+        """The rule's verdict; None when it refuses the query (then the turn takes PD)."""
         del conversation_id
         if self._weights is not None:
             query = dataclasses.replace(query, weights=self._weights)
@@ -41,8 +48,8 @@ class TableRouter:
             check_query(query, self._table)
         except QueryError:
             self.refused += 1
-            return False
+            return None
         verdict = self._router.route(query)
         name = verdict.reason.name
         self.verdicts[name] = self.verdicts.get(name, 0) + 1
-        return verdict.local
+        return verdict

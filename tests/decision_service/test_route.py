@@ -248,3 +248,63 @@ def test_rule_is_total(
     assert (turn == 1) == (v.reason is Reason.TURN_ONE)
     if v.local and v.reason in (Reason.TABLE, Reason.WEIGHTS):
         assert v.score > 0
+
+
+# Rule 6: whether exploration may take the path the verdict did not choose.
+
+
+def test_the_alternative_is_allowed_where_both_modes_met_the_slo(router: Router) -> None:
+    local = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0))
+    assert (local.local, local.alternative_allowed) == (True, True)
+    flipped = router.route(
+        Query(turn=2, n_in=1024, n_out=32, n_ctx=1000, qps=0.5, weights=Weights(0.01, 100.0))
+    )
+    assert (flipped.local, flipped.reason, flipped.alternative_allowed) == (False, Reason.WEIGHTS, True)
+
+
+def test_never_into_a_mode_that_failed_the_slo_in_its_cell(router: Router) -> None:
+    # PD failed here: the verdict is LOCAL and its alternative, PD, is not allowed, whatever the weights.
+    for weights in (None, Weights(0.0, 1000.0)):
+        v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=25.0, weights=weights))
+        assert (v.local, v.reason, v.alternative_allowed) == (True, Reason.PD_FAILED_IN_CELL, False)
+    spec = synthetic_spec(holes=False)
+    fig = spec.figures.copy()
+    fig[1, 5, :, Figure.LOCAL_SUCCESS] = 0.5  # in (large, mid_bal)
+    lo_failed = Router(Table.from_bytes(encode_table(dataclasses.replace(spec, figures=fig))))
+    v = lo_failed.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0))
+    assert (v.local, v.reason, v.alternative_allowed) == (False, Reason.LOCAL_FAILED_IN_CELL, False)
+
+
+def test_both_modes_failing_the_slo_allow_no_alternative() -> None:
+    spec = synthetic_spec(holes=False)
+    fig = spec.figures.copy()
+    fig[1, 5, :, Figure.LOCAL_SUCCESS] = 0.5
+    fig[1, 5, :, Figure.PD_SUCCESS] = 0.5  # equal: no mode is forced, the score decides
+    router = Router(Table.from_bytes(encode_table(dataclasses.replace(spec, figures=fig))))
+    for weights in (None, Weights(1.0, 0.0), Weights(0.0, 1.0)):
+        v = router.route(Query(turn=2, n_in=128, n_out=128, n_ctx=1000, qps=4.0, weights=weights))
+        assert v.alternative_allowed is False
+
+
+def test_turn_one_and_cells_without_data_allow_no_alternative(router: Router) -> None:
+    assert router.route(Query(turn=1, n_in=128, n_out=128, n_ctx=0, qps=4.0)).alternative_allowed is False
+    v = router.route(Query(turn=2, n_in=32, n_out=256, n_ctx=100, qps=4.0))
+    assert (v.reason, v.alternative_allowed) == (Reason.DEFAULT, False)
+    nearest = router.route(Query(turn=2, n_in=8, n_out=64, n_ctx=100, qps=10.0))
+    assert (nearest.reason, nearest.alternative_allowed) == (Reason.NEAREST_CELL, True)
+
+
+def test_a_live_signal_forbids_exploring_into_local(guarded: Router) -> None:
+    # LOCAL turned into PD by the guard: its alternative, LOCAL, is what the guard forbids.
+    moved = guarded.route(local_cell(running=193, queue=0))
+    assert (moved.reason, moved.alternative_allowed) == (Reason.LIVE_SIGNAL, False)
+    # A PD verdict on a loaded decode worker: exploring into LOCAL is forbidden too.
+    w = Weights(0.01, 100.0)
+    calm = guarded.route(dataclasses.replace(local_cell(running=0, queue=0), weights=w))
+    assert (calm.local, calm.alternative_allowed) == (False, True)
+    busy = guarded.route(dataclasses.replace(local_cell(running=193, queue=0), weights=w))
+    assert (busy.local, busy.reason, busy.alternative_allowed) == (False, Reason.WEIGHTS, False)
+    kv = guarded.route(
+        dataclasses.replace(local_cell(running=None, queue=None), weights=w, decode_kv_usage=0.99)
+    )
+    assert (kv.local, kv.alternative_allowed) == (False, False)

@@ -255,6 +255,17 @@ async def test_live_kv_usage_above_the_limit_turns_local_into_pd(running: Runnin
     assert full.reason == pb.REASON_LIVE_SIGNAL
 
 
+async def test_the_answer_says_whether_the_other_path_may_be_explored(running: Running) -> None:
+    local = await running.stub.Route(turn2(weights=pb.Weights(w_ttft=1.0, w_tpot=0.0)))
+    assert (local.decision, local.alternative_allowed) == (pb.DECISION_LOCAL, True)
+    full = await running.stub.Route(
+        turn2(weights=pb.Weights(w_ttft=1.0, w_tpot=0.0), live=pb.LiveSignals(decode_kv_usage=0.99))
+    )
+    assert (full.reason, full.alternative_allowed) == (pb.REASON_LIVE_SIGNAL, False)
+    first = await running.stub.Route(turn2(turn=1, context_tokens=0))
+    assert first.alternative_allowed is False
+
+
 async def test_live_decode_load_above_the_tables_limit_turns_local_into_pd(running: Running) -> None:
     spec = with_header(synthetic_spec(shape="3P1D"), max_decode_running=100, max_prefill_queue_depth=4)
     write_table(running.tables_dir / "guarded.ppdt", spec)

@@ -21,6 +21,7 @@ SERVICE = "ppd.decision.v1.DecisionService"
 class FakeDecision(decision_pb2_grpc.DecisionServiceServicer):
     decision: int = decision_pb2.DECISION_LOCAL
     reason: int = decision_pb2.REASON_TABLE
+    alternative_allowed: bool = False
     delay_s: float = 0.0
     abort_code: grpc.StatusCode | None = None
     # Trailing metadata of the abort (the real service's no-table signal: ppd/decision/v1/status.py).
@@ -43,6 +44,7 @@ class FakeDecision(decision_pb2_grpc.DecisionServiceServicer):
             table_key="1P3D/llama-3.1-8b",
             request_id=request.request_id,
             score=0.5,
+            alternative_allowed=self.alternative_allowed,
         )
 
     async def Route(

@@ -18,6 +18,7 @@ from gateway.plan import UpstreamCall
 from gateway.pool import WorkerPool
 from gateway.ports import JsonReply, RouteQuery
 from gateway.psi import QpsMeter, Tokenizers
+from gateway.request_log import RequestLog
 from gateway.routing import Decision
 from gateway.sessions import InMemorySessionStore
 from gateway.settings import Settings
@@ -198,6 +199,7 @@ def forwarder_on_fakes(
     upstream: FakeUpstream | None = None,
     decisions: FakeDecisions | None = None,
     clock: ManualClock | None = None,
+    request_log: RequestLog | None = None,
 ) -> tuple[Forwarder, Deps]:
     """A Forwarder over `Settings.from_mapping(config)` with fake workers and DecisionService."""
     settings = Settings.from_mapping(config)
@@ -212,7 +214,7 @@ def forwarder_on_fakes(
         metrics=GatewayMetrics(),
         decisions=decisions or FakeDecisions(),
         upstream=upstream or FakeUpstream(),
-        request_log=None,
+        request_log=request_log,
         clock=clock,
         timer=clock,
         wall_clock=lambda: 1_700_000_000.0,

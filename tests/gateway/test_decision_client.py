@@ -79,6 +79,8 @@ def test_query_maps_onto_the_proto() -> None:
     bad = decision_pb2.RouteResponse(error=decision_pb2.RouteError(code=3, message="bad"))
     assert decision_from_response(bad) is None
     assert decision_from_response(decision_pb2.RouteResponse()) is None
+    allowed = decision_pb2.RouteResponse(decision=decision_pb2.DECISION_PD, alternative_allowed=True)
+    assert decision_from_response(allowed) == Decision("pd", "unspecified", alternative_allowed=True)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -59,7 +59,9 @@ def test_provenance_headers_name_the_path_the_workers_and_the_decision() -> None
         "X-PPD-Session-Reset": "fork",
         "X-Request-Id": "r1",
     }
-    assert set(headers) == set(PROVENANCE_HEADERS)
+    assert set(headers) == set(PROVENANCE_HEADERS) - {"X-PPD-Explored"}
+    explored = Decision("pd", "explore", table_version="v3", explored=True, propensity=0.1)
+    assert provenance_headers(_turn(), TurnOutcome(decision=explored, path="pd"))["X-PPD-Explored"] == "1"
     local = provenance_headers(
         _turn(), TurnOutcome(decision=Decision("local", "mode_fraction"), path="local")
     )
@@ -68,6 +70,7 @@ def test_provenance_headers_name_the_path_the_workers_and_the_decision() -> None
         "X-PPD-Prefill-Worker",
         "X-PPD-Fallback",
         "X-PPD-Session-Reset",
+        "X-PPD-Explored",
     }
 
 

@@ -9,14 +9,46 @@ import json
 
 import pytest
 
-from ppd.records import FIELDS, Record, RecordError, UncheckedRecord
+from ppd.records import FIELDS, OPTIONAL_FIELDS, Record, RecordError, UncheckedRecord
 from tests.support.records import make_record
 
 
 def test_the_field_order_is_the_schema_order() -> None:
-    assert [f.name for f in dataclasses.fields(UncheckedRecord)] == list(FIELDS)
-    assert [f.name for f in dataclasses.fields(Record)] == list(FIELDS)
+    schema = [*FIELDS, *OPTIONAL_FIELDS]
+    assert [f.name for f in dataclasses.fields(UncheckedRecord)] == schema
+    assert [f.name for f in dataclasses.fields(Record)] == schema
     assert list(json.loads(make_record().to_json())) == list(FIELDS)
+    assert list(json.loads(make_record(explored=True, propensity=0.1).to_json())) == schema
+
+
+def test_optional_fields_are_left_out_exactly_when_all_hold_their_defaults() -> None:
+    plain = make_record()
+    defaults = {name: default for name, (_, default) in OPTIONAL_FIELDS.items()}
+    assert Record(**{**plain.to_dict(), **defaults}).to_json() == plain.to_json()
+    assert Record.from_json(plain.to_json()) == plain
+    # A chosen request under exploration: not explored, but its propensity is 1 - epsilon.
+    chosen = make_record(propensity=0.9)
+    assert json.loads(chosen.to_json())["explored"] is False
+    explored = make_record(explored=True, propensity=0.1)
+    line = explored.to_json()
+    assert line.endswith(',"explored":true,"propensity":0.1}')
+    assert Record.from_json(line) == explored
+    assert Record.from_json(line.replace('"propensity":0.1', '"propensity":1')).propensity == 1.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"propensity": 0.0}, r"propensity must lie in \(0, 1\]"),
+        ({"propensity": 1.5}, r"propensity must lie in \(0, 1\]"),
+        ({"propensity": float("nan")}, "must be finite"),
+        ({"explored": 1}, "'explored' must be bool"),
+        ({"explored": True, "turn": 1, "n_ctx": 0}, "explored is true on turn 1"),
+    ],
+)
+def test_bad_exploration_fields_are_refused(changes: dict[str, object], why: str) -> None:
+    with pytest.raises(RecordError, match=why):
+        make_record(**changes)
 
 
 def test_an_unchecked_record_keeps_what_a_record_refuses() -> None:

@@ -285,6 +285,7 @@ class RouteResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    ALTERNATIVE_ALLOWED_FIELD_NUMBER: _builtins.int
     decision: Global___Decision.ValueType
     reason: Global___Reason.ValueType
     score: _builtins.float
@@ -298,6 +299,12 @@ class RouteResponse(_message.Message):
     request_id: _builtins.str
     detail: _builtins.str
     """A human-readable note, e.g. which QPS level stood in for a missing one."""
+    alternative_allowed: _builtins.bool
+    """Whether a gateway exploring (ppd/explore.py) may send this request down
+    the path not chosen: that path met the success SLO in the cell that
+    answered and, when it is LOCAL, no live signal forbids it. False for
+    turn 1, a cell without measurements, and an answer carrying `error`.
+    """
     @_builtins.property
     def cell(self) -> Global___Cell: ...
     @_builtins.property
@@ -315,10 +322,11 @@ class RouteResponse(_message.Message):
         request_id: _builtins.str = ...,
         detail: _builtins.str = ...,
         error: Global___RouteError | None = ...,
+        alternative_allowed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cell", b"cell", "decision", b"decision", "default_decision", b"default_decision", "detail", b"detail", "error", b"error", "reason", b"reason", "request_id", b"request_id", "score", b"score", "table_key", b"table_key", "table_version", b"table_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alternative_allowed", b"alternative_allowed", "cell", b"cell", "decision", b"decision", "default_decision", b"default_decision", "detail", b"detail", "error", b"error", "reason", b"reason", "request_id", b"request_id", "score", b"score", "table_key", b"table_key", "table_version", b"table_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
