@@ -20,6 +20,8 @@ from table_builder.vllm_bench import RunLabels, VllmBenchError, read_vllm_bench
 from tests.support.vllm_bench import (
     MULTI_TURN,
     MULTI_TURN_CONVERSATIONS,
+    REAL_APPEND,
+    REAL_SUMMARY,
     SERVE_APPEND,
     SERVE_LOCAL,
     SERVE_PD,
@@ -68,6 +70,30 @@ def test_an_append_result_file_holds_one_run_per_line() -> None:
     assert {r.workload for r in got.records} == {"chat"}
     assert [r.ok for r in got.records] == [True, True, False, True]
     assert got.records[2].error == "Internal Server Error"
+
+
+def test_a_file_written_by_vllm_itself_is_read_with_its_failures() -> None:
+    got = read_vllm_bench([REAL_APPEND], _labels(context_tokens=256))
+    (info,) = got.files
+    assert (info.runs, info.requests, info.failed) == (
+        (
+            "vllm-2.0qps-Llama-3.1-8B-Instruct-20261201-171718",
+            "vllm-8.0qps-Llama-3.1-8B-Instruct-20261201-171754",
+        ),
+        16,
+        3,
+    )
+    assert [r.target_qps for r in got.records] == [2.0] * 8 + [8.0] * 8
+    assert {r.error for r in got.records if not r.ok} == {"Internal Server Error"}
+    ok = [r for r in got.records if r.ok]
+    assert all(r.n_out == 32 and r.n_ctx == 256 and r.ttft_ms and r.tpot_ms for r in ok)
+    # the server's prompt_tokens replace the dataset's 512 where the tokenizer re-aligned the prompt
+    assert {r.n_in for r in got.records} <= set(range(240, 257))
+
+
+def test_a_file_vllm_saved_without_save_detailed_is_refused_naming_the_flag() -> None:
+    with pytest.raises(VllmBenchError, match=r"no per-request data: .*--save-result --save-detailed"):
+        read_vllm_bench([REAL_SUMMARY], LABELS)
 
 
 def test_multi_turn_stats_become_records_and_the_missing_failures_are_said() -> None:
