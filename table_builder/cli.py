@@ -267,6 +267,12 @@ def _cmd_import_vllm_bench(args: argparse.Namespace) -> int:
     later = sum(r.turn > 1 for r in got.records)
     for note in got.caveats:
         print(f"note: {note}", file=sys.stderr)
+    if not later:
+        print(
+            "note: every record is Turn 1, which tables leave out; for a vllm bench serve run whose prompts "
+            "begin with a shared prefix standing for a previous turn, give --context-tokens N",
+            file=sys.stderr,
+        )
     if args.json:
         summary = {
             "out": str(args.out),

@@ -282,6 +282,17 @@ def test_import_prints_json_and_the_multi_turn_caveat(
     assert len(read_records([out])) == 5
 
 
+def test_import_of_single_turn_requests_says_tables_leave_them_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _import(tmp_path, "t1.jsonl", str(SERVE_PD), "--mode", "pd")
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "6 records (0 of Turn 2+)" in captured.out
+    assert "every record is Turn 1, which tables leave out" in captured.err
+    assert {r.turn for r in read_records([out])} == {1}
+
+
 def test_import_of_a_file_without_save_detailed_fails_naming_the_flag(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
