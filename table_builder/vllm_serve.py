@@ -79,11 +79,11 @@ def read_serve_result(result: Mapping[str, Any], *, context_tokens: int, where: 
         raise VllmBenchError(f"{where}: the per-request lists differ in length ({sizes}): a damaged file")
     if n == 0:
         raise VllmBenchError(f"{where}: the run holds no requests")
-    counts = [result.get(name) for name in ("completed", "failed")]
-    if all(type(c) is int for c in counts) and sum(counts) != n:  # type: ignore[arg-type]
+    said_completed, said_failed = result.get("completed"), result.get("failed")
+    if type(said_completed) is int and type(said_failed) is int and said_completed + said_failed != n:
         raise VllmBenchError(
-            f"{where}: the lists hold {n} requests but completed + failed = {counts[0]} + {counts[1]}: "
-            "a damaged file"
+            f"{where}: the lists hold {n} requests but completed + failed = {said_completed} + "
+            f"{said_failed}: a damaged file"
         )
     run_id = _run_id(result)
     starts = [
@@ -96,10 +96,10 @@ def read_serve_result(result: Mapping[str, Any], *, context_tokens: int, where: 
         for i in range(n)
     )
     completed = sum(r.error is None for r in requests)
-    if type(counts[0]) is int and completed != counts[0]:
+    if type(said_completed) is int and completed != said_completed:
         raise VllmBenchError(
             f"{where}: {completed} requests have a first token and no error, but the file says completed "
-            f"= {counts[0]}: a damaged file"
+            f"= {said_completed}: a damaged file"
         )
     return ServeRun(run_id=run_id, request_rate=_request_rate(result, where=where), requests=requests)
 
