@@ -12,7 +12,8 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gateway.settings import Settings, SettingsError
 
@@ -34,17 +35,49 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (default: the config's host, 127.0.0.1)")
     serve.add_argument("--mode", help="routing mode, overrides the config: pd|local|ppd|replica|fraction:<x>")
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    _slo_flags(serve)
     check = sub.add_parser("check-config", help="validate a config file and print it resolved")
     check.add_argument("config")
+    _slo_flags(check)
     return parser
 
 
-def _load(path: str | None, mode: str | None, host: str | None) -> Settings:
+# (flag, [slo] key, help): each overrides the config's key.
+_SLO_FLAGS = (
+    ("--slo-tpot-p99-ms", "tpot_p99_ms", "TPOT P99 target in ms; turns the SLO controller on"),
+    ("--slo-ttft-p99-ms", "ttft_p99_ms", "TTFT P99 target in ms, served while TPOT has room"),
+    ("--slo-window-s", "window_s", "seconds of finished turns the P99s are over (default 30)"),
+    ("--slo-w-tpot-min", "w_tpot_min", "lowest w_tpot the controller sends (default 0.25)"),
+    ("--slo-w-tpot-max", "w_tpot_max", "highest w_tpot the controller sends (default 16)"),
+)
+
+
+def _slo_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SLO controller (the [slo] section; see gateway/README.md)")
+    for flag, _, text in _SLO_FLAGS:
+        group.add_argument(flag, type=float, help=text)
+
+
+def _slo_overrides(args: argparse.Namespace) -> dict[str, float]:
+    return {
+        key: value
+        for flag, key, _ in _SLO_FLAGS
+        if (value := getattr(args, flag.removeprefix("--").replace("-", "_"))) is not None
+    }
+
+
+def _load(
+    path: str | None, mode: str | None, host: str | None, slo: Mapping[str, Any] | None = None
+) -> Settings:
     from dataclasses import replace
 
     from ppd.modes import parse_mode
 
     settings = Settings.from_toml(path) if path else Settings()
+    if slo:
+        controller = replace(settings.slo.controller, **slo)
+        settings = replace(settings, slo=replace(settings.slo, controller=controller))
+        settings.validate()
     if mode:
         try:
             settings = replace(settings, mode=parse_mode(mode, loose=True))
@@ -94,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         try:
-            settings = _load(args.config, None, None)
+            settings = _load(args.config, None, None, _slo_overrides(args))
         except SettingsError as exc:
             sys.stderr.write(f"ppd-gateway: {exc}\n")
             return 2
@@ -106,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        settings = _load(args.config, args.mode, args.host)
+        settings = _load(args.config, args.mode, args.host, _slo_overrides(args))
     except SettingsError as exc:
         sys.stderr.write(f"ppd-gateway: {exc}\n")
         return 2

@@ -39,11 +39,13 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
+from decision_service.header import Weights
 from decision_service.route import Query
 from ppd.modes import fraction_goes_local, parse_mode
+from ppd.slo import SloController, SloSettings, SloState
 from simulator.core.engine import (
     Engine,
     EngineConfig,
@@ -63,6 +65,7 @@ __all__ = [
     "ClusterConfig",
     "ClusterResult",
     "LocalPolicy",
+    "WeightedPolicy",
     "simulate",
 ]
 
@@ -73,6 +76,16 @@ class LocalPolicy(Protocol):
     def local(self, conversation_id: str, query: Query) -> bool:
         """``query`` is psi with the live signals a gateway scrapes: the session's D's running batch
         (``decode_running``) and the queue of the P a PD turn would take (``prefill_queue_depth``)."""
+        ...
+
+
+@runtime_checkable
+class WeightedPolicy(LocalPolicy, Protocol):
+    """A policy that scores with weights (``query.weights`` when given): what an SLO controller steers."""
+
+    @property
+    def base_weights(self) -> Weights:
+        """The weights it uses when a query brings none."""
         ...
 
 
@@ -91,6 +104,9 @@ class ClusterConfig:
     apply_overheads: bool = True
     fast_forward: bool = True
     kv_capacity_tokens: int | None = None  # per engine; None = the profile's
+    # ppd mode: one SLO controller (ppd/slo.py) fed by finished requests steers the router's w_tpot,
+    # starting from its base weights (the router must be a WeightedPolicy). Other modes: unused.
+    slo: SloSettings | None = None
 
 
 @dataclass(slots=True)
@@ -101,6 +117,8 @@ class ClusterResult:
     events: int
     engine_stats: dict[str, EngineStats]
     kv_free_blocks: dict[str, tuple[int, int]]  # engine -> (free, total) at the end
+    # With ClusterConfig.slo in ppd mode: (time, the controller's state) at each change of w_tpot.
+    slo_trace: list[tuple[float, SloState]] = field(default_factory=list)
 
 
 _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN = range(7)
@@ -193,6 +211,15 @@ class _Sim:
         if self.kind == "ppd" and router is None:
             raise ValueError("mode ppd needs a router")
         self.router = router
+        self.slo: SloController | None = None
+        self.slo_trace: list[tuple[float, SloState]] = []
+        self.slo_weights = (0.0, 0.0)
+        if config.slo is not None and self.kind == "ppd":
+            if not isinstance(router, WeightedPolicy):
+                raise ValueError("slo needs a router with base weights (a WeightedPolicy, e.g. TableRouter)")
+            base = router.base_weights
+            self.slo = SloController(config.slo, base.w_ttft, base.w_tpot)
+            self.slo_weights = (base.w_ttft, base.w_tpot)
         ecfg = EngineConfig(
             kv_pull=config.kv_pull,
             record_sampled=False,
@@ -284,6 +311,7 @@ class _Sim:
             self.events,
             {n.name: n.engine.stats() for n in nodes},
             {n.name: (n.engine.pool.num_free, n.engine.pool.num_blocks) for n in nodes},
+            slo_trace=self.slo_trace,
         )
 
     # ------------------------------------------------------------------ routing
@@ -334,7 +362,18 @@ class _Sim:
             decode_running=req.d.engine.running_count(),
             prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
         )
+        if self.slo is not None:
+            query.weights = self.steer(req.arrival)
         return self.router.local(req.conv.conversation_id, query)
+
+    def steer(self, t: float) -> Weights:
+        """The SLO controller's weights at ``t``; each change is kept in the trace."""
+        assert self.slo is not None
+        w = self.slo.weights(t)
+        if w != self.slo_weights:
+            self.slo_weights = w
+            self.slo_trace.append((t, self.slo.state(t)))
+        return Weights(*w)
 
     def on_dispatch(self, req: _Req, t: float) -> None:
         if req.done:
@@ -501,6 +540,13 @@ class _Sim:
     def complete(self, req: _Req, t: float) -> None:
         req.finish = t
         req.done = True
+        if self.slo is not None:
+            first = req.first
+            self.slo.observe(
+                t,
+                ttft_s=first - req.arrival if first is not None else None,
+                tpot_s=(t - first) / (req.n_out - 1) if first is not None and req.n_out > 1 else None,
+            )
         self._live.pop(req.rid, None)
         assert req.d is not None
         req.d.outstanding -= 1

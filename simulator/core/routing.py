@@ -18,7 +18,8 @@ __all__ = ["TableRouter"]
 
 
 class TableRouter:
-    """Turns 2+ go LOCAL when the table's verdict says so (with optional per-run weights)."""
+    """Turns 2+ go LOCAL when the table's verdict says so (with optional per-run weights; a query's own
+    weights, such as the SLO controller's, come first)."""
 
     __slots__ = ("_router", "_table", "_weights", "refused", "verdicts")
 
@@ -33,9 +34,14 @@ class TableRouter:
     def open(cls, path: str, weights: Weights | None = None) -> TableRouter:
         return cls(Table.open(path), weights)
 
+    @property
+    def base_weights(self) -> Weights:
+        """The weights it scores with unless a query brings its own (the cluster's SLO controller)."""
+        return self._weights if self._weights is not None else self._table.header.default_weights
+
     def local(self, conversation_id: str, query: Query) -> bool:
         del conversation_id
-        if self._weights is not None:
+        if self._weights is not None and query.weights is None:
             query = dataclasses.replace(query, weights=self._weights)
         try:
             check_query(query, self._table)
