@@ -40,7 +40,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from decision_service.header import Weights
 from decision_service.route import Query
@@ -65,7 +65,6 @@ __all__ = [
     "ClusterConfig",
     "ClusterResult",
     "LocalPolicy",
-    "WeightedPolicy",
     "simulate",
 ]
 
@@ -76,16 +75,6 @@ class LocalPolicy(Protocol):
     def local(self, conversation_id: str, query: Query) -> bool:
         """``query`` is psi with the live signals a gateway scrapes: the session's D's running batch
         (``decode_running``) and the queue of the P a PD turn would take (``prefill_queue_depth``)."""
-        ...
-
-
-@runtime_checkable
-class WeightedPolicy(LocalPolicy, Protocol):
-    """A policy that scores with weights (``query.weights`` when given): what an SLO controller steers."""
-
-    @property
-    def base_weights(self) -> Weights:
-        """The weights it uses when a query brings none."""
         ...
 
 
@@ -105,7 +94,8 @@ class ClusterConfig:
     fast_forward: bool = True
     kv_capacity_tokens: int | None = None  # per engine; None = the profile's
     # ppd mode: one SLO controller (ppd/slo.py) fed by finished requests steers the router's w_tpot,
-    # starting from its base weights (the router must be a WeightedPolicy). Other modes: unused.
+    # starting from its `base_weights` (TableRouter's; a router without them is refused). Other
+    # modes: unused.
     slo: SloSettings | None = None
 
 
@@ -215,9 +205,11 @@ class _Sim:
         self.slo_trace: list[tuple[float, SloState]] = []
         self.slo_weights = (0.0, 0.0)
         if config.slo is not None and self.kind == "ppd":
-            if not isinstance(router, WeightedPolicy):
-                raise ValueError("slo needs a router with base weights (a WeightedPolicy, e.g. TableRouter)")
-            base = router.base_weights
+            # A policy the controller can steer scores with query.weights and names its own
+            # (TableRouter.base_weights). Not a runtime-checked Protocol: mypyc compiles this module.
+            base = getattr(router, "base_weights", None)
+            if not isinstance(base, Weights):
+                raise ValueError("slo needs a router with base weights (e.g. TableRouter.base_weights)")
             self.slo = SloController(config.slo, base.w_ttft, base.w_tpot)
             self.slo_weights = (base.w_ttft, base.w_tpot)
         ecfg = EngineConfig(
