@@ -21,6 +21,7 @@ from tests.gateway.conftest import Reply, Stack, StackFactory
 from tests.gateway.fake_decision import FakeDecision
 from tests.gateway.fakes import FakeClient, FakeDecisions, ManualClock, forwarder_on_fakes
 from tests.support.metrics import sample
+from tests.support.polling import eventually
 
 MODEL = "example-org/unknown-model"
 WORKERS = [
@@ -217,11 +218,24 @@ async def test_the_app_sends_the_weights_and_shows_the_state(
     stack = await make_stack(
         mode="ppd", decision={"address": decision.address, "deadline_ms": 2000.0}, slo=slo
     )
+    control = stack.deps.slo
+    assert control is not None
+
+    async def observed(n: int) -> None:
+        # The turn's report runs once its answer has ended: wait for it, not for the client's read.
+        async def seen() -> bool:
+            states = control.states()
+            return bool(states) and states["default"].ttft_samples == n
+
+        await eventually(seen, what=f"{n} finished turns observed")
+
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
     reply = await stack.chat(messages, stream=True, max_tokens=6)
-    for text in ("and then", "and after"):
+    await observed(1)
+    for n, text in ((2, "and then"), (3, "and after")):
         await _follow_up(stack, messages, reply, text)
         reply = await stack.chat(messages, stream=True, max_tokens=6)
+        await observed(n)
     weights = [(q.weights.w_ttft, q.weights.w_tpot) for q in decision.seen]
     assert weights[0] == (1.0, 2.0 / 1.25), weights  # one finished turn seen: one step down
     assert weights[1][1] < weights[0][1], weights
