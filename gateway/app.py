@@ -44,6 +44,7 @@ from gateway.psi import QpsMeter, Tokenizers
 from gateway.request_log import RequestLog
 from gateway.sessions import InMemorySessionStore, SessionStore
 from gateway.settings import Settings
+from gateway.slo import SloControl
 from gateway.types import Clock, Endpoint, Role
 from gateway.upstream import HttpUpstream
 
@@ -102,6 +103,7 @@ def create_app(
             timer=timer,
             wall_clock=wall_clock,
             new_id=new_id,
+            slo=SloControl.from_config(settings.slo, app_metrics, clock),
         )
         app_metrics.bind_sessions(store.__len__)
         app_metrics.bind_qps(qps.measured)
@@ -281,6 +283,8 @@ async def _health(request: web.Request) -> web.StreamResponse:
     body["decision_service"] = {True: "serving", False: "not_serving", None: "unknown"}[
         deps.decisions.serving
     ]
+    if deps.slo is not None:
+        body["slo"] = deps.slo.health()
     return web.json_response(body, status=200 if serving else 503)
 
 

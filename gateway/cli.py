@@ -12,7 +12,8 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gateway.settings import Settings, SettingsError
 
@@ -50,13 +51,43 @@ def _parser() -> argparse.ArgumentParser:
         help="at most R explorations per decode worker and second (default 1.0; 0: none)",
     )
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    _slo_flags(serve)
     check = sub.add_parser("check-config", help="validate a config file and print it resolved")
     check.add_argument("config")
+    _slo_flags(check)
     return parser
 
 
+# (flag, [slo] key, help): each overrides the config's key.
+_SLO_FLAGS = (
+    ("--slo-tpot-p99-ms", "tpot_p99_ms", "TPOT P99 target in ms; turns the SLO controller on"),
+    ("--slo-ttft-p99-ms", "ttft_p99_ms", "TTFT P99 target in ms, served while TPOT has room"),
+    ("--slo-window-s", "window_s", "seconds of finished turns the P99s are over (default 30)"),
+    ("--slo-w-tpot-min", "w_tpot_min", "lowest w_tpot the controller sends (default 0.25)"),
+    ("--slo-w-tpot-max", "w_tpot_max", "highest w_tpot the controller sends (default 16)"),
+)
+
+
+def _slo_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SLO controller (the [slo] section; see gateway/README.md)")
+    for flag, _, text in _SLO_FLAGS:
+        group.add_argument(flag, type=float, help=text)
+
+
+def _slo_overrides(args: argparse.Namespace) -> dict[str, float]:
+    return {
+        key: value
+        for flag, key, _ in _SLO_FLAGS
+        if (value := getattr(args, flag.removeprefix("--").replace("-", "_"))) is not None
+    }
+
+
 def _load(
-    path: str | None, mode: str | None, host: str | None, explore: dict[str, float | int] | None = None
+    path: str | None,
+    mode: str | None,
+    host: str | None,
+    explore: dict[str, float | int] | None = None,
+    slo: Mapping[str, Any] | None = None,
 ) -> Settings:
     from dataclasses import asdict, replace
 
@@ -64,6 +95,10 @@ def _load(
     from ppd.modes import parse_mode
 
     settings = Settings.from_toml(path) if path else Settings()
+    if slo:
+        controller = replace(settings.slo.controller, **slo)
+        settings = replace(settings, slo=replace(settings.slo, controller=controller))
+        settings.validate()
     if mode:
         try:
             settings = replace(settings, mode=parse_mode(mode, loose=True))
@@ -115,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
         try:
-            settings = _load(args.config, None, None)
+            settings = _load(args.config, None, None, slo=_slo_overrides(args))
         except SettingsError as exc:
             sys.stderr.write(f"ppd-gateway: {exc}\n")
             return 2
@@ -132,7 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seed": args.explore_seed,
             "max_per_worker_per_s": args.explore_max_per_worker_per_s,
         }
-        settings = _load(args.config, args.mode, args.host, {k: v for k, v in flags.items() if v is not None})
+        settings = _load(
+            args.config,
+            args.mode,
+            args.host,
+            {k: v for k, v in flags.items() if v is not None},
+            _slo_overrides(args),
+        )
     except SettingsError as exc:
         sys.stderr.write(f"ppd-gateway: {exc}\n")
         return 2

@@ -119,6 +119,8 @@ def request_from_query(q: RouteQuery) -> decision_pb2.RouteRequest:
         weights_profile=q.weights_profile,
         table_key=q.table_key,
     )
+    if q.weights is not None:
+        req.weights.w_ttft, req.weights.w_tpot = q.weights
     if q.live is not None:
         live = req.live
         if q.live.prefill_queue_depth is not None:

@@ -13,6 +13,7 @@ from gateway.psi import QpsMeter, Tokenizers
 from gateway.request_log import RequestLog
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
+from gateway.slo import SloControl
 from gateway.types import Clock
 
 __all__ = ["Deps"]
@@ -35,3 +36,5 @@ class Deps:
     timer: Clock
     wall_clock: Clock
     new_id: Callable[[], str]
+    # The SLO controllers on the weights; None when no SLO target is set.
+    slo: SloControl | None = None

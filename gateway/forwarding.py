@@ -83,7 +83,9 @@ class Forwarder:
         self._d = deps
         s = deps.settings
         self._s = s
-        self._report = TurnReport(deps.metrics, deps.request_log, s.log)
+        self._report = TurnReport(
+            deps.metrics, deps.request_log, s.log, slo=deps.slo, table_key=s.decision.table_key
+        )
         self._explorer = ExplorationPolicy(s.explore)
         self._worker_headers: tuple[tuple[str, str], ...] = (
             (("Authorization", f"Bearer {s.worker_api_key}"),) if s.worker_api_key else ()
@@ -227,6 +229,7 @@ class Forwarder:
             live=live,
             weights_profile=s.weights_profile,
             table_key=s.table_key,
+            weights=d.slo.weights(s.table_key) if d.slo is not None else None,
         )
         return await d.decisions.route(query, Decision(s.fallback, "fallback"))
 

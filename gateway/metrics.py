@@ -109,6 +109,34 @@ class GatewayMetrics:
         self.qps = Gauge("ppd_gateway_qps", "Request rate fed to decisions (window, hysteresis)", registry=r)
         self.inflight = Gauge("ppd_gateway_requests_in_flight", "Client requests being served", registry=r)
         self.workers = Gauge("ppd_gateway_workers", "Workers in the pool", ["role", "state"], registry=r)
+        # The SLO controller (gateway/slo.py), one series per table key; absent while it is off.
+        self.slo_w_tpot = Gauge(
+            "ppd_gateway_slo_w_tpot",
+            "w_tpot the SLO controller sends with Route requests",
+            ["table_key"],
+            registry=r,
+        )
+        self.slo_w_ttft = Gauge(
+            "ppd_gateway_slo_w_ttft", "w_ttft the SLO controller sends (its base)", ["table_key"], registry=r
+        )
+        self.slo_direction = Gauge(
+            "ppd_gateway_slo_direction",
+            "The SLO controller's last move of w_tpot: 1 up, -1 down, 0 hold",
+            ["table_key"],
+            registry=r,
+        )
+        self.slo_tpot_p99 = Gauge(
+            "ppd_gateway_slo_tpot_p99_seconds",
+            "Windowed P99 of time per output token the SLO controller sees (NaN: too few samples)",
+            ["table_key"],
+            registry=r,
+        )
+        self.slo_ttft_p99 = Gauge(
+            "ppd_gateway_slo_ttft_p99_seconds",
+            "Windowed P99 of time to first token the SLO controller sees (NaN: too few samples)",
+            ["table_key"],
+            registry=r,
+        )
 
     def bind_sessions(self, count: Callable[[], int]) -> None:
         self.sessions.set_function(lambda: float(count()))

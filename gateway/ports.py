@@ -94,6 +94,8 @@ class RouteQuery:
     live: LiveSignals | None = None
     weights_profile: str = ""
     table_key: str = ""
+    # Explicit (w_ttft, w_tpot), e.g. the SLO controller's; None: the profile's or the table's.
+    weights: tuple[float, float] | None = None
 
 
 class DecisionClient(Protocol):

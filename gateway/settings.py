@@ -18,6 +18,7 @@ from gateway.limits import LimitSettings
 from gateway.pool import WorkerSpec
 from ppd.explore import ExploreSettings
 from ppd.modes import Mode, parse_mode
+from ppd.slo import SloSettings
 
 __all__ = [
     "DecisionSettings",
@@ -30,6 +31,7 @@ __all__ = [
     "SessionSettings",
     "Settings",
     "SettingsError",
+    "SloConfig",
     "TimeoutSettings",
     "explore_settings",
 ]
@@ -132,6 +134,20 @@ class LogSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SloConfig:
+    """The [slo] section: the controller's settings (ppd/slo.py) and the weights it starts from."""
+
+    controller: SloSettings = field(default_factory=SloSettings)
+    # The weights sent when nothing presses, and what w_tpot relaxes back to: the table's default
+    # weights (ppd-table build --weights; 1, 1 unless set there).
+    base_w_ttft: float = 1.0
+    base_w_tpot: float = 1.0
+
+
+_SLO_BASE_KEYS = ("base_w_ttft", "base_w_tpot")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     host: str = "127.0.0.1"
     mode: Mode = field(default_factory=lambda: Mode("ppd"))
@@ -157,6 +173,7 @@ class Settings:
     # ppd mode: a share epsilon of Turn 2+ requests takes the path the table did not choose
     # (ppd/explore.py: seed, cap per decode worker and second); epsilon 0 (the default) is off.
     explore: ExploreSettings = field(default_factory=ExploreSettings)
+    slo: SloConfig = field(default_factory=SloConfig)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -179,6 +196,7 @@ class Settings:
             "log": LogSettings(**_section(LogSettings, data.pop("log", {}), "log")),
             "limits": LimitSettings(**_section(LimitSettings, data.pop("limits", {}), "limits")),
             "explore": explore_settings(_section(ExploreSettings, data.pop("explore", {}), "explore")),
+            "slo": _slo_section(data.pop("slo", {})),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -222,6 +240,18 @@ class Settings:
             raise SettingsError("sessions.ttl_s and sessions.max_entries must be positive")
         if self.max_body_bytes <= 0:
             raise SettingsError("max_body_bytes must be positive")
+        slo = self.slo
+        try:
+            slo.controller.validate()
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        if slo.controller.enabled and self.decision.weights_profile:
+            raise SettingsError(
+                "slo and decision.weights_profile exclude each other: the controller sends explicit "
+                "weights; set slo.base_w_ttft and slo.base_w_tpot to the profile's"
+            )
+        if not (0 <= slo.base_w_ttft < float("inf") and 0 < slo.base_w_tpot < float("inf")):
+            raise SettingsError("slo.base_w_ttft must be >= 0 and slo.base_w_tpot positive")
         limits = self.limits
         if limits.max_messages < 1 or limits.max_id_length < 1 or limits.header_timeout_s <= 0:
             raise SettingsError(
@@ -235,6 +265,21 @@ def explore_settings(values: Mapping[str, Any]) -> ExploreSettings:
         return ExploreSettings(**values)
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
+
+
+def _slo_section(raw: Any) -> SloConfig:
+    if not isinstance(raw, Mapping):
+        raise SettingsError("[slo] must be a table")
+    base = {k: v for k, v in raw.items() if k in _SLO_BASE_KEYS}
+    rest = {k: v for k, v in raw.items() if k not in _SLO_BASE_KEYS}
+    controller = _section(SloSettings, rest, "slo")
+    for key in ("tpot_p99_ms", "ttft_p99_ms"):
+        if key in controller:
+            value = controller[key]
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise SettingsError(f"setting {key!r} in [slo] must be a number of milliseconds")
+            controller[key] = float(value)
+    return SloConfig(SloSettings(**controller), **_section(SloConfig, base, "slo"))
 
 
 def _section(cls: type[Any], raw: Any, name: str, *, skip: set[str] | None = None) -> dict[str, Any]:

@@ -7,7 +7,7 @@ source, observes TTFT, TPOT and the gateway's own overhead, and writes one reque
 benchmark record schema; an explored request, or one whose path was drawn with a propensity below 1,
 also counts in `ppd_gateway_explorations_total` (explored only) and carries `explored`/`propensity` in
 its line (ppd/records.py leaves them out at their defaults, so with exploration off the lines are as
-they always were).
+they always were). A served turn's TTFT and TPOT also feed the SLO controller (gateway/slo.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.settings import LogSettings
+from gateway.slo import SloControl
 from gateway.turn import TurnInputs, TurnOutcome
 from ppd.records import UncheckedRecord
 
@@ -64,11 +65,19 @@ class TurnReport:
     """Rule 2, with the app's metrics and request log."""
 
     def __init__(
-        self, metrics: GatewayMetrics, request_log: RequestLog | None, settings: LogSettings
+        self,
+        metrics: GatewayMetrics,
+        request_log: RequestLog | None,
+        settings: LogSettings,
+        *,
+        slo: SloControl | None = None,
+        table_key: str = "",
     ) -> None:
         self._m = metrics
         self._log = request_log
         self._s = settings
+        self._slo = slo
+        self._table_key = table_key
 
     def finish(self, turn: TurnInputs, outcome: TurnOutcome, *, end: float) -> None:
         m = self._m
@@ -87,6 +96,8 @@ class TurnReport:
             if outcome.last_token is not None and n_out > 1:
                 tpot = (outcome.last_token - (turn.start + outcome.ttft)) / (n_out - 1)
                 m.tpot.labels(outcome.path, turn.turn_class).observe(tpot)
+            if self._slo is not None:
+                self._slo.observe(self._table_key, ttft_s=outcome.ttft, tpot_s=tpot)
         if self._log is None:
             return
         s = self._s

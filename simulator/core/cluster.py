@@ -44,12 +44,14 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from decision_service.header import Weights
 from decision_service.route import Query, Reason, Verdict
 from ppd.explore import ExplorationPolicy, ExploreSettings
 from ppd.modes import fraction_goes_local, parse_mode
+from ppd.slo import SloController, SloSettings, SloState
 from simulator.core.engine import (
     Engine,
     EngineConfig,
@@ -100,6 +102,10 @@ class ClusterConfig:
     # ppd mode: explore the path the table did not choose (ppd/explore.py); needs a router with
     # ``verdict`` (simulator.core.routing.TableRouter).
     explore: ExploreSettings | None = None
+    # ppd mode: one SLO controller (ppd/slo.py) fed by finished requests steers the router's w_tpot,
+    # starting from its `base_weights` (TableRouter's; a router without them is refused). Other
+    # modes: unused.
+    slo: SloSettings | None = None
 
 
 @dataclass(slots=True)
@@ -110,6 +116,8 @@ class ClusterResult:
     events: int
     engine_stats: dict[str, EngineStats]
     kv_free_blocks: dict[str, tuple[int, int]]  # engine -> (free, total) at the end
+    # With ClusterConfig.slo in ppd mode: (time, the controller's state) at each change of w_tpot.
+    slo_trace: list[tuple[float, SloState]] = field(default_factory=list)
 
 
 _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN = range(7)
@@ -206,13 +214,7 @@ class _Sim:
         if self.kind == "ppd" and router is None:
             raise ValueError("mode ppd needs a router")
         self.router = router
-        self.explorer: ExplorationPolicy | None = None
-        self.verdict_of: Callable[[str, Query], Verdict | None] | None = None
-        if config.explore is not None and self.kind == "ppd":
-            self.verdict_of = getattr(router, "verdict", None)
-            if self.verdict_of is None:
-                raise ValueError("exploration needs a router that gives verdicts (TableRouter)")
-            self.explorer = ExplorationPolicy(config.explore)
+        self._set_up_steering(config, router)
         ecfg = EngineConfig(
             kv_pull=config.kv_pull,
             record_sampled=False,
@@ -263,6 +265,27 @@ class _Sim:
         self.steps = 0
         self.now = 0.0
 
+    def _set_up_steering(self, config: ClusterConfig, router: LocalPolicy | None) -> None:
+        """Exploration and the SLO controller, the two things that steer ppd routing beyond the table."""
+        self.explorer: ExplorationPolicy | None = None
+        self.verdict_of: Callable[[str, Query], Verdict | None] | None = None
+        if config.explore is not None and self.kind == "ppd":
+            self.verdict_of = getattr(router, "verdict", None)
+            if self.verdict_of is None:
+                raise ValueError("exploration needs a router that gives verdicts (TableRouter)")
+            self.explorer = ExplorationPolicy(config.explore)
+        self.slo: SloController | None = None
+        self.slo_trace: list[tuple[float, SloState]] = []
+        self.slo_weights = (0.0, 0.0)
+        if config.slo is not None and self.kind == "ppd":
+            # A policy the controller can steer scores with query.weights and names its own
+            # (TableRouter.base_weights). Not a runtime-checked Protocol: mypyc compiles this module.
+            base = getattr(router, "base_weights", None)
+            if not isinstance(base, Weights):
+                raise ValueError("slo needs a router with base weights (e.g. TableRouter.base_weights)")
+            self.slo = SloController(config.slo, base.w_ttft, base.w_tpot)
+            self.slo_weights = (base.w_ttft, base.w_tpot)
+
     # ------------------------------------------------------------------ heap helpers
     def push(self, t: float, kind: int, obj: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), kind, obj))
@@ -304,6 +327,7 @@ class _Sim:
             self.events,
             {n.name: n.engine.stats() for n in nodes},
             {n.name: (n.engine.pool.num_free, n.engine.pool.num_blocks) for n in nodes},
+            slo_trace=self.slo_trace,
         )
 
     # ------------------------------------------------------------------ routing
@@ -354,6 +378,8 @@ class _Sim:
             decode_running=req.d.engine.running_count(),
             prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
         )
+        if self.slo is not None:
+            query.weights = self.steer(req.arrival)
         if self.explorer is None or self.verdict_of is None:
             return self.router.local(req.conv.conversation_id, query)
         verdict = self.verdict_of(req.conv.conversation_id, query)
@@ -369,6 +395,15 @@ class _Sim:
         )
         req.explored, req.propensity = e.explored, e.propensity
         return e.local
+
+    def steer(self, t: float) -> Weights:
+        """The SLO controller's weights at ``t``; each change is kept in the trace."""
+        assert self.slo is not None
+        w = self.slo.weights(t)
+        if w != self.slo_weights:
+            self.slo_weights = w
+            self.slo_trace.append((t, self.slo.state(t)))
+        return Weights(*w)
 
     def on_dispatch(self, req: _Req, t: float) -> None:
         if req.done:
@@ -535,6 +570,13 @@ class _Sim:
     def complete(self, req: _Req, t: float) -> None:
         req.finish = t
         req.done = True
+        if self.slo is not None:
+            first = req.first
+            self.slo.observe(
+                t,
+                ttft_s=first - req.arrival if first is not None else None,
+                tpot_s=(t - first) / (req.n_out - 1) if first is not None and req.n_out > 1 else None,
+            )
         self._live.pop(req.rid, None)
         assert req.d is not None
         req.d.outstanding -= 1

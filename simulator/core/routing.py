@@ -20,7 +20,8 @@ __all__ = ["TableRouter"]
 
 
 class TableRouter:
-    """Turns 2+ go LOCAL when the table's verdict says so (with optional per-run weights)."""
+    """Turns 2+ go LOCAL when the table's verdict says so (with optional per-run weights; a query's own
+    weights, such as the SLO controller's, come first)."""
 
     __slots__ = ("_router", "_table", "_weights", "refused", "verdicts")
 
@@ -35,6 +36,11 @@ class TableRouter:
     def open(cls, path: str, weights: Weights | None = None) -> TableRouter:
         return cls(Table.open(path), weights)
 
+    @property
+    def base_weights(self) -> Weights:
+        """The weights it scores with unless a query brings its own (the cluster's SLO controller)."""
+        return self._weights if self._weights is not None else self._table.header.default_weights
+
     def local(self, conversation_id: str, query: Query) -> bool:
         verdict = self.verdict(conversation_id, query)
         return verdict is not None and verdict.local
@@ -42,7 +48,7 @@ class TableRouter:
     def verdict(self, conversation_id: str, query: Query) -> Verdict | None:
         """The rule's verdict; None when it refuses the query (then the turn takes PD)."""
         del conversation_id
-        if self._weights is not None:
+        if self._weights is not None and query.weights is None:
             query = dataclasses.replace(query, weights=self._weights)
         try:
             check_query(query, self._table)

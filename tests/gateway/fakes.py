@@ -22,6 +22,7 @@ from gateway.request_log import RequestLog
 from gateway.routing import Decision
 from gateway.sessions import InMemorySessionStore
 from gateway.settings import Settings
+from gateway.slo import SloControl
 
 __all__ = [
     "FakeClient",
@@ -205,13 +206,14 @@ def forwarder_on_fakes(
     settings = Settings.from_mapping(config)
     clock = clock or ManualClock()
     ids = itertools.count(1)
+    metrics = GatewayMetrics()
     deps = Deps(
         settings=settings,
         pool=WorkerPool(settings.workers, heartbeat_expiry_s=30.0, clock=clock),
         sessions=InMemorySessionStore(ttl_s=3600.0, max_entries=1000, clock=clock),
         tokenizers=Tokenizers(),
         qps=QpsMeter(window_s=10.0, hysteresis=0.1, clock=clock),
-        metrics=GatewayMetrics(),
+        metrics=metrics,
         decisions=decisions or FakeDecisions(),
         upstream=upstream or FakeUpstream(),
         request_log=request_log,
@@ -219,5 +221,6 @@ def forwarder_on_fakes(
         timer=clock,
         wall_clock=lambda: 1_700_000_000.0,
         new_id=lambda: f"id{next(ids)}",
+        slo=SloControl.from_config(settings.slo, metrics, clock),
     )
     return Forwarder(deps), deps

@@ -38,6 +38,26 @@ def test_check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["serve", "--mode", "nope", "--port", "0"]) == 2
 
 
+def test_slo_flags_override_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "g.toml"
+    config.write_text("[slo]\nttft_p99_ms = 900.0\nwindow_s = 10.0\n")
+    flags = ["--slo-tpot-p99-ms", "45", "--slo-window-s", "20", "--slo-w-tpot-min", "0.5"]
+    assert main(["check-config", str(config), *flags, "--slo-w-tpot-max", "8"]) == 0
+    out = capsys.readouterr().out
+    for field in (
+        "tpot_p99_ms=45.0",
+        "ttft_p99_ms=900.0",
+        "window_s=20.0",
+        "w_tpot_min=0.5",
+        "w_tpot_max=8.0",
+    ):
+        assert field in out, out
+    assert main(["check-config", str(config), "--slo-w-tpot-min", "20"]) == 2
+    assert "w_tpot_min" in capsys.readouterr().err
+    assert main(["serve", "--config", str(config), "--slo-tpot-p99-ms", "-1", "--port", "0"]) == 2
+    assert "tpot_p99_ms" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 def test_serve_prints_its_port_and_stops_cleanly(tmp_path: Path) -> None:
     config = tmp_path / "g.toml"
