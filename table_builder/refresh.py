@@ -14,9 +14,11 @@ Rules:
    routing policy as a whole, which a refresh does not estimate).
 2. QPS: a record's ``target_qps`` when it has one (benchmark runs, the simulator); a production log
    line has 0 (no fixed load level), and then its load level is the arrival rate of the logs
-   themselves, all records of the shape and model with ``target_qps`` 0 (every gateway's log
-   together: the cluster's offered load, as a benchmark's ``target_qps`` is), counted over the
-   ``qps_window_s`` seconds up to its start (the gateway's own ``policy.qps_window_s``, 10 s).
+   themselves: all records of the shape and model with ``target_qps`` 0, every turn (every gateway's
+   log together: the cluster's offered load, as a benchmark's ``target_qps`` is), counted over
+   ``qps_window_s`` seconds (10 s, the gateway's own ``policy.qps_window_s``) centred on its start,
+   the window moved inside the logs' span at either end. Around a gap in the logs (an idle night)
+   the rate of the lines within half a window of it is undercounted.
 3. Merge, per cell and path, weighted by sample counts: the table stores a mean over its completed
    requests (``sent x success``) and the number sent, so the merged mean is
    ``(base mean x base completed + sum of logged values) / (base completed + logged completed)``, the
@@ -48,7 +50,7 @@ import dataclasses
 import hashlib
 import math
 import statistics
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -323,10 +325,7 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
         if r.path not in _PATHS:
             left_out[f"path {r.path}"] += 1
             continue
-        qps = r.target_qps
-        if qps <= 0:
-            t = r.start_time
-            qps = (bisect_right(arrivals, t) - bisect_right(arrivals, t - qps_window_s)) / qps_window_s
+        qps = r.target_qps if r.target_qps > 0 else _arrival_rate(arrivals, r.start_time, qps_window_s)
         key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=qps, workload=r.workload)
         cells.setdefault(key, {}).setdefault(r.path, _PathEvidence()).add(r)
         used += 1
@@ -343,6 +342,15 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
         newest=newest,
         runs=tuple(sorted(runs)),
     )
+
+
+def _arrival_rate(arrivals: Sequence[float], t: float, window_s: float) -> float:
+    """Rule 2: arrivals per second in the ``window_s`` seconds centred on ``t``, the window moved inside
+    the logs' span at its ends (so the first and last lines of a log are not undercounted); a log
+    shorter than the window is counted over the window all the same."""
+    first, last = arrivals[0], arrivals[-1]
+    low = min(max(t - window_s / 2, first), max(last - window_s, first))
+    return (bisect_right(arrivals, low + window_s) - bisect_left(arrivals, low)) / window_s
 
 
 def _merge_path(row: Row, path: str, ev: _PathEvidence, z: float, shifts: list[FigureShift]) -> None:
