@@ -12,7 +12,7 @@ import pytest
 from decision_service.table import Table, TableSpec, write_table
 from table_builder.cli import main
 from table_builder.records import write_records
-from tests.table_builder.test_refresh import base_table, logged
+from tests.support.records import base_table, logged
 
 KEY_FILE = "1P3D__llama-3.1-8b.ppdt"
 

@@ -18,7 +18,7 @@ from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from table_builder.cli import main
 from table_builder.records import write_records
 from tests.support.metrics import samples
-from tests.table_builder.test_refresh import base_table, logged
+from tests.support.records import base_table, logged
 
 pytestmark = pytest.mark.integration
 

@@ -15,58 +15,15 @@ from decision_service.header import FIGURES, Figure
 from decision_service.route import Router
 from decision_service.table import Table
 from table_builder.aggregate import CellKey
-from table_builder.build import BuildOptions, axes_locator, build_from_records, default_header
+from table_builder.build import axes_locator, default_header
 from table_builder.records import Record
 from table_builder.refresh import EVIDENCE_MODES, RefreshResult, refresh_table, z_for
-from tests.support.records import make_record
+from tests.support.records import base_records, base_table, logged, make_record
 
 HEADER = default_header("1P3D", "llama-3.1-8b")
 AXES = HEADER.axes
 CELL = (0, 6, 2)  # small / mid_paste / 2 QPS: make_record's cell
 LABEL = "small/mid_paste@2"
-
-
-def base_records(n: int = 4, *, pd_ttft: float = 100.0, local_ttft: float = 40.0) -> list[Record]:
-    """n static pd and n static local Turn-2 records in CELL (two TTFT values each, mean as given)."""
-    out = []
-    for i in range(n):
-        spread = 10.0 if i % 2 else -10.0
-        out.append(make_record(conversation_id=f"p{i}", ttft_ms=pd_ttft + spread, tpot_ms=10.0))
-        out.append(
-            make_record(
-                run_id="run-local",
-                mode="local",
-                path="local",
-                conversation_id=f"l{i}",
-                ttft_ms=local_ttft + spread,
-                tpot_ms=11.0,
-            )
-        )
-    return out
-
-
-def base_table(records: list[Record] | None = None) -> Table:
-    built = build_from_records(records or base_records(), BuildOptions(header=HEADER, min_samples=2))
-    return Table.from_bytes(built.encode())
-
-
-def logged(
-    path: str, n: int, *, ttft: float, tpot: float = 11.0, start: float = 1_767_300_000.0, **kw: Any
-) -> list[Record]:
-    """n ppd-mode log lines that took ``path`` (TTFT alternating ttft +- 5)."""
-    return [
-        make_record(
-            run_id="gateway",
-            mode="ppd",
-            path=path,
-            conversation_id=f"g{path}{i}",
-            ttft_ms=ttft + (5.0 if i % 2 else -5.0),
-            tpot_ms=tpot,
-            start_time=start + i,
-            **kw,
-        )
-        for i in range(n)
-    ]
 
 
 def figures(result: RefreshResult, cell: tuple[int, int, int] = CELL) -> dict[str, float]:
