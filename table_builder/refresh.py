@@ -226,11 +226,14 @@ class DriftReport:
             f"answers flipped: {len(self.flips)} cell(s) (before -> after under the default weights)"
         )
         for f in self.flips[:limit]:
-            extra = f"; profiles {', '.join(f.profiles)}" if f.profiles else ""
+            extra = f"; profiles {', '.join(f.profiles)} flip too" if f.profiles else ""
             source = "" if f.source == f.cell else f" via {f.source}"
-            lines.append(
-                f"  {f.cell}: {f.before} -> {f.after} ({f.reason}{source}, {f.logged} logged{extra})"
-            )
+            if f.before == f.after:
+                change = f"stays {f.before}, profiles {', '.join(f.profiles)} flip"
+                extra = ""
+            else:
+                change = f"{f.before} -> {f.after}"
+            lines.append(f"  {f.cell}: {change} ({f.reason}{source}, {f.logged} logged{extra})")
         lines += _more(self.flips, limit)
         if self.held:
             lines.append(

@@ -187,7 +187,9 @@ def test_a_cell_flips_with_enough_logged_requests() -> None:
     # Unmeasured levels of the same (context, workload) read this cell and flip with it.
     assert {f.source for f in result.drift.flips} == {LABEL}
     assert len(result.drift.flips) == len(AXES.qps_levels)
-    assert "small/mid_paste@2: local -> pd (TABLE, 20 logged" in result.drift.format()
+    assert "small/mid_paste@2: local -> pd (TABLE, 20 logged; profiles balanced, tpot, ttft flip too)" in (
+        result.drift.format()
+    )
 
 
 def test_no_cell_flips_on_fewer_than_the_sample_minimum() -> None:
@@ -222,6 +224,7 @@ def test_a_profile_flip_is_held_too() -> None:
     flips = {f.cell: f for f in flipped.drift.flips}
     assert flips[LABEL].profiles == ("tpot",)
     assert (flips[LABEL].before, flips[LABEL].after) == ("local", "local")
+    assert f"{LABEL}: stays local, profiles tpot flip (TABLE, 12 logged)" in flipped.drift.format()
 
 
 # --- determinism and provenance ----------------------------------------------------------------------
