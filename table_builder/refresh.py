@@ -89,6 +89,7 @@ _COLUMNS: Final = {
     "local": (Figure.LOCAL_TTFT_MS, Figure.LOCAL_TPOT_MS, Figure.LOCAL_SUCCESS, Figure.LOCAL_SAMPLES),
 }
 _CENSORED_TTFT_MS: Final = 30_000.0
+_ROUNDING: Final = 1e-9
 
 Row = npt.NDArray[np.float64]
 
@@ -392,7 +393,8 @@ def _test(  # noqa: PLR0917 (the figures of one test, in the order the report pr
 ) -> None:
     """Rule 5: append the shift when ``logged`` lies beyond ``z`` standard errors of ``base``."""
     gap = abs(logged - base)
-    if gap == 0 or (error > 0 and gap / error <= z):
+    # A gap within float rounding of the means is none (identical values summed in another order).
+    if gap <= _ROUNDING * max(abs(base), abs(logged)) or (error > 0 and gap / error <= z):
         return
     score = gap / error if error > 0 else None
     shifts.append(

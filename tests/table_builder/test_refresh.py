@@ -147,6 +147,16 @@ def test_figures_within_the_bound_are_not_drift() -> None:
     assert refresh(base_table(), logged("local", 6, ttft=43.0)).drift.drifted == ()
 
 
+def test_the_same_figures_logged_again_are_not_drift_whatever_the_rounding() -> None:
+    # 200 lines of 742.236 ms average to 742.2360000000001: no spread, and no drift either.
+    base = base_table(base_records(pd_ttft=742.236))
+    same = [make_record(mode="ppd", conversation_id=f"s{i}", ttft_ms=742.236) for i in range(200)]
+    assert refresh(base, same).drift.drifted == ()
+    moved = [make_record(mode="ppd", conversation_id=f"s{i}", ttft_ms=742.3) for i in range(200)]
+    (drift,) = refresh(base, moved).drift.drifted
+    assert drift.shifts[0].z is None  # no spread: any real difference is beyond every bound
+
+
 def test_a_success_rate_that_dropped_is_drift() -> None:
     failed = [make_record(mode="ppd", path="pd", ok=False, conversation_id=f"f{i}") for i in range(10)]
     (drift,) = refresh(base_table(), failed).drift.drifted
