@@ -36,7 +36,9 @@ Rules:
    standard error of the difference of two means, ``s x sqrt(1/n_logged + 1/n_base)``, with the
    logged values' standard deviation ``s`` standing in for the base's (a table stores no spread).
    Success rates: the two-proportion test with the pooled rate. Only figures with at least two
-   logged values in a measured base cell are tested.
+   logged values in a measured base cell are tested; a gap within float rounding is none, and with
+   no spread at all any other gap is drift. A held cell's drift is reported too (what the logs
+   show), though its figures stay.
 6. Deterministic: no clock. The build time is the newest record's start (as ``build`` does); the
    provenance names the base (its version and provenance), the logs' digest and the rules' version.
    Merge into the table the logs were *not* already merged into: the base is the offline-built
