@@ -61,7 +61,9 @@ __all__ = [
     "axes_locator",
     "build_from_artifact",
     "build_from_records",
+    "cell_row",
     "default_header",
+    "iso_from_start_time",
     "spec_from_measurements",
     "table_file_name",
 ]
@@ -266,7 +268,7 @@ def spec_from_measurements(
             for q in range(nq):
                 note = CellNote(axes.context_classes[c], axes.workloads[w].name, axes.qps_levels[q], "")
                 modes = measurements.cells.get(CellKey(c, w, q), {})
-                row, problem, censor = _cell_row(modes.get("pd"), modes.get("local"), options.timeout_ms)
+                row, problem, censor = cell_row(modes.get("pd"), modes.get("local"), options.timeout_ms)
                 if row is None:
                     missing.append(_with(note, problem))
                     continue
@@ -311,10 +313,11 @@ def _with(note: CellNote, detail: str) -> CellNote:
     return CellNote(note.context, note.workload, note.qps, detail)
 
 
-def _cell_row(
+def cell_row(
     pd: ModeFigures | None, local: ModeFigures | None, timeout_ms: float
 ) -> tuple[tuple[float, ...] | None, str, str]:
-    """(figures row or None, why it is missing, what was censored)."""
+    """One cell's figures row from both modes' figures (rule 3): (row or None, why it is missing, what
+    was censored). Also fills the cells ``refresh`` finds measured only in the logs."""
     if pd is None and local is None:
         return None, "no data", ""
     if pd is None or local is None:
@@ -348,7 +351,8 @@ def _cell_row(
     return tuple(by_figure[f] for f in Figure), "", "; ".join(censor)
 
 
-def _iso_from_start_time(newest: float | None) -> str | None:
+def iso_from_start_time(newest: float | None) -> str | None:
+    """The build time of inputs whose newest record started at ``newest`` (None for virtual clocks)."""
     if newest is None or newest < _EPOCH_2001:
         return None
     return datetime.fromtimestamp(newest, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
@@ -371,7 +375,7 @@ def build_from_records(records: Sequence[Record], options: BuildOptions) -> Buil
         digest.update(b"\n")
     used = [r for r in records if r.shape == header.shape and r.model == header.model]
     newest = max((r.start_time for r in used), default=None)
-    built_at = options.built_at or _iso_from_start_time(newest)
+    built_at = options.built_at or iso_from_start_time(newest)
     provenance: dict[str, Any] = {
         "source": "records",
         "inputs_sha256": digest.hexdigest(),

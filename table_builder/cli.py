@@ -1,5 +1,5 @@
-"""``ppd-table``: build, check and show decision tables, sweep, import vLLM benchmark outputs (also
-``python -m table_builder``).
+"""``ppd-table``: build, check and show decision tables, sweep, refresh them from request logs, import
+vLLM benchmark outputs (also ``python -m table_builder``).
 
 Exit codes: 0 success; 1 bad inputs or a table that fails validation (the reason is printed);
 2 bad command-line usage.
@@ -8,80 +8,24 @@ Exit codes: 0 success; 1 bad inputs or a table that fails validation (the reason
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from decision_service.table import SUFFIX, Table, TableError, write_table
+from decision_service.table import SUFFIX, Table, TableError
+from table_builder import import_command, refresh_command, sweep_command
 from table_builder.artifact import ArtifactError, read_artifact
-from table_builder.build import BuildResult, build_from_artifact, build_from_records, table_file_name
-from table_builder.flags import add_build_options, options_from_args, positive_int, weights_arg
+from table_builder.build import build_from_artifact, build_from_records
+from table_builder.flags import add_build_options, options_from_args, weights_arg
+from table_builder.publish import publish, record_paths, resolve_out
 from table_builder.records import RecordsError, read_records
-from table_builder.sweep import Engine
 
-__all__ = ["build_parser", "main", "publish", "resolve_out"]
+__all__ = ["build_parser", "main"]
 
 logger = logging.getLogger("table_builder")
-
-
-def _is_folder(raw: str) -> bool:
-    return raw.endswith(("/", os.sep)) or Path(raw).is_dir()
-
-
-def resolve_out(raw: str, shape: str, model: str) -> Path:
-    """The table path for ``--out``/``--publish``: a file, or a folder (an existing one, or any path
-    ending in '/') that gets ``<shape>__<model>.ppdt``. Missing parent folders are created."""
-    path = Path(raw) / table_file_name(shape, model) if _is_folder(raw) else Path(raw)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def publish(result: BuildResult, out: Path, *, as_json: bool) -> int:
-    """Write the table atomically, print the summary; 1 when nothing could be built."""
-    try:
-        path = write_table(out, result.spec)
-    except TableError as exc:
-        logger.error("no table written: %s", exc)
-        print(result.summary.format(), file=sys.stderr)
-        return 1
-    table = Table.open(path)
-    try:
-        if as_json:
-            print(
-                json.dumps(
-                    {
-                        "table": str(path),
-                        "key": table.key,
-                        "version": table.version,
-                        **result.summary.counts(),
-                    }
-                )
-            )
-        else:
-            print(result.summary.format())
-            print(f"wrote {path} (key {table.key}, version {table.version})")
-    finally:
-        table.close()
-    return 0
-
-
-def _record_paths(targets: Sequence[Path]) -> list[Path]:
-    """Files as given; a folder stands for every ``*.jsonl`` under it (sorted), e.g. a sweep's records/."""
-    paths: list[Path] = []
-    for target in targets:
-        if target.is_dir():
-            found = sorted(target.rglob("*.jsonl"))
-            if not found:
-                raise FileNotFoundError(f"{target}: no *.jsonl record files in this folder")
-            paths.extend(found)
-        else:
-            paths.append(target)
-    return paths
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
@@ -89,7 +33,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     out = resolve_out(args.out, options.header.shape, options.header.model)
     try:
         if args.records:
-            records = read_records(_record_paths(args.records))
+            records = read_records(record_paths(args.records))
             result = build_from_records(records, options)
         else:
             scan = read_artifact(args.artifact)
@@ -176,183 +120,11 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def _engine(args: argparse.Namespace) -> Engine | None:
-    """The sweep's engine, or None (logged) when it cannot run with these arguments."""
-    from table_builder.engines import EngineOptions, make_engine
-
-    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
-    # An engine on real workers runs its points one at a time and holds processes until closed.
-    max_jobs: int | None = getattr(engine, "max_jobs", None)
-    if max_jobs is not None and args.jobs > max_jobs:
-        logger.error("the %s engine runs one point at a time; got --jobs %d", engine.name, args.jobs)
-        return None
-    return engine
-
-
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from decision_service.axes import paper_axes
-    from ppd.catalog import select_workloads
-    from table_builder.analytic import parse_shape
-    from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
-
-    try:
-        shapes = tuple(_csv(args.shape))
-        for shape in shapes:
-            parse_shape(shape)
-        modes = tuple(_csv(args.modes))
-        if not modes or any(m not in ("pd", "local") for m in modes):
-            raise ValueError(
-                f"--modes takes pd and/or local (the table compares static runs), got {args.modes!r}"
-            )
-        workloads = select_workloads(args.workloads)
-        levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
-        if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
-            raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")
-    except ValueError as exc:
-        logger.error("%s", exc)
-        return 2
-    engine = _engine(args)
-    if engine is None:
-        return 2
-    plan = SweepPlan(shapes, args.model, modes, workloads, levels)
-    interactive = sys.stderr.isatty()
-    bar = tqdm(
-        unit="point",
-        desc=f"sweep ({engine.name})",
-        disable=args.quiet,
-        dynamic_ncols=True,
-        mininterval=0.2 if interactive else 15.0,
-    )
-
-    def progress(done: int, total: int) -> None:
-        bar.reset(total=total)
-        bar.update(done)
-
-    def advance(point: GridPoint) -> None:
-        if interactive:
-            bar.set_postfix_str(point.run_id, refresh=False)
-        bar.update(1)
-
-    try:
-        with bar:
-            files = run_sweep(plan, engine, args.out, jobs=args.jobs, progress=progress, advance=advance)
-    except SweepError as exc:
-        logger.error("%s", exc)
-        return 1
-    finally:
-        close = getattr(engine, "close", None)
-        if callable(close):
-            close()
-    if args.no_build:
-        return 0
-    labels = {"engine": engine.name, **{k: str(v) for k, v in sorted(engine.settings().items())}}
-    publish_to = args.publish if args.publish is not None else f"{args.out}{os.sep}"
-    code = 0
-    for shape, paths in files.items():
-        options = options_from_args(args, shape=shape, labels=labels)
-        try:
-            result = build_from_records(read_records(paths), options)
-        except RecordsError as exc:
-            logger.error("%s", exc)
-            return 1
-        code = max(code, publish(result, resolve_out(publish_to, shape, args.model), as_json=args.json))
-    return code
-
-
-def _cmd_import_vllm_bench(args: argparse.Namespace) -> int:
-    from table_builder.records import write_records
-    from table_builder.vllm_bench import RunLabels, VllmBenchError, read_vllm_bench
-
-    try:
-        labels = RunLabels(
-            shape=args.shape,
-            model=args.model,
-            mode=args.mode,
-            qps=args.qps,
-            context_tokens=args.context_tokens,
-            workload=args.workload,
-        )
-        got = read_vllm_bench(args.files, labels)
-    except VllmBenchError as exc:
-        logger.error("%s", exc)
-        return 1
-    write_records(args.out, got.records)
-    later = sum(r.turn > 1 for r in got.records)
-    for note in got.caveats:
-        print(f"note: {note}", file=sys.stderr)
-    if not later:
-        print(
-            "note: every record is Turn 1, which tables leave out; for a vllm bench serve run whose prompts "
-            "begin with a shared prefix standing for a previous turn, give --context-tokens N",
-            file=sys.stderr,
-        )
-    if args.json:
-        summary = {
-            "out": str(args.out),
-            "records": len(got.records),
-            "turn2plus": later,
-            "files": [dataclasses.asdict(f) for f in got.files],
-            "caveats": list(got.caveats),
-        }
-        print(json.dumps(summary))
-        return 0
-    for f in got.files:
-        print(f"{f.path}: {f.format}, {len(f.runs)} run(s), {f.requests} requests ({f.failed} failed)")
-    print(f"wrote {args.out}: {len(got.records)} records ({later} of Turn 2+)")
-    return 0
-
-
-def _add_import_vllm_bench(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
-) -> None:
-    """The ``import-vllm-bench`` sub-command (``table_builder/vllm_bench.py``)."""
-    vbench = sub.add_parser(
-        "import-vllm-bench",
-        parents=[common],
-        help="vLLM's own benchmark outputs -> benchmark records (JSONL) for build and refresh",
-        description="Read `vllm bench serve --save-result --save-detailed` results (one JSON object per "
-        "run, or one per line with --append-result) or the multi-turn benchmark's --stats-json-output "
-        "array (told apart by content) and write one record per request. The files do not say the "
-        "deployment shape, the table's model label or the mode: give them here. "
-        "docs/vllm-protocol.md 6.4 and 7.2 give the mapping.",
-    )
-    vbench.add_argument("files", type=Path, nargs="+", metavar="FILE", help="vLLM benchmark output files")
-    vbench.add_argument(
-        "--mode", required=True, choices=("pd", "local"), help="the static mode the run measured"
-    )
-    vbench.add_argument("--shape", required=True, help="deployment shape the run measured, e.g. 1P3D")
-    vbench.add_argument("--model", required=True, help="the table's model label, e.g. llama-3.1-8b")
-    vbench.add_argument(
-        "--qps",
-        type=float,
-        help="load level to file the runs under (default: vllm bench serve's request_rate; required for "
-        "request_rate inf and for multi-turn stats)",
-    )
-    vbench.add_argument(
-        "--context-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="vllm bench serve only: every prompt starts with an N-token shared prefix standing for a "
-        "previous turn (e.g. --random-prefix-len N), so each request is a Turn 2 with N tokens of "
-        "context (default 0: Turn 1, which tables leave out)",
-    )
-    vbench.add_argument("--workload", help="workload label of the records (default: the format's name)")
-    vbench.add_argument("--out", type=Path, required=True, help="records JSONL to write (atomically)")
-    vbench.add_argument("--json", action="store_true", help="print the summary as one JSON line")
-    vbench.set_defaults(run=_cmd_import_vllm_bench)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ppd-table",
-        description="Build, check and show PPD decision tables (one file per deployment shape and model).",
+        description="Build, check, show, sweep and refresh PPD decision tables (one file per deployment "
+        "shape and model).",
     )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="log what is read and ignored")
@@ -412,41 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--png", type=Path, metavar="OUT", help="also write a heatmap PNG (needs matplotlib)")
     show.set_defaults(run=_cmd_show)
 
-    from table_builder.engines import DEFAULT_ENGINE, engine_names
+    sweep_command.add_parser(sub, common)
 
-    sweep = sub.add_parser(
-        "sweep",
-        parents=[common],
-        help="run a grid of static pd/local runs on an engine, keep the records, build and publish tables",
-        description="Run shape x mode x workload x QPS points (resumable: finished points are skipped), "
-        "then build one table per shape and publish it atomically.",
-    )
-    sweep.add_argument(
-        "--engine", choices=engine_names(), default=DEFAULT_ENGINE, help="what produces the records"
-    )
-    sweep.add_argument("--shape", required=True, help="deployment shape(s), comma-separated: 1P3D,2P2D,3P1D")
-    sweep.add_argument("--model", default="llama-3.1-8b", help="model label (default llama-3.1-8b)")
-    sweep.add_argument("--modes", default="pd,local", help="static modes to run (default pd,local)")
-    sweep.add_argument(
-        "--workloads", default="all", help="'all' (the 18 synthetic workloads) or a comma list"
-    )
-    sweep.add_argument("--qps", default="all", help="'all' (the paper's 10 levels) or a comma list")
-    sweep.add_argument(
-        "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
-    )
-    sweep.add_argument("--seed", type=int, default=0, help="seed of every point's arrivals and noise")
-    sweep.add_argument("--jobs", type=positive_int, default=1, help="points run in parallel processes")
-    sweep.add_argument("--out", type=Path, required=True, help="sweep folder: records/, sweep.json, tables")
-    sweep.add_argument(
-        "--publish", help="table file, or folder (existing, or ending in /) to publish into (default: --out)"
-    )
-    sweep.add_argument("--no-build", action="store_true", help="only run the points")
-    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
-    sweep.add_argument("--json", action="store_true", help="print each table's summary as one JSON line")
-    add_build_options(sweep)
-    sweep.set_defaults(run=_cmd_sweep)
-
-    _add_import_vllm_bench(sub, common)
+    import_command.add_parser(sub, common)
+    refresh_command.add_parser(sub, common)
     return parser
 
 

@@ -463,3 +463,117 @@ def test_our_containers_run_the_documented_image_as_its_user(overlay: str) -> No
         assert c["image"] == tag
         assert c["securityContext"]["runAsUser"] == int(uid)
         assert c["securityContext"]["runAsNonRoot"] is True
+
+
+# --- the closed loop: gateways' request logs -> hourly refresh -------------------------------------
+
+REFRESH_SCRIPT = "refresh-tables.sh"
+
+
+def refresh_script() -> str:
+    return str(one(rendered("1p3d"), "ConfigMap", "ppd-table-refresh")["data"][REFRESH_SCRIPT])
+
+
+def refresh_call(script: str) -> list[str]:
+    """The `ppd-table refresh ...` line of the script, as argv words."""
+    (line,) = [ln.strip() for ln in script.splitlines() if ln.strip().startswith("ppd-table refresh")]
+    return line.replace('"', "").split()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_gateway_pod_logs_its_requests_onto_the_records_volume(overlay: str) -> None:
+    docs = rendered(overlay)
+    deployment = one(docs, "Deployment", "ppd-gateway")
+    c = container(deployment)
+    log = gateway_config(docs)["log"]
+    folder = str(Path(log["request_log"]).parent)
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == folder]
+    assert not mount.get("readOnly", False)
+    # One folder per pod: no two gateways append to one file.
+    assert mount["subPathExpr"] == "gateways/$(POD_NAME)"
+    assert env_of(c)["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    (volume,) = [v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == "ppd-records"
+    # The lines name the table they refresh; the reader refuses empty labels.
+    shape = one(docs, "ConfigMap", "ppd-shape")["data"]
+    assert (log["shape"], log["model"]) == (shape["PPD_SHAPE"], shape["PPD_MODEL"])
+    assert log["run_id"]
+
+
+def test_refresh_cron_job_merges_the_gateways_logs_into_the_served_folder() -> None:
+    docs = rendered("1p3d")
+    cron = one(docs, "CronJob", "ppd-table-refresh")
+    assert cron["spec"]["concurrencyPolicy"] == "Forbid"
+    c = container(cron)
+    assert c["command"] == ["sh", f"/opt/ppd/{REFRESH_SCRIPT}"]
+    volumes = {v["name"]: v for v in pod_spec(cron)["volumes"]}
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert volumes[mounts["/opt/ppd"]["name"]]["configMap"]["name"] == "ppd-table-refresh"
+    assert mounts["/var/lib/ppd/records"]["readOnly"] is True
+    assert (
+        volumes[mounts["/var/lib/ppd/records"]["name"]]["persistentVolumeClaim"]["claimName"] == "ppd-records"
+    )
+    assert (
+        volumes[mounts["/var/lib/ppd/tables"]["name"]]["persistentVolumeClaim"]["claimName"] == "ppd-tables"
+    )
+    script = refresh_script()
+    assert re.search(r"^logs=/var/lib/ppd/records/gateways$", script, flags=re.MULTILINE)
+    argv = refresh_call(script)
+    assert set(flags(argv[2:])) <= cli_flags("table_builder", "refresh")
+    # The decision service reads the top of the tables volume; the base lives in a folder below it.
+    assert flags(argv[2:])["--out"] == "$tables/"
+    assert flags(argv[2:])["--base"] == "$base"
+    assert re.search(r'^base="\$tables/base/\$name"$', script, flags=re.MULTILINE)
+    assert "--skip-bad-lines" in argv
+
+
+def test_publish_script_keeps_the_built_table_as_the_refresh_base() -> None:
+    script = one(rendered("1p3d"), "ConfigMap", "ppd-table-publish")["data"]["publish-tables.sh"]
+    assert re.search(r'^\s*mv .*\.incoming" "\$tables/base/\$name"$', script, flags=re.MULTILINE)
+
+
+def _run_refresh_script(root: Path) -> subprocess.CompletedProcess[str]:
+    script = root / REFRESH_SCRIPT
+    script.write_text(refresh_script().replace("/var/lib/ppd", str(root)))
+    subprocess.run(["sh", "-n", str(script)], check=True)
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "PPD_SHAPE": "1P3D",
+        "PPD_MODEL": "llama-3.1-8b",
+    }
+    return subprocess.run(
+        ["sh", str(script)], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+
+
+def test_refresh_script_publishes_a_table_refreshed_from_logs_laid_out_as_the_gateways_write_them(
+    tmp_path: Path,
+) -> None:
+    from decision_service.table import Table, TableSpec, write_table
+    from table_builder.records import write_records
+    from tests.support.records import base_table, logged
+
+    name = "1P3D__llama-3.1-8b.ppdt"
+    (tmp_path / "tables" / "base").mkdir(parents=True)
+    missing = _run_refresh_script(tmp_path)
+    assert missing.returncode == 1
+    assert "run the ppd-table-build Job first" in missing.stderr
+    offline = base_table()
+    write_table(tmp_path / "tables" / "base" / name, TableSpec(offline.header, offline.figures))
+    no_logs = _run_refresh_script(tmp_path)
+    assert (no_logs.returncode, no_logs.stdout.strip()) == (
+        0,
+        f"no request logs under {tmp_path}/records/gateways yet: nothing to refresh",
+    )
+    pod = tmp_path / "records" / "gateways" / "ppd-gateway-5d9c-x2"
+    pod.mkdir(parents=True)
+    write_records(pod / "requests.jsonl", logged("local", 20, ttft=400.0))
+    with (pod / "requests.jsonl").open("a") as fh:
+        fh.write('{"run_id": "gateway"')  # a line the gateway is still writing
+    done = _run_refresh_script(tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["flipped"], report["skipped_lines"]) == (10, 1)
+    served = Table.open(tmp_path / "tables" / name)
+    assert served.header.provenance["base"]["version"] == offline.version
+    assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == [name, "base"]

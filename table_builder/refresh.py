@@ -1,0 +1,438 @@
+"""A table refreshed from production logs: logged evidence merged into a base table, cell by cell,
+with a drift report.
+
+Rules:
+
+1. Evidence is every Turn-2+ record of the base table's shape and model whose mode is ``ppd`` (the
+   gateway's per-request routing, chosen or explored) or a static ``pd`` / ``local`` run, filed under
+   the path it took (``pd`` or ``local``) in the cell the decision service's own classifier gives
+   (``build.axes_locator``). Other modes, the ``replica`` path, Turn-1 records and other shapes/models
+   are left out and counted. Exploration marks and propensities are not read: within one cell the
+   path a request took is either the table's answer for all of that cell's traffic or a seeded draw
+   that does not depend on the request's figures, so the plain per-path mean is already the mean of
+   that path over the cell's traffic (inverse-propensity weights would matter for the value of the
+   routing policy as a whole, which a refresh does not estimate).
+2. QPS: a record's ``target_qps`` when it has one (benchmark runs, the simulator); a production log
+   line has 0 (no fixed load level), and then its load level is the arrival rate of the logs
+   themselves: all records of the shape and model with ``target_qps`` 0, every turn (every gateway's
+   log together: the cluster's offered load, as a benchmark's ``target_qps`` is), counted over
+   ``qps_window_s`` seconds (10 s, the gateway's own ``policy.qps_window_s``) centred on its start,
+   the window moved inside the logs' span at either end. Around a gap in the logs (an idle night)
+   the rate of the lines within half a window of it is undercounted.
+3. Merge, per cell and path, weighted by sample counts: the table stores a mean over its completed
+   requests (``sent x success``) and the number sent, so the merged mean is
+   ``(base mean x base completed + sum of logged values) / (base completed + logged completed)``, the
+   success rate ``(base completed + logged completed) / (base sent + logged sent)``, and the count the
+   sum of both. A path the logs do not show keeps its base figures. A cell the base leaves empty is
+   filled only when the logs show both paths (as ``build`` would fill it). Sums are exact
+   (``math.fsum``), so the same evidence in any order gives the same bytes.
+4. No flip below the sample minimum: if a cell's answers (under the table's default weights and each
+   named profile, as the router compiles them, the success SLO and the nearest-measured-level rule
+   included) differ from the base's, the cell the answer is read from must hold at least
+   ``min_samples`` logged requests (both paths together). Otherwise that cell keeps its base figures
+   this time ("held"); the logs are kept, and a later refresh with more evidence may flip it.
+5. Drift: a figure moved beyond the confidence bound when its logged mean differs from the base's by
+   more than z standard errors, z the two-sided normal quantile of ``confidence``. Latencies: the
+   standard error of the difference of two means, ``s x sqrt(1/n_logged + 1/n_base)``, with the
+   logged values' standard deviation ``s`` standing in for the base's (a table stores no spread).
+   Success rates: the two-proportion test with the pooled rate. Only figures with at least two
+   logged values in a measured base cell are tested; a gap within float rounding is none, and with
+   no spread at all any other gap is drift. A held cell's drift is reported too (what the logs
+   show), though its figures stay.
+6. Deterministic: no clock. The build time is the newest record's start (as ``build`` does); the
+   provenance names the base (its version and provenance), the logs' digest and the rules' version.
+   Merge into the table the logs were *not* already merged into: the base is the offline-built
+   table, kept apart from the published one (a refreshed table given as the base would count the same
+   logs twice; the report warns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import statistics
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from decision_service.header import LATENCIES, Figure, TableHeader, Weights
+from decision_service.route import CellRule, Router
+from decision_service.table import Table, TableSpec, encode_table
+from table_builder.aggregate import CellKey, ModeFigures
+from table_builder.build import axes_locator, cell_row, iso_from_start_time
+from table_builder.records import Record
+from table_builder.refresh_report import CellDrift, DriftReport, FigureShift, Flip, HeldCell, z_for
+
+__all__ = [
+    "EVIDENCE_MODES",
+    "REFRESH_VERSION",
+    "RefreshResult",
+    "refresh_table",
+]
+
+#: Goes into every refreshed table's provenance; bump when the rules change the bytes.
+REFRESH_VERSION: Final = "table_builder.refresh/1"
+#: Record modes whose Turn-2+ requests are evidence (rule 1).
+EVIDENCE_MODES: Final = frozenset({"ppd", "pd", "local"})
+_PATHS: Final = ("pd", "local")
+_COLUMNS: Final = {
+    "pd": (Figure.PD_TTFT_MS, Figure.PD_TPOT_MS, Figure.PD_SUCCESS, Figure.PD_SAMPLES),
+    "local": (Figure.LOCAL_TTFT_MS, Figure.LOCAL_TPOT_MS, Figure.LOCAL_SUCCESS, Figure.LOCAL_SAMPLES),
+}
+_CENSORED_TTFT_MS: Final = 30_000.0
+_ROUNDING: Final = 1e-9
+
+Row = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshResult:
+    spec: TableSpec
+    drift: DriftReport
+
+    def encode(self) -> bytes:
+        return encode_table(self.spec)
+
+
+@dataclass(slots=True)
+class _PathEvidence:
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    ok: int = 0
+    sent: int = 0
+
+    def add(self, r: Record) -> None:
+        self.sent += 1
+        if r.ok:
+            self.ok += 1
+            if r.ttft_ms is not None:
+                self.ttft.append(r.ttft_ms)
+            if r.tpot_ms is not None:
+                self.tpot.append(r.tpot_ms)
+
+    def figures(self) -> ModeFigures:
+        return ModeFigures(
+            ttft_ms=_mean(self.ttft),
+            tpot_ms=_mean(self.tpot),
+            success_rate=self.ok / self.sent,
+            samples=len(self.ttft),
+            sent=self.sent,
+        )
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Evidence:
+    cells: Mapping[CellKey, Mapping[str, _PathEvidence]]
+    used: int
+    left_out: Mapping[str, int]
+    newest: float | None
+    runs: tuple[str, ...]
+
+
+def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float) -> _Evidence:
+    """Rules 1 and 2: file each evidence record in its cell and path."""
+    locate = axes_locator(header.axes)
+    ours: list[Record] = []
+    left_out: Counter[str] = Counter()
+    for r in records:
+        if r.shape == header.shape and r.model == header.model:
+            ours.append(r)
+        else:
+            left_out[f"other shape/model ({r.shape}/{r.model})"] += 1
+    # Arrival times of the unlabelled (production) records, for rule 2's rate.
+    arrivals = sorted(r.start_time for r in ours if r.target_qps <= 0)
+    cells: dict[CellKey, dict[str, _PathEvidence]] = {}
+    used = 0
+    runs: set[str] = set()
+    for r in ours:
+        if r.mode not in EVIDENCE_MODES:
+            left_out[f"mode {r.mode} (evidence is ppd, pd and local)"] += 1
+            continue
+        if r.turn < 2:
+            left_out["turn 1 (always PD; not part of the decision)"] += 1
+            continue
+        if r.path not in _PATHS:
+            left_out[f"path {r.path}"] += 1
+            continue
+        qps = r.target_qps if r.target_qps > 0 else _arrival_rate(arrivals, r.start_time, qps_window_s)
+        key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=qps, workload=r.workload)
+        cells.setdefault(key, {}).setdefault(r.path, _PathEvidence()).add(r)
+        used += 1
+        runs.add(r.run_id)
+    for paths in cells.values():
+        for ev in paths.values():
+            ev.ttft.sort()
+            ev.tpot.sort()
+    newest = max((r.start_time for r in ours), default=None)
+    return _Evidence(
+        cells={k: cells[k] for k in sorted(cells)},
+        used=used,
+        left_out=dict(sorted(left_out.items())),
+        newest=newest,
+        runs=tuple(sorted(runs)),
+    )
+
+
+def _arrival_rate(arrivals: Sequence[float], t: float, window_s: float) -> float:
+    """Rule 2: arrivals per second in the ``window_s`` seconds centred on ``t``, the window moved inside
+    the logs' span at its ends (so the first and last lines of a log are not undercounted); a log
+    shorter than the window is counted over the window all the same."""
+    first, last = arrivals[0], arrivals[-1]
+    low = min(max(t - window_s / 2, first), max(last - window_s, first))
+    return (bisect_right(arrivals, low + window_s) - bisect_left(arrivals, low)) / window_s
+
+
+def _merge_path(row: Row, path: str, ev: _PathEvidence, z: float, shifts: list[FigureShift]) -> None:
+    """Rule 3 for one path of a measured base cell, in place; rule 5's tests appended to ``shifts``."""
+    ttft_col, tpot_col, success_col, samples_col = _COLUMNS[path]
+    base_sent = float(row[samples_col])
+    base_ok = float(round(float(row[success_col]) * base_sent))
+    for col, values in ((ttft_col, ev.ttft), (tpot_col, ev.tpot)):
+        if not values:
+            continue
+        base = float(row[col])
+        merged = math.fsum([base * base_ok, *values]) / (base_ok + len(values))
+        if len(values) >= 2 and base_ok >= 1:
+            error = statistics.stdev(values) * math.sqrt(1.0 / len(values) + 1.0 / base_ok)
+            _test(shifts, Figure(col), base, math.fsum(values) / len(values), merged, len(values), error, z)
+        row[col] = merged
+    base_rate = float(row[success_col])
+    sent = base_sent + ev.sent
+    merged_rate = (base_ok + ev.ok) / sent
+    if ev.sent >= 2:
+        error = math.sqrt(merged_rate * (1.0 - merged_rate) * (1.0 / ev.sent + 1.0 / base_sent))
+        _test(shifts, Figure(success_col), base_rate, ev.ok / ev.sent, merged_rate, ev.sent, error, z)
+    row[success_col] = merged_rate
+    row[samples_col] = sent
+
+
+def _test(  # noqa: PLR0917 (the figures of one test, in the order the report prints them)
+    shifts: list[FigureShift],
+    figure: Figure,
+    base: float,
+    logged: float,
+    merged: float,
+    n: int,
+    error: float,
+    z: float,
+) -> None:
+    """Rule 5: append the shift when ``logged`` lies beyond ``z`` standard errors of ``base``."""
+    gap = abs(logged - base)
+    # A gap within float rounding of the means is none (identical values summed in another order).
+    if gap <= _ROUNDING * max(abs(base), abs(logged)) or (error > 0 and gap / error <= z):
+        return
+    score = gap / error if error > 0 else None
+    shifts.append(
+        FigureShift(figure=figure.label, base=base, logged=logged, merged=merged, logged_samples=n, z=score)
+    )
+
+
+def _answers(rule: CellRule, weights: Sequence[Weights]) -> tuple[bool, ...]:
+    """The cell's answer (local?) under each weights, as ``Router.route`` gives it without live signals."""
+    if rule.forced is not None:
+        return tuple(rule.forced[0] for _ in weights)
+    return tuple(w.w_ttft * rule.delta_ttft - w.w_tpot * rule.delta_tpot > 0 for w in weights)
+
+
+def _label(header: TableHeader, key: CellKey) -> str:
+    axes = header.axes
+    level = axes.qps_levels[key.qps]
+    return f"{axes.context_classes[key.context]}/{axes.workloads[key.workload].name}@{level:g}"
+
+
+@dataclass(slots=True)
+class _Candidates:
+    """Rule 3's outcome: a merged row per cell with evidence, and what the report says about them."""
+
+    rows: dict[CellKey, Row] = field(default_factory=dict)
+    logged: dict[CellKey, int] = field(default_factory=dict)
+    drifted: list[CellDrift] = field(default_factory=list)
+    filled: list[CellKey] = field(default_factory=list)
+    one_path: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _candidates(base: Table, evidence: _Evidence, z: float) -> _Candidates:
+    header = base.header
+    timeout_ms = float(header.provenance.get("censored_ttft_ms", _CENSORED_TTFT_MS))
+    out = _Candidates()
+    for key, paths in evidence.cells.items():
+        out.logged[key] = sum(ev.sent for ev in paths.values())
+        label = _label(header, key)
+        if base.measured(key.context, key.workload, key.qps):
+            row = np.array(base.figures[key.context, key.workload, key.qps], dtype=np.float64)
+            shifts: list[FigureShift] = []
+            for path in _PATHS:
+                if path in paths:
+                    _merge_path(row, path, paths[path], z, shifts)
+            if shifts:
+                out.drifted.append(CellDrift(cell=label, shifts=tuple(shifts)))
+            if (row[list(LATENCIES)] <= 0).any():
+                out.notes.append(f"{label}: logged latencies of 0 ms would zero a figure; base figures kept")
+            else:
+                out.rows[key] = row
+        elif not all(p in paths for p in _PATHS):
+            out.one_path.append(label)
+        else:
+            fresh, _, _ = cell_row(paths["pd"].figures(), paths["local"].figures(), timeout_ms)
+            if fresh is not None:
+                out.rows[key] = np.array(fresh, dtype=np.float64)
+                out.filled.append(key)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Change:
+    """One cell whose answers differ from the base's, and the cell its new answer is read from."""
+
+    cell: CellKey
+    source: CellKey
+    before: tuple[bool, ...]
+    after: tuple[bool, ...]
+    reason: str
+
+
+def _changes(old: Router, new: Router, weights: Sequence[Weights]) -> list[_Change]:
+    axes = old.table.header.axes
+    nc, nw, nq = axes.shape
+    out = []
+    for c in range(nc):
+        for w in range(nw):
+            for q in range(nq):
+                before, after = old.cell(c, w, q), new.cell(c, w, q)
+                a, b = _answers(before, weights), _answers(after, weights)
+                if a != b:
+                    source = CellKey(c, w, axes.qps_levels.index(after.qps_level))
+                    out.append(_Change(CellKey(c, w, q), source, a, b, after.verdict.reason.name))
+    return out
+
+
+def _hold(
+    base: Table, cands: _Candidates, min_samples: int
+) -> tuple[npt.NDArray[np.float64], list[_Change], dict[CellKey, int]]:
+    """Rule 4: drop the candidates whose evidence would flip an answer on too few samples, until none
+    does (dropping a cell can only take away a nearest-level source, so this ends)."""
+    header = base.header
+    weights = [header.default_weights, *(w for _, w in sorted(header.profiles.items()))]
+    old = Router(base)
+    held: dict[CellKey, int] = {}
+    while True:
+        figures = np.array(base.figures, dtype=np.float64)
+        for key, row in cands.rows.items():
+            figures[key.context, key.workload, key.qps] = row
+        changes = _changes(old, Router(Table.from_bytes(encode_table(TableSpec(header, figures)))), weights)
+        weak = {
+            ch.source
+            for ch in changes
+            if cands.logged.get(ch.source, 0) < min_samples and ch.source in cands.rows
+        }
+        if not weak:
+            return figures, changes, held
+        for key in weak:
+            del cands.rows[key]
+            held[key] = cands.logged[key]
+
+
+def refresh_table(
+    base: Table,
+    records: Iterable[Record],
+    *,
+    min_samples: int,
+    confidence: float,
+    qps_window_s: float = 10.0,
+) -> RefreshResult:
+    """Merge the logged evidence in ``records`` into ``base`` (module rules 1-6).
+
+    ``qps_window_s``: rule 2's window for records without a target QPS.
+    """
+    if min_samples < 1:
+        raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+    if not (math.isfinite(qps_window_s) and qps_window_s > 0):
+        raise ValueError(f"qps_window_s must be a positive number of seconds, got {qps_window_s}")
+    z = z_for(confidence)
+    records = list(records)
+    header = base.header
+    evidence = _gather(records, header, qps_window_s)
+    cands = _candidates(base, evidence, z)
+    figures, changes, held = _hold(base, cands, min_samples)
+    names = sorted(header.profiles)
+    flips = tuple(
+        Flip(
+            cell=_label(header, ch.cell),
+            before="local" if ch.before[0] else "pd",
+            after="local" if ch.after[0] else "pd",
+            reason=ch.reason,
+            profiles=tuple(n for n, x, y in zip(names, ch.before[1:], ch.after[1:], strict=True) if x != y),
+            source=_label(header, ch.source),
+            logged=cands.logged.get(ch.source, 0),
+        )
+        for ch in changes
+    )
+    merged = sum(
+        1
+        for k, row in cands.rows.items()
+        if not np.array_equal(row, base.figures[k.context, k.workload, k.qps])
+    )
+    notes = list(cands.notes)
+    if header.provenance.get("source") == "refresh":
+        notes.append(
+            "the base is itself a refreshed table: logs already merged into it are counted again; "
+            "refresh the offline-built table instead"
+        )
+    report = DriftReport(
+        key=header.key,
+        base_version=base.version,
+        min_samples=min_samples,
+        confidence=confidence,
+        z=z,
+        used=evidence.used,
+        left_out=evidence.left_out,
+        cells_with_evidence=len(evidence.cells),
+        merged=merged,
+        filled=tuple(_label(header, k) for k in cands.filled if k not in held),
+        one_path_only=tuple(cands.one_path),
+        drifted=tuple(cands.drifted),
+        flips=flips,
+        held=tuple(HeldCell(cell=_label(header, k), logged=n) for k, n in sorted(held.items())),
+        notes=tuple(notes),
+    )
+    new_header = _provenance(base, records, evidence, report, qps_window_s)
+    return RefreshResult(spec=TableSpec(new_header, figures), drift=report)
+
+
+def _provenance(
+    base: Table, records: Sequence[Record], evidence: _Evidence, report: DriftReport, qps_window_s: float
+) -> TableHeader:
+    digest = hashlib.sha256()
+    for line in sorted(r.to_json() for r in records):
+        digest.update(line.encode())
+        digest.update(b"\n")
+    provenance: dict[str, Any] = {
+        "source": "refresh",
+        "refresh": REFRESH_VERSION,
+        "base": {"version": base.version, "provenance": dict(base.header.provenance)},
+        "logs_sha256": digest.hexdigest(),
+        "runs": list(evidence.runs),
+        "newest_start_time": evidence.newest,
+        "min_samples": report.min_samples,
+        "confidence": report.confidence,
+        "qps_window_s": qps_window_s,
+        "cells": report.counts(),
+        "left_out": dict(report.left_out),
+        "flipped_cells": [f.cell for f in report.flips],
+        "held_cells": [h.cell for h in report.held],
+    }
+    built_at = iso_from_start_time(evidence.newest)
+    if built_at is not None:
+        provenance["built_at"] = built_at
+    return dataclasses.replace(base.header, provenance=provenance)

@@ -1,0 +1,148 @@
+"""``ppd-table sweep``: its flags, the engine it runs on, the run, then each shape's build and publish."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+
+from table_builder.build import build_from_records
+from table_builder.flags import add_build_options, options_from_args, positive_int
+from table_builder.publish import publish, resolve_out
+from table_builder.records import RecordsError, read_records
+from table_builder.sweep import Engine
+
+__all__ = ["add_parser"]
+
+logger = logging.getLogger("table_builder")
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _engine(args: argparse.Namespace) -> Engine | None:
+    """The sweep's engine, or None (logged) when it cannot run with these arguments."""
+    from table_builder.engines import EngineOptions, make_engine
+
+    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
+    # An engine on real workers runs its points one at a time and holds processes until closed.
+    max_jobs: int | None = getattr(engine, "max_jobs", None)
+    if max_jobs is not None and args.jobs > max_jobs:
+        logger.error("the %s engine runs one point at a time; got --jobs %d", engine.name, args.jobs)
+        return None
+    return engine
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from decision_service.axes import paper_axes
+    from ppd.catalog import select_workloads
+    from table_builder.analytic import parse_shape
+    from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
+
+    try:
+        shapes = tuple(_csv(args.shape))
+        for shape in shapes:
+            parse_shape(shape)
+        modes = tuple(_csv(args.modes))
+        if not modes or any(m not in ("pd", "local") for m in modes):
+            raise ValueError(
+                f"--modes takes pd and/or local (the table compares static runs), got {args.modes!r}"
+            )
+        workloads = select_workloads(args.workloads)
+        levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
+        if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
+            raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    engine = _engine(args)
+    if engine is None:
+        return 2
+    plan = SweepPlan(shapes, args.model, modes, workloads, levels)
+    interactive = sys.stderr.isatty()
+    bar = tqdm(
+        unit="point",
+        desc=f"sweep ({engine.name})",
+        disable=args.quiet,
+        dynamic_ncols=True,
+        mininterval=0.2 if interactive else 15.0,
+    )
+
+    def progress(done: int, total: int) -> None:
+        bar.reset(total=total)
+        bar.update(done)
+
+    def advance(point: GridPoint) -> None:
+        if interactive:
+            bar.set_postfix_str(point.run_id, refresh=False)
+        bar.update(1)
+
+    try:
+        with bar:
+            files = run_sweep(plan, engine, args.out, jobs=args.jobs, progress=progress, advance=advance)
+    except SweepError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
+    if args.no_build:
+        return 0
+    labels = {"engine": engine.name, **{k: str(v) for k, v in sorted(engine.settings().items())}}
+    publish_to = args.publish if args.publish is not None else f"{args.out}{os.sep}"
+    code = 0
+    for shape, paths in files.items():
+        options = options_from_args(args, shape=shape, labels=labels)
+        try:
+            result = build_from_records(read_records(paths), options)
+        except RecordsError as exc:
+            logger.error("%s", exc)
+            return 1
+        code = max(code, publish(result, resolve_out(publish_to, shape, args.model), as_json=args.json))
+    return code
+
+
+def add_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser
+) -> None:
+    """The ``sweep`` sub-command."""
+    from table_builder.engines import DEFAULT_ENGINE, engine_names
+
+    sweep = sub.add_parser(
+        "sweep",
+        parents=[common],
+        help="run a grid of static pd/local runs on an engine, keep the records, build and publish tables",
+        description="Run shape x mode x workload x QPS points (resumable: finished points are skipped), "
+        "then build one table per shape and publish it atomically.",
+    )
+    sweep.add_argument(
+        "--engine", choices=engine_names(), default=DEFAULT_ENGINE, help="what produces the records"
+    )
+    sweep.add_argument("--shape", required=True, help="deployment shape(s), comma-separated: 1P3D,2P2D,3P1D")
+    sweep.add_argument("--model", default="llama-3.1-8b", help="model label (default llama-3.1-8b)")
+    sweep.add_argument("--modes", default="pd,local", help="static modes to run (default pd,local)")
+    sweep.add_argument(
+        "--workloads", default="all", help="'all' (the 18 synthetic workloads) or a comma list"
+    )
+    sweep.add_argument("--qps", default="all", help="'all' (the paper's 10 levels) or a comma list")
+    sweep.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
+    )
+    sweep.add_argument("--seed", type=int, default=0, help="seed of every point's arrivals and noise")
+    sweep.add_argument("--jobs", type=positive_int, default=1, help="points run in parallel processes")
+    sweep.add_argument("--out", type=Path, required=True, help="sweep folder: records/, sweep.json, tables")
+    sweep.add_argument(
+        "--publish", help="table file, or folder (existing, or ending in /) to publish into (default: --out)"
+    )
+    sweep.add_argument("--no-build", action="store_true", help="only run the points")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bar")
+    sweep.add_argument("--json", action="store_true", help="print each table's summary as one JSON line")
+    add_build_options(sweep)
+    sweep.set_defaults(run=_cmd_sweep)

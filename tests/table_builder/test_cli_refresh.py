@@ -1,0 +1,155 @@
+"""`ppd-table refresh`: help, exit codes, the report (text and JSON), the atomic publish, bad logs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decision_service.table import Table, TableSpec, write_table
+from table_builder.cli import main
+from table_builder.records import write_records
+from tests.support.records import base_table, logged
+
+KEY_FILE = "1P3D__llama-3.1-8b.ppdt"
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    """The offline-built table, kept apart from the folder a decision service serves."""
+    folder = tmp_path / "base"
+    folder.mkdir()
+    table = base_table()
+    return write_table(folder / KEY_FILE, TableSpec(table.header, table.figures))
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> Path:
+    folder = tmp_path / "logs" / "gateway-0"
+    folder.mkdir(parents=True)
+    write_records(folder / "requests.jsonl", logged("local", 20, ttft=400.0))
+    return tmp_path / "logs"
+
+
+def test_help_lists_every_flag() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "table_builder", "refresh", "--help"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    for flag in (
+        "--logs",
+        "--base",
+        "--out",
+        "--min-samples",
+        "--confidence",
+        "--qps-window",
+        "--skip-bad-lines",
+        "--json",
+    ):
+        assert flag in result.stdout
+
+
+def test_refresh_publishes_the_table_and_prints_the_report(
+    base: Path, logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "served"
+    assert main(["refresh", "--logs", str(logs), "--base", str(base), "--out", f"{out}/"]) == 0
+    text = capsys.readouterr().out
+    published = out / KEY_FILE
+    table = Table.open(published)
+    assert table.header.provenance["source"] == "refresh"
+    assert "answers flipped: 10 cell(s)" in text
+    assert "small/mid_paste@2: local -> pd (TABLE, 20 logged" in text
+    assert f"wrote {published} (key 1P3D/llama-3.1-8b, version {table.version}, from base version" in text
+    assert sorted(p.name for p in out.iterdir()) == [KEY_FILE]  # no temp file left behind
+    # The same logs again: the same bytes.
+    first = published.read_bytes()
+    assert main(["refresh", "--logs", str(logs), "--base", str(base), "--out", f"{out}/"]) == 0
+    assert published.read_bytes() == first
+
+
+def test_json_report_is_one_line(
+    base: Path, logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["refresh", "--logs", str(logs), "--base", str(base), "--out", str(tmp_path / "t.ppdt"), "--json"]
+    assert main([*args, "--min-samples", "21", "--confidence", "0.95"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    report = json.loads(line)
+    assert report["table"] == str(tmp_path / "t.ppdt")
+    assert report["version"] == Table.open(tmp_path / "t.ppdt").version
+    assert (report["flipped"], report["held"], report["confidence"], report["min_samples"]) == (
+        0,
+        1,
+        0.95,
+        21,
+    )
+    assert report["held_cells"] == [{"cell": "small/mid_paste@2", "logged": 20}]
+    assert report["drift"][0]["shifts"][0]["figure"] == "local_ttft_ms"
+
+
+def test_out_may_not_replace_the_base(base: Path, logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    before = base.read_bytes()
+    assert main(["refresh", "--logs", str(logs), "--base", str(base), "--out", f"{base.parent}/"]) == 2
+    assert "--out would replace --base" in caplog.text
+    assert base.read_bytes() == before
+
+
+def test_a_bad_base_is_exit_1(tmp_path: Path, logs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    missing = tmp_path / "missing.ppdt"
+    assert main(["refresh", "--logs", str(logs), "--base", str(missing), "--out", str(tmp_path / "o/")]) == 1
+    assert "cannot read the base table" in caplog.text
+    bad = tmp_path / "bad.ppdt"
+    bad.write_bytes(b"not a table")
+    assert main(["refresh", "--logs", str(logs), "--base", str(bad), "--out", str(tmp_path / "o/")]) == 1
+    assert "bad_magic" in caplog.text
+    assert not (tmp_path / "o" / KEY_FILE).exists()
+
+
+def test_bad_log_lines_fail_unless_skipped(
+    base: Path,
+    logs: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    log = logs / "gateway-0" / "requests.jsonl"
+    with log.open("a") as fh:
+        fh.write('{"run_id": "gateway", "shape": "1P3D"')  # a line still being written
+    out = tmp_path / "served"
+    args = ["refresh", "--logs", str(logs), "--base", str(base), "--out", f"{out}/"]
+    assert main(args) == 1
+    assert f"{log}:21:" in caplog.text
+    assert "--skip-bad-lines" in caplog.text
+    assert not out.exists() or not list(out.iterdir())
+    capsys.readouterr()
+    assert main([*args, "--skip-bad-lines"]) == 0
+    text = capsys.readouterr().out
+    assert "skipped 1 bad log line(s)" in text
+    assert "answers flipped: 10" in text
+    assert (out / KEY_FILE).exists()
+
+
+def test_missing_logs_are_exit_1(base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["refresh", "--logs", str(empty), "--base", str(base), "--out", str(tmp_path / "o/")]) == 1
+    assert "no *.jsonl record files" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--confidence", "1"],
+        ["--confidence", "0"],
+        ["--min-samples", "0"],
+        ["--qps-window", "0"],
+        ["--qps-window", "nan"],
+    ],
+)
+def test_bad_flags_are_usage_errors(extra: list[str], base: Path, logs: Path, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["refresh", "--logs", str(logs), "--base", str(base), "--out", str(tmp_path / "o/"), *extra])
+    assert exc.value.code == 2
