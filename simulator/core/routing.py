@@ -5,6 +5,7 @@ The same code decides in simulation and in production: :class:`TableRouter` wrap
 protocol, with the live signals a gateway would attach (the session's decode worker's running batch,
 the chosen prefill worker's queue), so the table's decode-load guard acts here as it does live.
 A query the rule refuses (``QueryError``) takes PD, as the gateway's fallback would, and is counted.
+``use_table`` swaps the table mid-run (the closed loop's refresh, loadgen/report/drift.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class TableRouter:
     @classmethod
     def open(cls, path: str, weights: Weights | None = None) -> TableRouter:
         return cls(Table.open(path), weights)
+
+    def use_table(self, table: Table) -> None:
+        """Route with ``table`` from the next request on (a refreshed table, swapped in mid-run in
+        virtual time, as the decision service hot-reloads a file); the counters go on."""
+        self._table = table
+        self._router = Router(table)
 
     def local(self, conversation_id: str, query: Query) -> bool:
         del conversation_id
