@@ -44,6 +44,7 @@ from decision_service.route import Router
 from decision_service.table import Table, encode_table, write_table
 from loadgen.report.reproduce import find_table
 from loadgen.report.section import md_table, mean, ms, save_png
+from loadgen.report.traffic import mix_conversations
 from ppd import catalog
 from table_builder.aggregate import CellKey
 from table_builder.build import (
@@ -65,7 +66,6 @@ __all__ = [
     "add_parser",
     "cluster_config",
     "decision_match",
-    "mix_conversations",
     "run_drift",
     "traffic_cells",
 ]
@@ -204,25 +204,6 @@ def explore_settings(*, epsilon: float, seed: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- traffic
-
-
-def mix_conversations(
-    workloads: Sequence[str], qps: float, duration_s: float, seed: int, *, offset_s: float = 0.0
-) -> list[Any]:
-    """Poisson conversations at ``qps`` for ``duration_s`` s from ``offset_s``; conversation i is of
-    ``workloads[i % len]`` and carries its name (so its records file under that workload's class).
-    A mix that shifts is two calls with offsets, concatenated."""
-    from simulator.core.workload import Conversation, Turn, poisson_starts
-
-    if not workloads:
-        raise ValueError("the mix needs at least one workload")
-    shapes = [catalog.parse_workload(name) for name in workloads]
-    out = []
-    for i, t in enumerate(poisson_starts(qps, duration_s, seed)):
-        wl = shapes[i % len(shapes)]
-        turns = (Turn(wl.first.n_in, wl.first.n_out), Turn(wl.second.n_in, wl.second.n_out))
-        out.append(Conversation(f"{wl.name}-{seed}-{offset_s:g}-{i}", wl.name, offset_s + t, turns))
-    return out
 
 
 def traffic_cells(table: Table, conversations: Sequence[Any], qps: float, since: float) -> Counter[CellKey]:

@@ -21,11 +21,11 @@ from loadgen.report.drift import (
     cluster_config,
     decision_match,
     figures,
-    mix_conversations,
     run_arm,
     run_drift,
     traffic_cells,
 )
+from loadgen.report.traffic import mix_conversations
 from table_builder.aggregate import CellKey
 from table_builder.records import read_records
 from tests.support.tables import decided_everywhere
@@ -111,17 +111,6 @@ def test_decision_match_weighs_cells_by_traffic() -> None:
     assert decision_match(local, local, cells) == 1.0
     assert decision_match(stale, local, cells) == 1.0  # the shipped 3P1D table is local there
     assert decision_match(pd, local, Counter()) == 1.0
-
-
-def test_mix_conversations_cycle_the_workloads_and_shift_by_offset() -> None:
-    convs = mix_conversations(("small_huge_paste", "large_mid_bal"), 4.0, 10.0, seed=1, offset_s=50.0)
-    assert [c.workload for c in convs[:4]] == ["small_huge_paste", "large_mid_bal"] * 2
-    assert all(50.0 <= c.start < 60.0 for c in convs)
-    assert convs[0].turns[1].n_in == 1024
-    assert convs[1].turns[0].n_in == 1024
-    assert len({c.conversation_id for c in convs}) == len(convs)
-    with pytest.raises(ValueError, match="at least one workload"):
-        mix_conversations((), 4.0, 10.0, seed=1)
 
 
 def test_refresh_loop_swaps_tables_in_virtual_time_and_the_figures_count_the_requests() -> None:
