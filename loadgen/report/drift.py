@@ -108,7 +108,7 @@ class DriftSettings:
     explore_seed: int = 0
     refresh_every: int = 100
     #: Records a refresh reads: the last ``window`` finished (0 = all since the start).
-    window: int = 0
+    window: int = 1600
     min_samples: int = 20
     confidence: float = 0.95
 
@@ -821,7 +821,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"finished requests between refreshes (default {d.refresh_every})",
     )  # fmt: skip
     loop.add_argument(
-        "--window", type=int, default=d.window, help="records a refresh reads, the latest (0 = all)"
+        "--window",
+        type=int,
+        default=d.window,
+        help=f"records a refresh reads, the latest (default {d.window}; 0 = all)",
     )
     loop.add_argument(
         "--min-samples",
