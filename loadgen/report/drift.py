@@ -481,6 +481,13 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+def _converged(fig: DriftFigures) -> str:
+    if fig.requests_to_converge is None or fig.converged_at is None:
+        return "-"
+    text = f"{fig.requests_to_converge} requests ({fig.converged_at - fig.drift_at:.1f} s)"
+    return text + ("" if fig.stayed else "; fell below again later")
+
+
 def _goals(fig: DriftFigures) -> list[list[str]]:
     marks = {True: "PASS", False: "FAIL", None: "n/a"}
     gap = fig.ttft_gap
@@ -502,10 +509,7 @@ def _goals(fig: DriftFigures) -> list[list[str]]:
         [
             "requests after the drift until it gets there",
             marks[None if closed is None else fig.requests_to_converge is not None],
-            "-"
-            if fig.requests_to_converge is None
-            else f"{fig.requests_to_converge} requests ({fig.converged_at - fig.drift_at:.1f} s)"  # type: ignore[operator]
-            + ("" if fig.stayed else "; fell below again later"),
+            _converged(fig),
         ],
         [
             "cost of exploration (closed minus stale Turn 2+ TTFT before the drift)",
