@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from decision_service.route import Router
 from decision_service.table import Table, encode_table, write_table
@@ -135,12 +135,20 @@ class TableSwap:
 Refresh = Callable[[Table, Sequence[Record]], Table]
 
 
+class TableUser(Protocol):
+    """What the loop swaps a table into (``simulator.core.routing.TableRouter``)."""
+
+    def use_table(self, table: Table) -> None: ...
+
+
 class RefreshLoop:
     """The closed loop's refresh, as a record observer of the cluster: every ``every`` finished requests
     the table is refreshed from the last ``window`` records (0 = all) on ``base`` and swapped into the
     router. ``swaps`` keeps each table with its time, for the figures."""
 
-    def __init__(self, router: Any, base: Table, refresh: Refresh, *, every: int, window: int = 0) -> None:
+    def __init__(
+        self, router: TableUser, base: Table, refresh: Refresh, *, every: int, window: int = 0
+    ) -> None:
         if every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {every}")
         self._router = router
@@ -165,7 +173,7 @@ class SwitchAt:
     """The oracle arm's switch: the router gets ``table`` with the first request finished at or after
     ``at`` (requests finish many times a second, so within one step of the drift)."""
 
-    def __init__(self, router: Any, table: Table, at: float) -> None:
+    def __init__(self, router: TableUser, table: Table, at: float) -> None:
         self._router, self._table, self._at = router, table, at
         self.swaps: list[TableSwap] = []
 
