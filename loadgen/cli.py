@@ -2,6 +2,8 @@
 
     ppd-bench run --url http://127.0.0.1:8000 --workload large_mid_paste --qps 4 --duration 10 --out r.jsonl
     ppd-bench report --records DIR --out DIR
+    ppd-bench drift --out DIR        (stale table vs closed loop vs oracle across a drift, simulated)
+    ppd-bench slo --out DIR          (fixed weights vs the SLO controller on a load ramp, simulated)
 
 Only this module reads argv and the environment (``OPENAI_API_KEY``).
 """
@@ -101,9 +103,11 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from loadgen.report import command
+    from loadgen.report import command, drift, slo
 
     command.add_parser(sub)
+    drift.add_parser(sub)
+    slo.add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,13 @@ gateway's request log does (left out at their defaults: ε = 0 gives the records
 A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
 its engines, and ends its conversation.
 
+Drift (``ClusterConfig.drift``, values in :mod:`simulator.core.drift`): each event is one heap event at
+its time; the links move to the new bandwidth, and each worker's lazy run is settled there before its
+engine gets the new step cost. Without drift events nothing is pushed, so the records are the same
+bytes as without the feature. An ``observer`` (:class:`RecordObserver`) sees each request's record
+when it finishes, in virtual time: a closed loop refreshes its table from them and swaps it into the
+router (``TableRouter.use_table``) for the requests that arrive after.
+
 Lazy runs (why results equal a step-by-step run): when an engine's next step would be a run of
 identical decode-only steps (``Engine.run_end``), the node does not step yet; it waits for the run's
 end. Every call that changes an engine (a new request, KV arrived or failed, release, abort) first
@@ -52,6 +59,8 @@ from decision_service.route import Query, Reason, Verdict
 from ppd.explore import ExplorationPolicy, ExploreSettings
 from ppd.modes import fraction_goes_local, parse_mode
 from ppd.slo import SloController, SloSettings, SloState
+from simulator.core.cost import CostModel
+from simulator.core.drift import DriftEvent, slowed
 from simulator.core.engine import (
     Engine,
     EngineConfig,
@@ -71,6 +80,7 @@ __all__ = [
     "ClusterConfig",
     "ClusterResult",
     "LocalPolicy",
+    "RecordObserver",
     "simulate",
 ]
 
@@ -82,6 +92,12 @@ class LocalPolicy(Protocol):
         """``query`` is psi with the live signals a gateway scrapes: the session's D's running batch
         (``decode_running``) and the queue of the P a PD turn would take (``prefill_queue_depth``)."""
         ...
+
+
+class RecordObserver(Protocol):
+    """Sees each request's record (the ``build_records`` dict) at the virtual time it finished or failed."""
+
+    def finished(self, record: dict[str, Any], now: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +122,7 @@ class ClusterConfig:
     # starting from its `base_weights` (TableRouter's; a router without them is refused). Other
     # modes: unused.
     slo: SloSettings | None = None
+    drift: tuple[DriftEvent, ...] = ()  # timed changes of links and workers (simulator.core.drift)
 
 
 @dataclass(slots=True)
@@ -120,7 +137,7 @@ class ClusterResult:
     slo_trace: list[tuple[float, SloState]] = field(default_factory=list)
 
 
-_ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN = range(7)
+_ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT = range(8)
 
 
 class _Node:
@@ -206,9 +223,16 @@ class _Req:
 
 
 class _Sim:
-    def __init__(self, profile: Profile, config: ClusterConfig, router: LocalPolicy | None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        config: ClusterConfig,
+        router: LocalPolicy | None,
+        observer: RecordObserver | None = None,
+    ) -> None:
         self.profile = profile
         self.cfg = config
+        self.observer = observer
         mode = parse_mode(config.mode)
         self.kind, self.fraction = mode.kind, mode.fraction
         if self.kind == "ppd" and router is None:
@@ -264,6 +288,8 @@ class _Sim:
         self.events = 0
         self.steps = 0
         self.now = 0.0
+        for event in config.drift:  # pushed before the arrivals: at a tie in time, the drift comes first
+            self.push(event.at_s, _DRIFT, event)
 
     def _set_up_steering(self, config: ClusterConfig, router: LocalPolicy | None) -> None:
         """Exploration and the SLO controller, the two things that steer ppd routing beyond the table."""
@@ -305,9 +331,7 @@ class _Sim:
             elif kind == _XFER:
                 self.on_transfer(obj[0], obj[1], t)
             elif kind == _RUN:
-                node, version = obj
-                if version == node.run_version:
-                    self.end_run(node)
+                self.end_run(obj[0], obj[1])
             elif kind == _ARRIVE:
                 self.on_arrive(obj, t)
             elif kind == _DISPATCH:
@@ -317,6 +341,8 @@ class _Sim:
                 if version == node.wake_version:
                     node.wake_at = math.inf
                     self.kick(node, t)
+            elif kind == _DRIFT:
+                self.on_drift(obj, t)
             else:
                 self.on_timeouts(t)
         nodes = [*self.prefills, *self.decodes]
@@ -475,8 +501,10 @@ class _Sim:
         node.run_version += 1
         self.started(node, node.engine.step(start, t), start)
 
-    def end_run(self, node: _Node) -> None:
+    def end_run(self, node: _Node, version: int) -> None:
         """Nothing reached a lazy run's engine before its end: make the whole run now and finish it."""
+        if version != node.run_version:
+            return
         start = node.lazy_from
         assert start is not None
         node.lazy_from = None
@@ -566,6 +594,21 @@ class _Sim:
                 self.fail(req, "kv_lease_expired", t)
         self.schedule_link(ls)
 
+    def on_drift(self, event: DriftEvent, t: float) -> None:
+        """The links and workers change at ``t``; each factor is relative to the configured cluster."""
+        if event.link is not None:
+            bandwidth = self.profile.link(self.cfg.link).bandwidth_bytes_per_s * event.link
+            for ls in self.links.values():
+                ls.link.set_bandwidth(t, bandwidth)
+                self.schedule_link(ls)
+        for nodes, factor in ((self.decodes, event.decode), (self.prefills, event.prefill)):
+            if factor is None:
+                continue
+            cost = CostModel(slowed(self.profile, factor))
+            for node in nodes:
+                self.settle(node, t)  # the run's steps before t keep the old price
+                node.engine.set_cost(cost)
+
     # ------------------------------------------------------------------ outcomes
     def complete(self, req: _Req, t: float) -> None:
         req.finish = t
@@ -581,6 +624,8 @@ class _Sim:
         assert req.d is not None
         req.d.outstanding -= 1
         self.records.append(req)
+        if self.observer is not None:
+            self.observer.finished(self.record(req), t)
         nxt = req.idx + 1
         if nxt < len(req.conv.turns):
             at = t + self.cfg.think_time_s
@@ -609,6 +654,8 @@ class _Sim:
             req.d.outstanding -= 1
             self.kick(req.d, t)
         self.records.append(req)
+        if self.observer is not None:
+            self.observer.finished(self.record(req), t)
 
     def on_timeouts(self, t: float) -> None:
         """Fail the requests whose deadline is ``t`` or earlier, then wait for the next live one's."""
@@ -623,40 +670,39 @@ class _Sim:
             self.push(deadlines[0].deadline, _TIMEOUT, None)
 
     def build_records(self) -> list[dict[str, Any]]:
+        return [self.record(req) for req in sorted(self.records, key=lambda r: (r.arrival, r.rid))]
+
+    def record(self, req: _Req) -> dict[str, Any]:
         cfg = self.cfg
         run_id, shape, model, mode, qps = cfg.run_id, cfg.topology.label, cfg.model, cfg.mode, cfg.target_qps
-        out = []
-        for req in sorted(self.records, key=lambda r: (r.arrival, r.rid)):
-            first, finish, arrival, n_out = req.first, req.finish, req.arrival, req.n_out
-            ok = req.error is None and finish is not None
-            tpot = None
-            if ok and first is not None and finish is not None and n_out > 1:
-                tpot = (finish - first) * 1e3 / (n_out - 1)
-            out.append(
-                {
-                    "run_id": run_id,
-                    "shape": shape,
-                    "model": model,
-                    "mode": mode,
-                    "target_qps": qps,
-                    "workload": req.conv.workload,
-                    "conversation_id": req.conv.conversation_id,
-                    "turn": req.idx + 1,
-                    "n_in": req.n_in,
-                    "n_out": n_out,
-                    "n_ctx": req.n_ctx,
-                    "path": req.path,
-                    "ttft_ms": (first - arrival) * 1e3 if first is not None else None,
-                    "tpot_ms": tpot,
-                    "e2e_ms": (finish - arrival) * 1e3 if ok and finish is not None else None,
-                    "ok": ok,
-                    "error": req.error,
-                    "start_time": arrival,
-                }
-            )
-            if req.explored or req.propensity != 1.0:  # ppd/records.py: left out at their defaults
-                out[-1].update(explored=req.explored, propensity=req.propensity)
-        return out
+        first, finish, arrival, n_out = req.first, req.finish, req.arrival, req.n_out
+        ok = req.error is None and finish is not None
+        tpot = None
+        if ok and first is not None and finish is not None and n_out > 1:
+            tpot = (finish - first) * 1e3 / (n_out - 1)
+        record: dict[str, Any] = {
+            "run_id": run_id,
+            "shape": shape,
+            "model": model,
+            "mode": mode,
+            "target_qps": qps,
+            "workload": req.conv.workload,
+            "conversation_id": req.conv.conversation_id,
+            "turn": req.idx + 1,
+            "n_in": req.n_in,
+            "n_out": n_out,
+            "n_ctx": req.n_ctx,
+            "path": req.path,
+            "ttft_ms": (first - arrival) * 1e3 if first is not None else None,
+            "tpot_ms": tpot,
+            "e2e_ms": (finish - arrival) * 1e3 if ok and finish is not None else None,
+            "ok": ok,
+            "error": req.error,
+            "start_time": arrival,
+        }
+        if req.explored or req.propensity != 1.0:  # ppd/records.py: left out at their defaults
+            record.update(explored=req.explored, propensity=req.propensity)
+        return record
 
 
 def simulate(
@@ -664,6 +710,7 @@ def simulate(
     config: ClusterConfig,
     conversations: Iterable[Conversation],
     router: LocalPolicy | None = None,
+    observer: RecordObserver | None = None,
 ) -> ClusterResult:
     """Run the conversations through a simulated cluster; one record per request sent."""
-    return _Sim(profile, config, router).run(conversations)
+    return _Sim(profile, config, router, observer).run(conversations)

@@ -663,6 +663,15 @@ class Engine:
         n = -(-max(r.computed, r.n_prompt + r.out - 1) // self._bs)
         return [abs(r.content.block_hash(i)) % self.pool.num_blocks for i in range(n)]
 
+    def set_cost(self, cost: CostModel) -> None:
+        """Price the steps from here on with ``cost`` (a drift event: the worker got slower or faster).
+
+        Call it between steps: a driver first settles a deferred run, so the step in flight ends as
+        planned and the next one is priced anew."""
+        self.cost = cost
+        self._decode_base.clear()
+        self._planned = None
+
     # ---------------------------------------------------------------- the step
     def step(self, now: float, horizon: float = math.inf) -> StepResult:
         """Schedule and account one engine iteration (or a fast-forward run) starting at ``now``."""

@@ -11,7 +11,8 @@ Three modes:
   reports that sleep as ``TransferDone.stall_s``; the engine adds it to the step (``kv_loaded``).
 
 Protocol: ``start(now, n_bytes) -> transfer id``; ``next_completion_at()``; ``completions_until(t)``
-returns every transfer delivered at or before ``t``, in delivery order. Times only move forward.
+returns every transfer delivered at or before ``t``, in delivery order; ``set_bandwidth(now, bw)``
+(drift). Times only move forward.
 
 Invariant (shared mode): all active flows have received the same number of bytes since they started,
 so one "virtual bytes per flow" counter and a heap of per-flow targets describe the whole state.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -100,6 +102,15 @@ class Link:
         self._sizes[tid] = (n_bytes, stall)
         heapq.heappush(self._heap, (done, tid))
         return tid
+
+    def set_bandwidth(self, now: float, bytes_per_s: float) -> None:
+        """From ``now`` on the link moves ``bytes_per_s`` (a drift event). Shared mode: flows under way
+        continue at the new rate; the other modes price only transfers started from now on."""
+        if not (math.isfinite(bytes_per_s) and bytes_per_s > 0):
+            raise ValueError(f"bandwidth must be a positive number, got {bytes_per_s}")
+        if self._mode is TransferMode.SHARED_LINK:
+            self._advance(now)
+        self._bw = bytes_per_s
 
     def cancel(self, transfer_id: int, now: float) -> bool:
         if transfer_id not in self._sizes:

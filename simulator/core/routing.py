@@ -7,6 +7,7 @@ the chosen prefill worker's queue), so the table's decode-load guard acts here a
 A query the rule refuses (``QueryError``) takes PD, as the gateway's fallback would, and is counted.
 ``verdict`` gives the whole verdict (for exploration, ``ClusterConfig.explore``: whether the other
 path is allowed, and whether a live signal acted), ``local`` only its path.
+``use_table`` swaps the table mid-run (the closed loop's refresh, loadgen/report/drift.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class TableRouter:
     def base_weights(self) -> Weights:
         """The weights it scores with unless a query brings its own (the cluster's SLO controller)."""
         return self._weights if self._weights is not None else self._table.header.default_weights
+
+    def use_table(self, table: Table) -> None:
+        """Route with ``table`` from the next request on (a refreshed table, swapped in mid-run in
+        virtual time, as the decision service hot-reloads a file); the counters go on."""
+        self._table = table
+        self._router = Router(table)
 
     def local(self, conversation_id: str, query: Query) -> bool:
         verdict = self.verdict(conversation_id, query)

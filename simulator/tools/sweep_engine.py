@@ -15,6 +15,9 @@ not the draw's.
 Rule 2: the settings carry a fingerprint of the simulator's code and profiles, so a sweep folder made
 by another simulator is never resumed into the same table, and each table names the simulator it
 came from.
+Rule 3: ``drift`` (events in ``simulator.core.drift``'s text form, e.g. ``0:link=0.1``) runs every
+point on a drifted cluster: events at 0 s measure the post-drift configuration (``ppd-bench drift``'s
+oracle table). The settings name it only when set, so sweeps without drift keep their settings.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from simulator.core.cluster import ClusterConfig, simulate
+from simulator.core.drift import parse_drift
 from simulator.core.profile import load_profile
 from simulator.core.topology import Topology
 from simulator.core.workload import turn_list_conversations
@@ -49,13 +53,14 @@ class SimEngine:
     link: str = "nvlink"
     timeout_s: float = 30.0
     simulator: str = field(default_factory=simulator_fingerprint)
+    drift: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         return "sim"
 
     def settings(self) -> Mapping[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "duration_s": self.duration_s,
             "link": self.link,
             "profile": self.profile,
@@ -63,6 +68,9 @@ class SimEngine:
             "simulator": self.simulator,
             "timeout_s": self.timeout_s,
         }
+        if self.drift:
+            out["drift"] = list(self.drift)
+        return out
 
     def arrivals_seed(self, point: GridPoint) -> int:
         return zlib.crc32(f"{self.seed}/{point.workload.name}/{point.qps:g}".encode())
@@ -84,6 +92,7 @@ class SimEngine:
             target_qps=point.qps,
             run_id=point.run_id,
             model=point.model,
+            drift=tuple(parse_drift(text) for text in self.drift),
         )
         result = simulate(load_profile(self.profile), config, conversations)
         return [Record.from_dict(r) for r in result.records]

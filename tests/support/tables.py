@@ -263,3 +263,20 @@ def write_fixtures(folder: Path) -> dict[str, Path]:
     good.write_bytes(encode_table(synthetic_spec()))
     paths["good"] = good
     return paths
+
+
+def decided_everywhere(table: Any, *, local: bool) -> Any:
+    """A copy of ``table`` (a ``decision_service.table.Table``) whose every measured cell decides
+    ``local`` (or PD) under any weights: the other mode's TTFT doubled and TPOT raised, both modes
+    meeting the success SLO. For tests of table swaps and decision-match figures."""
+    from decision_service.table import Table
+
+    fig = np.array(table.figures, copy=True)
+    measured = (fig[..., Figure.PD_SAMPLES] > 0) & (fig[..., Figure.LOCAL_SAMPLES] > 0)
+    win, lose = ("LOCAL", "PD") if local else ("PD", "LOCAL")
+    for metric in ("TTFT_MS", "TPOT_MS"):
+        w, lo = Figure[f"{win}_{metric}"], Figure[f"{lose}_{metric}"]
+        fig[..., lo] = np.where(measured, fig[..., w] * 2.0, fig[..., lo])
+    for ok in (Figure.PD_SUCCESS, Figure.LOCAL_SUCCESS):
+        fig[..., ok] = np.where(measured, 1.0, fig[..., ok])
+    return Table.from_bytes(encode_table(TableSpec(table.header, fig)))

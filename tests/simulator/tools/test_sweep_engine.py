@@ -76,3 +76,18 @@ def test_a_sweep_folder_of_another_simulator_is_not_resumed(tmp_path: Path) -> N
     with pytest.raises(SweepError, match="other settings"):
         run_sweep(empty, SimEngine(), tmp_path)
     assert len(SimEngine().simulator) == 16
+
+
+def test_a_drifted_engine_measures_the_drifted_cluster_and_says_so(tmp_path: Path) -> None:
+    drifted = SimEngine(duration_s=2.0, seed=5, drift=("0:link=0.01",))
+    assert "drift" not in ENGINE.settings()  # sweeps without drift keep their settings (and folders)
+    assert drifted.settings()["drift"] == ["0:link=0.01"]
+    slow = [r.ttft_ms for r in drifted.run(_point("pd")) if r.turn == 2 and r.ttft_ms is not None]
+    fast = [r.ttft_ms for r in ENGINE.run(_point("pd")) if r.turn == 2 and r.ttft_ms is not None]
+    assert sum(slow) / len(slow) > sum(fast) / len(fast) + 100.0  # 2,304 tokens over a 1.5 GB/s link
+    from table_builder.sweep import SweepError, SweepPlan, run_sweep
+
+    empty = SweepPlan(("1P3D",), "llama-3.1-8b", ("pd",), (), (1.0,))
+    run_sweep(empty, drifted, tmp_path)
+    with pytest.raises(SweepError, match="other settings"):
+        run_sweep(empty, ENGINE, tmp_path)

@@ -1,0 +1,50 @@
+"""Small shared pieces of the experiment sections (``drift``, ``slo``): Markdown tables, means, PNGs.
+
+matplotlib is imported only when a PNG is drawn (object API, no pyplot global state).
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["md_table", "mean", "ms", "p99", "save_png"]
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return math.fsum(values) / len(values) if values else None
+
+
+def p99(values: Sequence[float]) -> float | None:
+    """The 99th percentile, nearest rank (the value at or above 99% of the sample)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def save_png(path: Path, title: str, caption: str, draw: Callable[[Any], None], *, panels: int = 1) -> Path:
+    """Draw ``panels`` side-by-side axes with ``draw(axes)`` and save them with a title and caption."""
+    from matplotlib.figure import Figure
+
+    width = max(7.5, 5.5 * panels)
+    fig = Figure(figsize=(width, 4.8), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    draw(axes)
+    wrapped = "\n".join(textwrap.wrap(caption, width=int(width * 13)))
+    fig.suptitle(f"{title}\n{wrapped}", fontsize=9)
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,208 @@
+"""``ppd-bench drift``: the stale and oracle arms end to end at CI size, the closed loop's refresh
+mechanics and figures with a stand-in refresh, and the closed loop with the real modules (skipped
+until ppd.explore and table_builder.refresh are in the tree)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from decision_service.table import Table
+from loadgen.cli import main
+from loadgen.report.drift import (
+    ArmRun,
+    DriftSettings,
+    RefreshLoop,
+    cluster_config,
+    decision_match,
+    figures,
+    run_arm,
+    run_drift,
+    traffic_cells,
+)
+from loadgen.report.traffic import mix_conversations
+from table_builder.aggregate import CellKey
+from table_builder.records import read_records
+from tests.support.tables import decided_everywhere
+
+ROOT = Path(__file__).resolve().parents[3]
+STALE = ROOT / "tables" / "3P1D__llama-3.1-8b.ppdt"
+
+# CI size: 40 s of arrivals, the drift at 15 s, oracle points of 5 s (about 10 s of CPU in all).
+CI = DriftSettings(duration_s=40.0, drift=("15:decode=2",), oracle_duration_s=5.0, stale_table=STALE)
+
+
+def _missing(*modules: str) -> str | None:
+    gone = [m for m in modules if importlib.util.find_spec(m) is None]
+    return (
+        None if not gone else f"{', '.join(gone)} not in this tree yet (issue 14 items 1-2; wired at merge)"
+    )
+
+
+CLOSED_LOOP_MISSING = _missing("ppd.explore", "table_builder.refresh")
+
+
+@pytest.fixture(scope="module")
+def ci_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    out = tmp_path_factory.mktemp("drift")
+    lines: list[str] = []
+    fig, path = run_drift(
+        DriftSettings(**{**_fields(CI), "arms": ("stale", "oracle")}), out, progress=lines.append
+    )
+    assert path == out / "drift.md"
+    assert any(line.startswith("oracle sweep 8/8") for line in lines)
+    return out, fig
+
+
+def _fields(settings: DriftSettings) -> dict[str, Any]:
+    return {name: getattr(settings, name) for name in DriftSettings.__dataclass_fields__}
+
+
+def test_stale_and_oracle_arms_end_to_end(ci_run: tuple[Path, Any]) -> None:
+    out, fig = ci_run
+    stale, oracle = fig.arm("stale"), fig.arm("oracle")
+    # Decode workers twice as slow make the huge paste's append-prefills cost more TPOT than they save
+    # TTFT: the oracle (built on the drifted cluster) sends them to P, the stale table keeps them local.
+    assert fig.stale_match == pytest.approx(0.75, abs=0.05)
+    assert stale.match_final == fig.stale_match
+    assert oracle.match_final == 1.0
+    assert stale.local_share_post == 1.0
+    assert oracle.local_share_post is not None
+    assert oracle.local_share_post < 0.8
+    assert oracle.tpot_post_ms < stale.tpot_post_ms
+    # Same arrivals and the same table until the drift: the arms agree before it.
+    assert oracle.ttft_pre_ms == stale.ttft_pre_ms
+    assert fig.arm("closed") is None
+    text = (out / "drift.md").read_text("utf-8")
+    assert "## Drift: stale table vs closed loop vs oracle" in text
+    assert "| stale |" in text
+    assert "| oracle |" in text
+    assert (out / "drift.png").stat().st_size > 10_000
+    assert json.loads((out / "drift.json").read_text("utf-8"))["stale_match"] == fig.stale_match
+    records = read_records([out / "records" / "stale.jsonl"])
+    assert {r.mode for r in records} == {"ppd"}
+    assert {r.run_id for r in records} == {"drift-stale"}
+
+
+def test_the_oracle_table_measures_only_the_cells_the_mix_visits(ci_run: tuple[Path, Any]) -> None:
+    out, _ = ci_run
+    table = Table.open(out / "oracle-sweep" / "3P1D__llama-3.1-8b.ppdt")
+    nc, nw, nq = table.header.axes.shape
+    measured = {(c, w, q) for c in range(nc) for w in range(nw) for q in range(nq) if table.measured(c, w, q)}
+    conversations = mix_conversations(CI.workloads, CI.qps, CI.duration_s, CI.seed)
+    visited = traffic_cells(table, conversations, CI.qps, 0.0)
+    assert measured == {(k.context, k.workload, k.qps) for k in visited}
+    assert len(measured) == 4
+    assert json.loads((out / "oracle-sweep" / "sweep.json").read_text("utf-8"))["settings"]["drift"] == [
+        "0:decode=2"
+    ]
+
+
+def test_decision_match_weighs_cells_by_traffic() -> None:
+    stale = Table.open(STALE)
+    pd, local = decided_everywhere(stale, local=False), decided_everywhere(stale, local=True)
+    cells = Counter({CellKey(0, 8, 4): 3, CellKey(1, 5, 4): 1})
+    assert decision_match(pd, local, cells) == 0.0
+    assert decision_match(local, local, cells) == 1.0
+    assert decision_match(stale, local, cells) == 1.0  # the shipped 3P1D table is local there
+    assert decision_match(pd, local, Counter()) == 1.0
+
+
+def test_refresh_loop_swaps_tables_in_virtual_time_and_the_figures_count_the_requests() -> None:
+    """A stand-in refresh that returns the oracle table once its evidence holds post-drift records:
+    the loop's mechanics (when it refreshes, what it reads, the swap) and the convergence figures."""
+    from simulator.core.cluster import simulate
+    from simulator.core.profile import load_profile
+    from simulator.core.routing import TableRouter
+
+    settings = DriftSettings(**{**_fields(CI), "refresh_every": 50, "window": 80})
+    stale = Table.open(STALE)
+    oracle = decided_everywhere(stale, local=False)
+    seen: list[int] = []
+
+    def refresh(base: Table, records: Any) -> Table:
+        assert base is stale
+        seen.append(len(records))
+        return oracle if max(r.start_time for r in records) >= settings.drift_at else base
+
+    conversations = mix_conversations(settings.workloads, settings.qps, settings.duration_s, settings.seed)
+    router = TableRouter(stale)
+    loop = RefreshLoop(router, stale, refresh, every=50, window=80)
+    records = simulate(load_profile(), cluster_config(settings, "x"), conversations, router, loop).records
+    assert seen[:2] == [50, 80]
+    assert set(seen[1:]) == {80}
+    assert [s.finished for s in loop.swaps] == [50 * (i + 1) for i in range(len(loop.swaps))]
+    cells = traffic_cells(stale, conversations, settings.qps, settings.drift_at)
+    stale_run = run_arm("stale", settings, conversations, stale)
+    fig = figures([stale_run, ArmRun("closed", records, loop.swaps)], stale, oracle, cells, settings.drift_at)
+    first = next(s for s in loop.swaps if s.table is oracle)
+    assert fig.converged_at == first.at
+    assert fig.requests_to_converge == sum(
+        1 for r in records if settings.drift_at <= r["start_time"] < first.at
+    )
+    assert fig.requests_to_converge > 0
+    assert fig.stayed is True
+    closed = fig.arm("closed")
+    assert closed is not None
+    assert closed.match_final == 1.0
+    assert fig.stale_match == 0.0
+    after = [r for r in records if r["turn"] == 2 and r["start_time"] > first.at + 1.0]
+    assert after
+    assert {r["path"] for r in after} == {"pd"}
+    assert fig.exploration_cost_ms == 0.0  # no exploration, the same table before the drift
+    with pytest.raises(ValueError, match="refresh_every"):
+        RefreshLoop(router, stale, refresh, every=0)
+
+
+@pytest.mark.skipif(CLOSED_LOOP_MISSING is not None, reason=CLOSED_LOOP_MISSING or "")
+def test_closed_loop_arm_with_exploration_and_refresh(tmp_path: Path) -> None:
+    settings = DriftSettings(**{**_fields(CI), "duration_s": 60.0, "refresh_every": 50, "min_samples": 5})
+    fig, _ = run_drift(settings, tmp_path)
+    closed = fig.arm("closed")
+    assert closed is not None
+    assert closed.explored is not None
+    assert closed.explored > 0
+    assert fig.closed_matches
+    records = read_records([tmp_path / "records" / "closed.jsonl"])
+    assert {r.path for r in records if r.turn == 2} == {"pd", "local"}
+
+
+def test_closed_loop_without_its_modules_is_reported_not_run(tmp_path: Path) -> None:
+    if CLOSED_LOOP_MISSING is None:
+        pytest.skip("ppd.explore and table_builder.refresh are in the tree: the closed loop runs")
+    settings = DriftSettings(**{**_fields(CI), "duration_s": 20.0, "arms": ("stale", "closed")})
+    fig, path = run_drift(settings, tmp_path)
+    assert fig.arm("closed") is None
+    assert "arm closed not run" in path.read_text("utf-8")
+
+
+def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["drift", "--help"])
+    assert exc.value.code == 0
+    assert "--refresh-every" in capsys.readouterr().out
+    for bad in (["--drift", "10:speed=2"], ["--workloads", "nope"], ["--arms", "stale,best"]):
+        with pytest.raises(SystemExit) as exc:
+            main(["drift", "--out", "x", *bad])
+        assert exc.value.code == 2
+    assert "unknown drift key" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_drift_after_the_run(tmp_path: Path) -> None:
+    assert main(["drift", "--out", str(tmp_path), "--duration", "10", "--drift", "20:link=0.1"]) == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_runs_the_stale_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["drift", "--out", str(tmp_path), "--duration", "12", "--drift", "5:decode=2", "--arms", "stale"]
+    assert main([*args, "--stale-table", str(STALE), "--no-progress"]) == 0
+    out = capsys.readouterr()
+    assert "drift section:" in out.out
+    assert out.err == ""
+    assert next(r.run_id for r in read_records([tmp_path / "records" / "stale.jsonl"])) == "drift-stale"
+    assert not (tmp_path / "oracle-sweep").exists()
