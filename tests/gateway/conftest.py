@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from gateway.app import DEPS, create_app
 from gateway.deps import Deps
 from gateway.settings import Settings
-from tests.gateway.fake_worker import MODEL, FakeWorker
+from tests.support.fake_openai import MODEL, FakeWorker
 
 __all__ = ["MODEL", "Reply", "Stack", "StackFactory"]
 

@@ -219,7 +219,7 @@ async def test_registered_worker_serves_and_can_be_removed(make_stack: StackFact
     d0 = stack.workers["D0"]
     await d0.close()  # the static D is gone; only a registered one can serve
     stack.deps.pool.mark_failed("D0")
-    from tests.gateway.fake_worker import FakeWorker
+    from tests.support.fake_openai import FakeWorker
 
     extra = await FakeWorker("D5", "decode").start()
     stack.workers["D5"] = extra

@@ -9,7 +9,7 @@ from gateway.pool import Load, WorkerPool, WorkerSpec
 from gateway.probe import PoolMonitor, models_from_cards
 from gateway.settings import PoolSettings, TimeoutSettings
 from gateway.upstream import HttpUpstream
-from tests.gateway.fake_worker import MODEL, FakeWorker
+from tests.support.fake_openai import MODEL, FakeWorker
 from tests.support.metrics import sample
 
 

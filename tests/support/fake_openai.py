@@ -1,7 +1,7 @@
 """The one fake OpenAI-compatible server of the tests: a tiny in-process stand-in for a vLLM worker
 (P, D or R), served on 127.0.0.1:0. It records every request and can be told to fail in the ways the
 gateway's failure policy and the load generator's records name (``Knobs``). The gateway's app tests
-import it as ``tests.gateway.fake_worker``; the load generator's tests run against it too."""
+and the load generator's tests run against it."""
 
 from __future__ import annotations
 
