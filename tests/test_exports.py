@@ -13,18 +13,8 @@ import pkgutil
 
 import pytest
 
-PACKAGES = (
-    "ppd",
-    "decision_service",
-    "gateway",
-    "table_builder",
-    "loadgen",
-    "devstack",
-    "benchmarks",
-    "simulator",
-    "vllm_harness",
-    "bench_routers",
-)
+from tests.support.packages import PACKAGES
+
 SKIPPED = ("vllm_harness.remote",)
 
 

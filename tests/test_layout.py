@@ -5,23 +5,14 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from tests.support.packages import PACKAGES
+
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = (
-    "ppd",
-    "decision_service",
-    "gateway",
-    "table_builder",
-    "loadgen",
-    "devstack",
-    "benchmarks",
-    "simulator",
-    "vllm_harness",
-    "bench_routers",
-)
 MAX_LINES = 450
 WHY_WHOLE = re.compile(r"one module|stays whole|stay whole", re.IGNORECASE)
 
@@ -57,3 +48,8 @@ def test_the_readme_layout_table_names_each_package() -> None:
     layout = readme[readme.index("## Layout") : readme.index("\n## ", readme.index("## Layout") + 1)]
     missing = [p for p in PACKAGES if f"`{p}/`" not in layout]
     assert not missing, f"README.md's Layout table does not name: {missing}"
+
+
+def test_the_checks_walk_every_package_the_import_contracts_know() -> None:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    assert set(config["tool"]["importlinter"]["root_packages"]) == set(PACKAGES)
