@@ -1,10 +1,9 @@
 """``ppd-bench drift``: the stale and oracle arms end to end at CI size, the closed loop's refresh
-mechanics and figures with a stand-in refresh, and the closed loop with the real modules (skipped
-until ppd.explore and table_builder.refresh are in the tree)."""
+mechanics and figures with a stand-in refresh, and the closed loop with exploration (``ppd.explore``)
+and the real refresh (``table_builder.refresh``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter
 from pathlib import Path
@@ -14,17 +13,17 @@ import pytest
 
 from decision_service.table import Table
 from loadgen.cli import main
-from loadgen.report.drift import (
+from loadgen.report.drift import run_drift
+from loadgen.report.drift_arms import (
     ArmRun,
     DriftSettings,
     RefreshLoop,
     cluster_config,
     decision_match,
-    figures,
     run_arm,
-    run_drift,
     traffic_cells,
 )
+from loadgen.report.drift_section import figures
 from loadgen.report.traffic import mix_conversations
 from table_builder.aggregate import CellKey
 from table_builder.records import read_records
@@ -35,16 +34,6 @@ STALE = ROOT / "tables" / "3P1D__llama-3.1-8b.ppdt"
 
 # CI size: 40 s of arrivals, the drift at 15 s, oracle points of 5 s (about 10 s of CPU in all).
 CI = DriftSettings(duration_s=40.0, drift=("15:decode=2",), oracle_duration_s=5.0, stale_table=STALE)
-
-
-def _missing(*modules: str) -> str | None:
-    gone = [m for m in modules if importlib.util.find_spec(m) is None]
-    return (
-        None if not gone else f"{', '.join(gone)} not in this tree yet (issue 14 items 1-2; wired at merge)"
-    )
-
-
-CLOSED_LOOP_MISSING = _missing("ppd.explore", "table_builder.refresh")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +148,6 @@ def test_refresh_loop_swaps_tables_in_virtual_time_and_the_figures_count_the_req
         RefreshLoop(router, stale, refresh, every=0)
 
 
-@pytest.mark.skipif(CLOSED_LOOP_MISSING is not None, reason=CLOSED_LOOP_MISSING or "")
 def test_closed_loop_arm_with_exploration_and_refresh(tmp_path: Path) -> None:
     settings = DriftSettings(**{**_fields(CI), "duration_s": 60.0, "refresh_every": 50, "min_samples": 5})
     fig, _ = run_drift(settings, tmp_path)
@@ -170,15 +158,6 @@ def test_closed_loop_arm_with_exploration_and_refresh(tmp_path: Path) -> None:
     assert fig.closed_matches
     records = read_records([tmp_path / "records" / "closed.jsonl"])
     assert {r.path for r in records if r.turn == 2} == {"pd", "local"}
-
-
-def test_closed_loop_without_its_modules_is_reported_not_run(tmp_path: Path) -> None:
-    if CLOSED_LOOP_MISSING is None:
-        pytest.skip("ppd.explore and table_builder.refresh are in the tree: the closed loop runs")
-    settings = DriftSettings(**{**_fields(CI), "duration_s": 20.0, "arms": ("stale", "closed")})
-    fig, path = run_drift(settings, tmp_path)
-    assert fig.arm("closed") is None
-    assert "arm closed not run" in path.read_text("utf-8")
 
 
 def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
