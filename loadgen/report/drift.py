@@ -70,6 +70,7 @@ def run_drift(
             f"closed loop: epsilon {settings.epsilon:g}, a refresh every {settings.refresh_every} finished "
             f"requests from the last {settings.window or 'all'} records, min samples {settings.min_samples}, "
             f"confidence {settings.confidence:g}"
+            + (", drifted paths replaced by the logs" if settings.replace_drifted else "")
         )
     fig = figures(runs, stale, oracle, cells, settings.drift_at)
     path = write_section(settings, runs, fig, out, notes=notes)
@@ -148,6 +149,7 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         window=args.window,
         min_samples=args.min_samples,
         confidence=args.confidence,
+        replace_drifted=args.replace_drifted,
     )
     if settings.drift_at >= settings.duration_s:
         logger.error(
@@ -239,6 +241,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=float,
         default=d.confidence,
         help=f"refresh: drift bound (default {d.confidence:g})",
+    )
+    loop.add_argument(
+        "--replace-drifted",
+        action="store_true",
+        help="refresh: a path whose logged figures drifted beyond the bound takes them alone (else merged)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(handler=_command)

@@ -90,6 +90,9 @@ class DriftSettings:
     window: int = 1600
     min_samples: int = 20
     confidence: float = 0.95
+    #: Refresh rule 7 (``refresh_table(replace_drifted=...)``): a path whose logged figures drifted
+    #: beyond the bound takes them alone instead of merging with the base's pre-drift figures.
+    replace_drifted: bool = False
 
     @property
     def drift_at(self) -> float:
@@ -163,12 +166,14 @@ class SwitchAt:
             self.swaps.append(TableSwap(now, 0, self._table))
 
 
-def refresh_from_base(*, min_samples: int, confidence: float) -> Refresh:
+def refresh_from_base(*, min_samples: int, confidence: float, replace_drifted: bool = False) -> Refresh:
     """``table_builder.refresh.refresh_table`` as a :data:`Refresh`: the base is always the offline
     table the loop was given, the evidence the latest records (see the module docstring)."""
 
     def refresh(base: Table, records: Sequence[Record]) -> Table:
-        result = refresh_table(base, records, min_samples=min_samples, confidence=confidence)
+        result = refresh_table(
+            base, records, min_samples=min_samples, confidence=confidence, replace_drifted=replace_drifted
+        )
         return Table.from_bytes(encode_table(result.spec))
 
     return refresh
@@ -266,7 +271,11 @@ def run_arm(
         return ArmRun(name, result.records, switch.swaps)
     if name == "closed":
         if refresh is None:
-            refresh = refresh_from_base(min_samples=settings.min_samples, confidence=settings.confidence)
+            refresh = refresh_from_base(
+                min_samples=settings.min_samples,
+                confidence=settings.confidence,
+                replace_drifted=settings.replace_drifted,
+            )
         explore = ExploreSettings(epsilon=settings.epsilon, seed=settings.explore_seed)
         loop = RefreshLoop(router, stale, refresh, every=settings.refresh_every, window=settings.window)
         config = cluster_config(settings, run_id, explore=explore)

@@ -4,6 +4,7 @@ and the real refresh (``table_builder.refresh``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -160,11 +161,28 @@ def test_closed_loop_arm_with_exploration_and_refresh(tmp_path: Path) -> None:
     assert {r.path for r in records if r.turn == 2} == {"pd", "local"}
 
 
+def test_every_refresh_merges_into_the_offline_base_and_replace_drifted_reaches_it() -> None:
+    """The closed loop's tables come from the stale table each time (never from the previous refresh:
+    the records would count twice), with refresh rule 7 when asked."""
+    settings = DriftSettings(**{**_fields(CI), "duration_s": 30.0, "refresh_every": 100})
+    stale = Table.open(STALE)
+    conversations = mix_conversations(settings.workloads, settings.qps, settings.duration_s, settings.seed)
+    for replace in (False, True):
+        run = run_arm("closed", dataclasses.replace(settings, replace_drifted=replace), conversations, stale)
+        assert len(run.swaps) >= 2
+        for swap in run.swaps:
+            provenance = swap.table.header.provenance
+            assert provenance["base"]["version"] == stale.version
+            assert provenance.get("replace_drifted", False) is replace
+
+
 def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["drift", "--help"])
     assert exc.value.code == 0
-    assert "--refresh-every" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "--refresh-every" in help_text
+    assert "--replace-drifted" in help_text
     for bad in (["--drift", "10:speed=2"], ["--workloads", "nope"], ["--arms", "stale,best"]):
         with pytest.raises(SystemExit) as exc:
             main(["drift", "--out", "x", *bad])
