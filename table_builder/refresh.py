@@ -210,8 +210,8 @@ def _merge_path(  # noqa: PLR0917 (one path of one cell, and how to merge it)
     base_sent = float(row[samples_col])
     base_ok = float(round(float(row[success_col]) * base_sent))
     found: list[FigureShift] = []
-    merged: dict[int, float] = {}
-    logged: dict[int, float] = {}
+    merged: dict[Figure, float] = {}
+    logged: dict[Figure, float] = {}
     for col, values in ((ttft_col, ev.ttft), (tpot_col, ev.tpot)):
         if not values:
             continue
