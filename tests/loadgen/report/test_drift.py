@@ -24,7 +24,7 @@ from loadgen.report.drift_arms import (
     run_arm,
     traffic_cells,
 )
-from loadgen.report.drift_section import figures
+from loadgen.report.drift_section import ArmFigures, DriftFigures, figures, goals
 from loadgen.report.traffic import mix_conversations
 from table_builder.aggregate import CellKey
 from table_builder.records import read_records
@@ -174,6 +174,25 @@ def test_every_refresh_merges_into_the_offline_base_and_replace_drifted_reaches_
             provenance = swap.table.header.provenance
             assert provenance["base"]["version"] == stale.version
             assert provenance.get("replace_drifted", False) is replace
+
+
+def test_the_decision_goal_needs_the_match_to_hold_not_a_final_table_that_matches_by_chance() -> None:
+    closed = ArmFigures(
+        name="closed", ttft_pre_ms=1.0, ttft_post_ms=1.0, tpot_pre_ms=1.0, tpot_post_ms=1.0,
+        success_post=1.0, local_share_post=1.0, explored=3, match_final=1.0,
+    )  # fmt: skip
+    fell_back = DriftFigures(
+        drift_at=10.0, arms=(closed,), closed_matches=((5.0, 1, 0.75), (12.0, 2, 1.0), (14.0, 3, 0.75),
+        (16.0, 4, 1.0)), stale_match=0.75, converged_at=12.0, requests_to_converge=7, stayed=False,
+        closed_ttft_ms=1.0, oracle_ttft_ms=1.0, exploration_cost_ms=0.0,
+    )  # fmt: skip
+    _, match, converge, _ = goals(fell_back)
+    assert match[1] == "FAIL"
+    assert match[2].startswith("2 of 3 refreshes after the drift; final table 100%")
+    assert converge[1] == "FAIL"
+    assert "fell below again later" in converge[2]
+    held = dataclasses.replace(fell_back, closed_matches=fell_back.closed_matches[:2], stayed=True)
+    assert [row[1] for row in goals(held)[1:3]] == ["PASS", "PASS"]
 
 
 def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
