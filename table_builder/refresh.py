@@ -44,6 +44,15 @@ Rules:
    Merge into the table the logs were *not* already merged into: the base is the offline-built
    table, kept apart from the published one (a refreshed table given as the base would count the same
    logs twice; the report warns).
+7. Optional (``replace_drifted``): a path of a measured cell with a figure beyond the bound (rule 5)
+   takes the logged figures alone (means, success rate and count), not the merge: the base's figures
+   for it describe a deployment that is gone, and merged by counts they would outweigh the few logged
+   requests of a path the table no longer chooses (seen only through exploration), so the two paths
+   would be compared across the drift. Its drift report lists the logged figure as the merged one.
+   No flip below the sample minimum still holds (rule 4 acts on the result).
+
+The rules stay one module: they act in one pass on the same per-cell rows, and the property tests
+(order, sample minimum) hold the whole pass.
 """
 
 from __future__ import annotations
@@ -192,27 +201,44 @@ def _arrival_rate(arrivals: Sequence[float], t: float, window_s: float) -> float
     return (bisect_right(arrivals, low + window_s) - bisect_left(arrivals, low)) / window_s
 
 
-def _merge_path(row: Row, path: str, ev: _PathEvidence, z: float, shifts: list[FigureShift]) -> None:
-    """Rule 3 for one path of a measured base cell, in place; rule 5's tests appended to ``shifts``."""
+def _merge_path(  # noqa: PLR0917 (one path of one cell, and how to merge it)
+    row: Row, path: str, ev: _PathEvidence, z: float, shifts: list[FigureShift], replace: bool
+) -> None:
+    """Rule 3 for one path of a measured base cell, in place; rule 5's tests appended to ``shifts``;
+    with ``replace``, rule 7."""
     ttft_col, tpot_col, success_col, samples_col = _COLUMNS[path]
     base_sent = float(row[samples_col])
     base_ok = float(round(float(row[success_col]) * base_sent))
+    found: list[FigureShift] = []
+    merged: dict[Figure, float] = {}
+    logged: dict[Figure, float] = {}
     for col, values in ((ttft_col, ev.ttft), (tpot_col, ev.tpot)):
         if not values:
             continue
         base = float(row[col])
-        merged = math.fsum([base * base_ok, *values]) / (base_ok + len(values))
+        merged[col] = math.fsum([base * base_ok, *values]) / (base_ok + len(values))
+        logged[col] = math.fsum(values) / len(values)
         if len(values) >= 2 and base_ok >= 1:
             error = statistics.stdev(values) * math.sqrt(1.0 / len(values) + 1.0 / base_ok)
-            _test(shifts, Figure(col), base, math.fsum(values) / len(values), merged, len(values), error, z)
-        row[col] = merged
+            _test(found, Figure(col), base, logged[col], merged[col], len(values), error, z)
     base_rate = float(row[success_col])
     sent = base_sent + ev.sent
-    merged_rate = (base_ok + ev.ok) / sent
+    merged[success_col] = (base_ok + ev.ok) / sent
+    logged[success_col] = ev.ok / ev.sent
     if ev.sent >= 2:
-        error = math.sqrt(merged_rate * (1.0 - merged_rate) * (1.0 / ev.sent + 1.0 / base_sent))
-        _test(shifts, Figure(success_col), base_rate, ev.ok / ev.sent, merged_rate, ev.sent, error, z)
-    row[success_col] = merged_rate
+        error = math.sqrt(
+            merged[success_col] * (1.0 - merged[success_col]) * (1.0 / ev.sent + 1.0 / base_sent)
+        )
+        _test(
+            found, Figure(success_col), base_rate, logged[success_col], merged[success_col], ev.sent, error, z
+        )
+    if replace and found:
+        # Rule 7: the path drifted; its base figures are out of date, the logs alone stand for it.
+        merged, sent = logged, float(ev.sent)
+        found = [dataclasses.replace(f, merged=f.logged) for f in found]
+    shifts.extend(found)
+    for col, value in merged.items():
+        row[col] = value
     row[samples_col] = sent
 
 
@@ -262,7 +288,7 @@ class _Candidates:
     notes: list[str] = field(default_factory=list)
 
 
-def _candidates(base: Table, evidence: _Evidence, z: float) -> _Candidates:
+def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool) -> _Candidates:
     header = base.header
     timeout_ms = float(header.provenance.get("censored_ttft_ms", _CENSORED_TTFT_MS))
     out = _Candidates()
@@ -274,7 +300,7 @@ def _candidates(base: Table, evidence: _Evidence, z: float) -> _Candidates:
             shifts: list[FigureShift] = []
             for path in _PATHS:
                 if path in paths:
-                    _merge_path(row, path, paths[path], z, shifts)
+                    _merge_path(row, path, paths[path], z, shifts, replace)
             if shifts:
                 out.drifted.append(CellDrift(cell=label, shifts=tuple(shifts)))
             if (row[list(LATENCIES)] <= 0).any():
@@ -350,8 +376,10 @@ def refresh_table(
     min_samples: int,
     confidence: float,
     qps_window_s: float = 10.0,
+    replace_drifted: bool = False,
 ) -> RefreshResult:
-    """Merge the logged evidence in ``records`` into ``base`` (module rules 1-6).
+    """Merge the logged evidence in ``records`` into ``base`` (module rules 1-6; with
+    ``replace_drifted``, rule 7).
 
     ``qps_window_s``: rule 2's window for records without a target QPS.
     """
@@ -363,7 +391,7 @@ def refresh_table(
     records = list(records)
     header = base.header
     evidence = _gather(records, header, qps_window_s)
-    cands = _candidates(base, evidence, z)
+    cands = _candidates(base, evidence, z, replace_drifted)
     figures, changes, held = _hold(base, cands, min_samples)
     names = sorted(header.profiles)
     flips = tuple(
@@ -406,12 +434,17 @@ def refresh_table(
         held=tuple(HeldCell(cell=_label(header, k), logged=n) for k, n in sorted(held.items())),
         notes=tuple(notes),
     )
-    new_header = _provenance(base, records, evidence, report, qps_window_s)
+    new_header = _provenance(base, records, evidence, report, qps_window_s, replace_drifted)
     return RefreshResult(spec=TableSpec(new_header, figures), drift=report)
 
 
-def _provenance(
-    base: Table, records: Sequence[Record], evidence: _Evidence, report: DriftReport, qps_window_s: float
+def _provenance(  # noqa: PLR0917 (what the provenance records)
+    base: Table,
+    records: Sequence[Record],
+    evidence: _Evidence,
+    report: DriftReport,
+    qps_window_s: float,
+    replace_drifted: bool,
 ) -> TableHeader:
     digest = hashlib.sha256()
     for line in sorted(r.to_json() for r in records):
@@ -432,6 +465,8 @@ def _provenance(
         "flipped_cells": [f.cell for f in report.flips],
         "held_cells": [h.cell for h in report.held],
     }
+    if replace_drifted:  # absent when off: the bytes of a plain refresh are unchanged
+        provenance["replace_drifted"] = True
     built_at = iso_from_start_time(evidence.newest)
     if built_at is not None:
         provenance["built_at"] = built_at

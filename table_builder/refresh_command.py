@@ -75,7 +75,12 @@ def _cmd_refresh(args: argparse.Namespace) -> int:
         return 1
     records, skipped = logs
     result = refresh_table(
-        base, records, min_samples=args.min_samples, confidence=args.confidence, qps_window_s=args.qps_window
+        base,
+        records,
+        min_samples=args.min_samples,
+        confidence=args.confidence,
+        qps_window_s=args.qps_window,
+        replace_drifted=args.replace_drifted,
     )
     report = result.drift
     # The figures were encoded and validated while rule 4 was checked: the write cannot be refused.
@@ -157,6 +162,12 @@ def add_parser(
         default=10.0,
         metavar="S",
         help="seconds over which a log line without target_qps has its load level counted (default 10)",
+    )
+    refresh.add_argument(
+        "--replace-drifted",
+        action="store_true",
+        help="a path whose logged figures moved beyond the bound takes the logged figures alone instead "
+        "of merging them with the base's (rule 7; default: merge)",
     )
     refresh.add_argument(
         "--skip-bad-lines",

@@ -46,6 +46,7 @@ def test_help_lists_every_flag() -> None:
         "--min-samples",
         "--confidence",
         "--qps-window",
+        "--replace-drifted",
         "--skip-bad-lines",
         "--json",
     ):
@@ -69,6 +70,15 @@ def test_refresh_publishes_the_table_and_prints_the_report(
     first = published.read_bytes()
     assert main(["refresh", "--logs", str(logs), "--base", str(base), "--out", f"{out}/"]) == 0
     assert published.read_bytes() == first
+
+
+def test_replace_drifted_reaches_the_refresh(base: Path, logs: Path, tmp_path: Path) -> None:
+    args = ["refresh", "--logs", str(logs), "--base", str(base), "--json"]
+    assert main([*args, "--out", str(tmp_path / "plain.ppdt")]) == 0
+    assert main([*args, "--out", str(tmp_path / "replaced.ppdt"), "--replace-drifted"]) == 0
+    plain, replaced = Table.open(tmp_path / "plain.ppdt"), Table.open(tmp_path / "replaced.ppdt")
+    assert "replace_drifted" not in plain.header.provenance
+    assert replaced.header.provenance["replace_drifted"] is True
 
 
 def test_json_report_is_one_line(

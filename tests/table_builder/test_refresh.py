@@ -143,6 +143,23 @@ def test_figures_beyond_the_confidence_bound_are_reported_with_the_bound() -> No
     assert "local_ttft_ms 40 -> 200" in text
 
 
+def test_replace_drifted_gives_a_drifted_path_the_logged_figures_alone() -> None:
+    """Rule 7: the drifted path's base figures are dropped (not merged); the other path, and a path
+    within the bound, merge as before; the provenance says so; off, the bytes are a plain refresh's."""
+    records = [*logged("local", 6, ttft=200.0), *logged("pd", 4, ttft=100.0, tpot=10.0)]
+    result = refresh_table(base_table(), records, min_samples=1, confidence=0.99, replace_drifted=True)
+    got = figures(result)
+    assert got["local_ttft_ms"] == pytest.approx(200.0)
+    assert got["local_samples"] == 6
+    assert got["pd_samples"] == 8  # within the bound: merged by counts
+    ((shift,),) = [d.shifts for d in result.drift.drifted]
+    assert shift.merged == shift.logged == 200.0
+    assert Table.from_bytes(result.encode()).header.provenance["replace_drifted"] is True
+    plain = refresh_table(base_table(), records, min_samples=1, confidence=0.99)
+    assert "replace_drifted" not in Table.from_bytes(plain.encode()).header.provenance
+    assert figures(plain)["local_samples"] == 10
+
+
 def test_figures_within_the_bound_are_not_drift() -> None:
     # Logged 38..48 around a base of 40 with 4 samples: well within 2.58 standard errors.
     assert refresh(base_table(), logged("local", 6, ttft=43.0)).drift.drifted == ()

@@ -1,10 +1,10 @@
 """``ppd-bench drift``: the stale and oracle arms end to end at CI size, the closed loop's refresh
-mechanics and figures with a stand-in refresh, and the closed loop with the real modules (skipped
-until ppd.explore and table_builder.refresh are in the tree)."""
+mechanics and figures with a stand-in refresh, and the closed loop with exploration (``ppd.explore``)
+and the real refresh (``table_builder.refresh``)."""
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -14,17 +14,17 @@ import pytest
 
 from decision_service.table import Table
 from loadgen.cli import main
-from loadgen.report.drift import (
+from loadgen.report.drift import run_drift
+from loadgen.report.drift_arms import (
     ArmRun,
     DriftSettings,
     RefreshLoop,
     cluster_config,
     decision_match,
-    figures,
     run_arm,
-    run_drift,
     traffic_cells,
 )
+from loadgen.report.drift_section import ArmFigures, DriftFigures, figures, goals
 from loadgen.report.traffic import mix_conversations
 from table_builder.aggregate import CellKey
 from table_builder.records import read_records
@@ -35,16 +35,6 @@ STALE = ROOT / "tables" / "3P1D__llama-3.1-8b.ppdt"
 
 # CI size: 40 s of arrivals, the drift at 15 s, oracle points of 5 s (about 10 s of CPU in all).
 CI = DriftSettings(duration_s=40.0, drift=("15:decode=2",), oracle_duration_s=5.0, stale_table=STALE)
-
-
-def _missing(*modules: str) -> str | None:
-    gone = [m for m in modules if importlib.util.find_spec(m) is None]
-    return (
-        None if not gone else f"{', '.join(gone)} not in this tree yet (issue 14 items 1-2; wired at merge)"
-    )
-
-
-CLOSED_LOOP_MISSING = _missing("ppd.explore", "table_builder.refresh")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +149,6 @@ def test_refresh_loop_swaps_tables_in_virtual_time_and_the_figures_count_the_req
         RefreshLoop(router, stale, refresh, every=0)
 
 
-@pytest.mark.skipif(CLOSED_LOOP_MISSING is not None, reason=CLOSED_LOOP_MISSING or "")
 def test_closed_loop_arm_with_exploration_and_refresh(tmp_path: Path) -> None:
     settings = DriftSettings(**{**_fields(CI), "duration_s": 60.0, "refresh_every": 50, "min_samples": 5})
     fig, _ = run_drift(settings, tmp_path)
@@ -172,20 +161,47 @@ def test_closed_loop_arm_with_exploration_and_refresh(tmp_path: Path) -> None:
     assert {r.path for r in records if r.turn == 2} == {"pd", "local"}
 
 
-def test_closed_loop_without_its_modules_is_reported_not_run(tmp_path: Path) -> None:
-    if CLOSED_LOOP_MISSING is None:
-        pytest.skip("ppd.explore and table_builder.refresh are in the tree: the closed loop runs")
-    settings = DriftSettings(**{**_fields(CI), "duration_s": 20.0, "arms": ("stale", "closed")})
-    fig, path = run_drift(settings, tmp_path)
-    assert fig.arm("closed") is None
-    assert "arm closed not run" in path.read_text("utf-8")
+def test_every_refresh_merges_into_the_offline_base_and_replace_drifted_reaches_it() -> None:
+    """The closed loop's tables come from the stale table each time (never from the previous refresh:
+    the records would count twice), with refresh rule 7 when asked."""
+    settings = DriftSettings(**{**_fields(CI), "duration_s": 30.0, "refresh_every": 100})
+    stale = Table.open(STALE)
+    conversations = mix_conversations(settings.workloads, settings.qps, settings.duration_s, settings.seed)
+    for replace in (False, True):
+        run = run_arm("closed", dataclasses.replace(settings, replace_drifted=replace), conversations, stale)
+        assert len(run.swaps) >= 2
+        for swap in run.swaps:
+            provenance = swap.table.header.provenance
+            assert provenance["base"]["version"] == stale.version
+            assert provenance.get("replace_drifted", False) is replace
+
+
+def test_the_decision_goal_needs_the_match_to_hold_not_a_final_table_that_matches_by_chance() -> None:
+    closed = ArmFigures(
+        name="closed", ttft_pre_ms=1.0, ttft_post_ms=1.0, tpot_pre_ms=1.0, tpot_post_ms=1.0,
+        success_post=1.0, local_share_post=1.0, explored=3, match_final=1.0,
+    )  # fmt: skip
+    fell_back = DriftFigures(
+        drift_at=10.0, arms=(closed,), closed_matches=((5.0, 1, 0.75), (12.0, 2, 1.0), (14.0, 3, 0.75),
+        (16.0, 4, 1.0)), stale_match=0.75, converged_at=12.0, requests_to_converge=7, stayed=False,
+        closed_ttft_ms=1.0, oracle_ttft_ms=1.0, exploration_cost_ms=0.0,
+    )  # fmt: skip
+    _, match, converge, _ = goals(fell_back)
+    assert match[1] == "FAIL"
+    assert match[2].startswith("2 of 3 refreshes after the drift; final table 100%")
+    assert converge[1] == "FAIL"
+    assert "fell below again later" in converge[2]
+    held = dataclasses.replace(fell_back, closed_matches=fell_back.closed_matches[:2], stayed=True)
+    assert [row[1] for row in goals(held)[1:3]] == ["PASS", "PASS"]
 
 
 def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["drift", "--help"])
     assert exc.value.code == 0
-    assert "--refresh-every" in capsys.readouterr().out
+    help_text = capsys.readouterr().out
+    assert "--refresh-every" in help_text
+    assert "--replace-drifted" in help_text
     for bad in (["--drift", "10:speed=2"], ["--workloads", "nope"], ["--arms", "stale,best"]):
         with pytest.raises(SystemExit) as exc:
             main(["drift", "--out", "x", *bad])

@@ -1,9 +1,8 @@
 """``ppd-bench slo``: the fixed-weights arms end to end at CI size, the windowed figures, and the SLO
-arm (skipped until ppd.slo is in the tree)."""
+arm (``ppd.slo``) against fixed weights on a ramp that presses its target."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -16,13 +15,10 @@ from table_builder.records import read_records
 
 ROOT = Path(__file__).resolve().parents[3]
 TABLE = ROOT / "tables" / "3P1D__llama-3.1-8b.ppdt"
-# CI size: 10 s per step, the peak held for two steps (about 5 s of CPU per arm).
-CI = SloSettings(levels=(2.0, 7.0, 7.0, 2.0), step_s=10.0, window_s=5.0, table=TABLE)
-SLO_MISSING = (
-    None
-    if importlib.util.find_spec("ppd.slo") is not None
-    else "ppd.slo not in this tree yet (issue 14 item 3; wired at merge)"
-)
+# CI size: 10 s per step, the peak held for two steps (about 5 s of CPU per arm). At this size the
+# TPOT P99 (all turns, 5 s windows) of fixed w_tpot=1 climbs to about 19 ms at the peak and that of
+# w_tpot=16 to 17: a 17.5 ms target is pressed there and a fixed weight can hold it.
+CI = SloSettings(levels=(2.0, 7.0, 7.0, 2.0), step_s=10.0, window_s=5.0, tpot_p99_ms=17.5, table=TABLE)
 
 
 def _with(**changes: Any) -> SloSettings:
@@ -77,25 +73,20 @@ def test_windows_count_p99_and_violations() -> None:
     assert first.tpot_p99_ms == 99.0
     assert first.ttft_ms == 10.0
     assert first.local_share == 1.0
-    assert second.tpot_p99_ms is None  # Turn 1 never counts
+    # The TPOT P99 is every turn's (what the controller holds); TTFT and the local share Turn 2+'s.
+    assert second.tpot_p99_ms == 99.0
+    assert second.ttft_ms is None
+    assert second.local_share is None
 
 
-@pytest.mark.skipif(SLO_MISSING is not None, reason=SLO_MISSING or "")
 def test_slo_arm_holds_the_target_better_than_fixed_weights(tmp_path: Path) -> None:
     fig, _ = run_slo(_with(fixed_w_tpot=(1.0,)), tmp_path)
     slo, fixed = fig.arm("slo"), fig.arm("fixed w_tpot=1")
     assert slo is not None
     assert fixed is not None
-    assert slo.violations <= fixed.violations
+    assert fixed.violations > 0  # the ramp presses the target
+    assert slo.violations < fixed.violations
     assert min(w.local_share for w in slo.windows if w.local_share is not None) < 1.0
-
-
-def test_slo_arm_without_its_module_is_reported_not_run(tmp_path: Path) -> None:
-    if SLO_MISSING is None:
-        pytest.skip("ppd.slo is in the tree: the SLO arm runs")
-    fig, path = run_slo(_with(levels=(2.0,), fixed_w_tpot=(1.0,)), tmp_path)
-    assert fig.arm("slo") is None
-    assert "arm slo not run" in path.read_text("utf-8")
 
 
 def test_cli_help_bad_arguments_and_a_small_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
