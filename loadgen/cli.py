@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from loadgen.arguments import positive
 from loadgen.load import LoadError, LoadSettings, run_load
 from loadgen.report.comparison import ManifestError
 from loadgen.sharegpt import SHAREGPT_WORKLOAD, SharegptLimits, sharegpt_pool
@@ -38,13 +39,6 @@ from table_builder.records import RecordsError, RecordWriter
 __all__ = ["build_parser", "main"]
 
 logger = logging.getLogger("ppd-bench")
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def _mode(text: str) -> str:
@@ -69,8 +63,8 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"'{SHAREGPT_WORKLOAD}' or a synthetic <turn1>_<class> name: {', '.join(SYNTHETIC_WORKLOADS)} "
         "(and the huge_<class> extension, Turn 1 = 4096/1024)",
     )
-    run.add_argument("--qps", type=_positive, required=True, help="conversation arrival rate (per second)")
-    run.add_argument("--duration", type=_positive, required=True, help="seconds of arrivals")
+    run.add_argument("--qps", type=positive, required=True, help="conversation arrival rate (per second)")
+    run.add_argument("--duration", type=positive, required=True, help="seconds of arrivals")
     run.add_argument("--out", type=Path, required=True, help="JSONL records file (overwritten)")
     run.add_argument("--seed", type=int, default=0, help="seed for arrivals and conversations (default 0)")
     run.add_argument(
@@ -91,7 +85,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--shape", default="1P3D", help="deployment shape label for the records (default 1P3D)")
     run.add_argument("--model-label", default="llama-3.1-8b", help="model label for the records")
     run.add_argument("--model", default=None, help="served model name (default: the first of GET /v1/models)")
-    run.add_argument("--timeout", type=_positive, default=30.0, help="per-request timeout, s (default 30)")
+    run.add_argument("--timeout", type=positive, default=30.0, help="per-request timeout, s (default 30)")
     run.add_argument("--run-id", default=None, help="run id in the records (default from the settings)")
     run.add_argument("--no-session-header", action="store_true", help="do not send X-Session-ID")
     run.add_argument("--max-output-tokens", type=int, default=1024, help="ShareGPT answer cap (default 1024)")

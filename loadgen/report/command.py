@@ -10,28 +10,10 @@ import argparse
 from collections.abc import Mapping
 from pathlib import Path
 
+from loadgen.arguments import names, positive_list, positive_list_or_none
 from loadgen.report.report import load_inputs, write_report
 
 __all__ = ["add_parser"]
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def _floats_or_none(text: str) -> tuple[float, ...]:
-    """Like ``_floats``, but an empty text means none (the experiment is skipped)."""
-    return _floats(text) if text.strip() else ()
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def _run_simulation(args: argparse.Namespace) -> None:
@@ -88,33 +70,33 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--duration", type=float, default=10.0, help="seconds of arrivals per point (default 10)"
     )
     run.add_argument("--workload", default="sharegpt", help="sharegpt or a synthetic name (default sharegpt)")
-    run.add_argument("--shapes", type=_names, default=("1P3D", "2P2D", "3P1D"), help="default 1P3D,2P2D,3P1D")
+    run.add_argument("--shapes", type=names, default=("1P3D", "2P2D", "3P1D"), help="default 1P3D,2P2D,3P1D")
     run.add_argument(
-        "--qps", type=_floats, default=(0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0),
+        "--qps", type=positive_list, default=(0.5, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0),
         help="QPS levels (default the paper's ten)",
     )  # fmt: skip
     run.add_argument(
         "--stress-qps",
-        type=_floats,
+        type=positive_list,
         default=(),
         help="extra QPS levels on 1P3D beyond the grid, e.g. 144,160,176",
     )
     run.add_argument("--tables", type=Path, default=Path("tables"), help="tables for ppd (default tables/)")
     run.add_argument(
         "--wtpot",
-        type=_floats,
+        type=positive_list,
         default=(1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0),
         help="w_tpot values of the sweep (default 1,4,16,...,4096)",
     )
     run.add_argument(
         "--paper-wtpot",
-        type=_floats_or_none,
+        type=positive_list_or_none,
         default=(1.0, 3.0, 6.0, 12.0, 24.0),
         help="w_tpot values of Figure 6 in the paper's setting: prefill-heavy ShareGPT conversations on "
         "1P3D (default 1,3,6,12,24; '' to skip)",
     )
     run.add_argument(
-        "--paper-wtpot-qps", type=_floats, default=(8.0, 16.0), help="its QPS levels (default 8,16)"
+        "--paper-wtpot-qps", type=positive_list, default=(8.0, 16.0), help="its QPS levels (default 8,16)"
     )
     run.add_argument(
         "--link-duration", type=float, default=60.0, help="seconds per link-sweep point (default 60)"

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from decision_service.table import Table
+from loadgen.arguments import names, positive
 from loadgen.report.drift_arms import (
     ARMS,
     DriftSettings,
@@ -81,10 +82,6 @@ def run_drift(
 # ---------------------------------------------------------------------------------------- the command
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def _events(text: str) -> tuple[str, ...]:
     from simulator.core.drift import DriftError, parse_drift
 
@@ -100,30 +97,23 @@ def _events(text: str) -> tuple[str, ...]:
 
 
 def _workloads(text: str) -> tuple[str, ...]:
-    names = _names(text)
+    chosen = names(text)
     try:
-        for name in names:
+        for name in chosen:
             catalog.parse_workload(name)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if not names:
+    if not chosen:
         raise argparse.ArgumentTypeError("at least one workload")
-    return names
+    return chosen
 
 
 def _arms(text: str) -> tuple[str, ...]:
-    arms = _names(text)
+    arms = names(text)
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise argparse.ArgumentTypeError(f"arms are {', '.join(ARMS)}; got {text!r}")
     return arms
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -188,11 +178,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"comma-separated synthetic workloads of the mix (default {','.join(d.workloads)})",
     )  # fmt: skip
     parser.add_argument(
-        "--qps", type=_positive, default=d.qps, help=f"conversations per second (default {d.qps:g})"
+        "--qps", type=positive, default=d.qps, help=f"conversations per second (default {d.qps:g})"
     )
     parser.add_argument(
         "--duration",
-        type=_positive,
+        type=positive,
         default=d.duration_s,
         help=f"seconds of arrivals (default {d.duration_s:g})",
     )
@@ -209,7 +199,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--stale-table", type=Path, default=None, help="the stale table file (default: from --tables)"
     )
     parser.add_argument(
-        "--oracle-duration", type=_positive, default=None,
+        "--oracle-duration", type=positive, default=None,
         help="seconds of arrivals per oracle sweep point (default: the stale table's, per its provenance)",
     )  # fmt: skip
     parser.add_argument(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from loadgen.arguments import positive, positive_list
 from loadgen.report.reproduce import find_table
 from loadgen.report.section import md_table, mean, ms, p99, save_png
 from loadgen.report.traffic import ramp_conversations
@@ -317,20 +318,6 @@ def run_slo(
 # ---------------------------------------------------------------------------------------- the command
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
-
-
-def _positive(text: str) -> float:
-    return _floats(text)[0]
-
-
 def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     del environ
     d = SloSettings()
@@ -380,31 +367,31 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--shape", default=d.shape, help=f"deployment shape (default {d.shape})")
     parser.add_argument("--workloads", default=None, help=f"the mix (default {','.join(d.workloads)})")
     parser.add_argument(
-        "--levels", type=_floats, default=d.levels,
+        "--levels", type=positive_list, default=d.levels,
         help=f"QPS of each ramp step (default {','.join(f'{q:g}' for q in d.levels)})",
     )  # fmt: skip
     parser.add_argument(
-        "--step", type=_positive, default=d.step_s, help=f"seconds per step (default {d.step_s:g})"
+        "--step", type=positive, default=d.step_s, help=f"seconds per step (default {d.step_s:g})"
     )
     parser.add_argument(
-        "--target-qps", type=_positive, default=None, help="QPS of the table lookup (default peak)"
+        "--target-qps", type=positive, default=None, help="QPS of the table lookup (default peak)"
     )
     parser.add_argument(
-        "--tpot-p99-ms", type=_positive, default=d.tpot_p99_ms, help=f"the target (default {d.tpot_p99_ms:g})"
+        "--tpot-p99-ms", type=positive, default=d.tpot_p99_ms, help=f"the target (default {d.tpot_p99_ms:g})"
     )
     parser.add_argument(
-        "--window", type=_positive, default=d.window_s, help=f"P99 window, s (default {d.window_s:g})"
+        "--window", type=positive, default=d.window_s, help=f"P99 window, s (default {d.window_s:g})"
     )
     parser.add_argument(
-        "--fixed-w-tpot", type=_floats, default=d.fixed_w_tpot,
+        "--fixed-w-tpot", type=positive_list, default=d.fixed_w_tpot,
         help=f"one fixed-weights arm per w_tpot (default {','.join(f'{w:g}' for w in d.fixed_w_tpot)})",
     )  # fmt: skip
     parser.add_argument(
-        "--controller-step", type=_positive, default=d.controller_step,
+        "--controller-step", type=positive, default=d.controller_step,
         help=f"the controller's relative step of w_tpot (default {d.controller_step:g}: x2)",
     )  # fmt: skip
     parser.add_argument(
-        "--controller-interval", type=_positive, default=d.controller_interval_s,
+        "--controller-interval", type=positive, default=d.controller_interval_s,
         help=f"seconds between the controller's moves (default {d.controller_interval_s:g})",
     )  # fmt: skip
     parser.add_argument(
