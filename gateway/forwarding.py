@@ -27,7 +27,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from gateway.deps import Deps
 from gateway.errors import (
@@ -532,6 +532,10 @@ class Forwarder:
         self._d.metrics.upstream_errors.labels(worker, role, kind).inc()
 
 
+#: The largest integer header the gateway takes: what the DecisionService's int64 fields can carry.
+_MAX_HEADER_INT: Final = 2**63 - 1
+
+
 def _int_header(headers: Mapping[str, str], name: str) -> int | None:
     raw = headers.get(name)
     if raw is None:
@@ -540,6 +544,6 @@ def _int_header(headers: Mapping[str, str], name: str) -> int | None:
         value = int(raw)
     except ValueError:
         raise BadRequestError(f"header {name} must be an integer", param=name) from None
-    if value < 0:
-        raise BadRequestError(f"header {name} must be non-negative", param=name)
+    if not 0 <= value <= _MAX_HEADER_INT:
+        raise BadRequestError(f"header {name} must be an integer in [0, {_MAX_HEADER_INT}]", param=name)
     return value

@@ -19,7 +19,12 @@ from gateway.slo import SloControl
 from gateway.turn import TurnInputs, TurnOutcome
 from ppd.records import UncheckedRecord
 
-__all__ = ["PROVENANCE_HEADERS", "TurnReport", "provenance_headers"]
+__all__ = [
+    "PROVENANCE_HEADERS",
+    "TurnReport",
+    "exploration",
+    "provenance_headers",
+]
 
 PROVENANCE_HEADERS = (
     "X-PPD-Path",
@@ -35,6 +40,15 @@ PROVENANCE_HEADERS = (
     "X-PPD-Explored",
     "X-Request-Id",
 )
+
+
+def exploration(outcome: TurnOutcome) -> tuple[bool, float]:
+    """(explored, propensity) of the path the turn took: the draw's, unless a failure moved the turn
+    off the drawn path (a gone decode worker, a failed prefill), which nobody drew."""
+    decision = outcome.decision
+    if decision is None or (outcome.path and outcome.path != decision.path):
+        return False, 1.0
+    return decision.explored, decision.propensity
 
 
 def provenance_headers(turn: TurnInputs, outcome: TurnOutcome) -> dict[str, str]:
@@ -56,7 +70,7 @@ def provenance_headers(turn: TurnInputs, outcome: TurnOutcome) -> dict[str, str]
         headers["X-PPD-Session-Reset"] = turn.session_reset
     if decision is not None and decision.fallback:
         headers["X-PPD-Fallback"] = "1"
-    if decision is not None and decision.explored:
+    if exploration(outcome)[0]:
         headers["X-PPD-Explored"] = "1"
     return headers
 
@@ -81,11 +95,11 @@ class TurnReport:
 
     def finish(self, turn: TurnInputs, outcome: TurnOutcome, *, end: float) -> None:
         m = self._m
-        decision = outcome.decision
         if outcome.path:
             m.decisions.labels(outcome.path, outcome.reason).inc()
-        if decision is not None and decision.explored:
-            m.explorations.labels(decision.path).inc()
+        explored, propensity = exploration(outcome)
+        if explored:
+            m.explorations.labels(outcome.path).inc()
         m.token_counts.labels(turn.psi.n_in.source).inc()
         n_out = outcome.completion_tokens if outcome.completion_tokens is not None else turn.psi.n_out
         tpot: float | None = None
@@ -121,7 +135,7 @@ class TurnReport:
                 ok=outcome.ok,
                 error=outcome.error,
                 start_time=turn.start_wall,
-                explored=decision is not None and decision.explored,
-                propensity=decision.propensity if decision is not None else 1.0,
+                explored=explored,
+                propensity=propensity,
             )
         )

@@ -44,7 +44,7 @@ __all__ = ["VllmCpuEngine", "make"]
 logger = logging.getLogger(__name__)
 
 #: A real cluster prepares its venv and model the first time (minutes), then loads in a minute or more.
-_READY_TIMEOUT_S: Final = 1800.0
+_READY_TIMEOUT_S: Final = 900.0
 _STOP_GRACE_S: Final = 60.0
 
 
@@ -104,7 +104,12 @@ class VllmCpuEngine:
             mode=point.mode,
             send_mode_header=True,
         )
-        return asyncio.run(run_load(settings, workload)).records
+        records = asyncio.run(run_load(settings, workload)).records
+        stack = self._stack
+        if stack is None or stack.process.poll() is not None:
+            # Its requests failed because the stack went away, not because of the mode: never keep them.
+            raise RuntimeError(f"the {point.shape} stack exited during {point.run_id}; run the sweep again")
+        return records
 
     def close(self) -> None:
         """Stop the stack, if one runs (SIGTERM: ppd-up stops every worker, then exits)."""
@@ -135,7 +140,10 @@ class VllmCpuEngine:
             "--ready-timeout", f"{self.ready_timeout_s:g}",
         ]  # fmt: skip
         logger.info("starting real vLLM workers for %s (a minute or more)", shape)
-        process, ready = start_ready(argv, timeout_s=self.ready_timeout_s, name=f"ppd-up --topology {shape}")
+        # ppd-up's own worst case (cluster, decision service, gateway in turn) ends first, so on a hang
+        # it is ppd-up that gives up and stops what it started.
+        wait_s = max(self.ready_timeout_s, 900.0) + 2 * self.ready_timeout_s + 120.0
+        process, ready = start_ready(argv, timeout_s=wait_s, name=f"ppd-up --topology {shape}")
         url = ready.get("gateway")
         if not isinstance(url, str):
             process.kill()

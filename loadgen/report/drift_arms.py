@@ -55,6 +55,7 @@ __all__ = [
     "build_oracle",
     "cluster_config",
     "decision_match",
+    "post_drift_events",
     "refresh_from_base",
     "run_arm",
     "traffic_cells",
@@ -288,15 +289,12 @@ def build_oracle(
     settings: DriftSettings, stale: Table, out: Path, *, progress: Callable[[str], None] | None = None
 ) -> Table:
     """The post-drift table from the sweep machinery, on the cells the mix visits (resumable in ``out``)."""
-    from simulator.core.drift import parse_drift
     from simulator.tools.sweep_engine import SimEngine
     from table_builder.sweep import GridPoint, SweepPlan, run_sweep
 
     labels = stale.header.provenance.get("labels", {})
     duration = settings.oracle_duration_s or float(labels.get("duration_s", 10.0))
-    at_zero = tuple(
-        _event_text(dataclasses.replace(parse_drift(text), at_s=0.0)) for text in sorted(settings.drift)
-    )
+    at_zero = post_drift_events(settings.drift)
     engine = SimEngine(
         duration_s=duration,
         seed=int(labels.get("seed", 0)),
@@ -326,8 +324,19 @@ def build_oracle(
     return Table.open(path)
 
 
+def post_drift_events(drift: Sequence[str]) -> tuple[str, ...]:
+    """The drift events moved to time 0, in the order they happen: the cluster after every event, from
+    the start (what the oracle's sweep measures; a later event's factors win, as in the run)."""
+    from simulator.core.drift import parse_drift
+
+    return tuple(
+        _event_text(dataclasses.replace(parse_drift(text), at_s=0.0))
+        for text in sorted(drift, key=lambda t: parse_drift(t).at_s)
+    )
+
+
 def _event_text(event: Any) -> str:
     parts = [
-        f"{k}={getattr(event, k):g}" for k in ("link", "decode", "prefill") if getattr(event, k) is not None
+        f"{k}={getattr(event, k)!r}" for k in ("link", "decode", "prefill") if getattr(event, k) is not None
     ]
     return f"{event.at_s:g}:" + ",".join(parts)

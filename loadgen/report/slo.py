@@ -102,6 +102,10 @@ class Window:
     local_share: float | None
 
 
+#: The name of a fixed-weights arm is this and its w_tpot.
+_FIXED: Final = "fixed w_tpot="
+
+
 @dataclass(frozen=True, slots=True)
 class ArmSlo:
     name: str
@@ -123,7 +127,8 @@ class SloFigures:
     @property
     def holding_fixed(self) -> ArmSlo | None:
         """The fixed arm with the lowest w_tpot that holds the target in every window."""
-        return next((a for a in self.arms if a.name.startswith("fixed") and a.violations == 0), None)
+        holding = [a for a in self.arms if a.name.startswith(_FIXED) and a.violations == 0]
+        return min(holding, key=lambda a: float(a.name.removeprefix(_FIXED)), default=None)
 
 
 def _level_at(settings: SloSettings, t: float) -> float:
@@ -193,8 +198,8 @@ def run_arm(
     if name == "slo":
         extra["slo"] = slo_config(settings)
         router = TableRouter(table)
-    elif name.startswith("fixed w_tpot="):
-        router = TableRouter(table, Weights(1.0, float(name.removeprefix("fixed w_tpot="))))
+    elif name.startswith(_FIXED):
+        router = TableRouter(table, Weights(1.0, float(name.removeprefix(_FIXED))))
     else:
         raise ValueError(f"unknown arm {name!r}")
     config = ClusterConfig(
@@ -274,7 +279,7 @@ def run_slo(
     if table is None:
         raise FileNotFoundError(f"no table {settings.shape}/{settings.model} under {settings.tables}")
     conversations = ramp_conversations(settings.workloads, settings.levels, settings.step_s, settings.seed)
-    names = [f"fixed w_tpot={w:g}" for w in settings.fixed_w_tpot] + (["slo"] if settings.run_slo_arm else [])
+    names = [f"{_FIXED}{w:g}" for w in settings.fixed_w_tpot] + (["slo"] if settings.run_slo_arm else [])
     notes = [f"table: {table}; cells looked up at {settings.target_qps or max(settings.levels):g} QPS"]
     if settings.run_slo_arm:
         c = slo_config(settings)

@@ -61,6 +61,17 @@ async def test_bad_input_is_a_400_and_reaches_no_worker(
     assert _no_completions_reached(stack)
 
 
+@pytest.mark.parametrize("value", ["-1", "nine", str(2**63), "1" * 30])
+async def test_an_expected_output_hint_out_of_range_is_a_400(make_stack: StackFactory, value: str) -> None:
+    # A hint the DecisionService's int64 fields cannot carry is the client's error, not a 500.
+    stack = await make_stack()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    reply = await stack.post("/v1/chat/completions", body, headers={"X-PPD-Expected-Output-Tokens": value})
+    assert reply.status == 400
+    assert reply.body["error"]["param"] == "X-PPD-Expected-Output-Tokens"
+    assert _no_completions_reached(stack)
+
+
 async def test_oversize_body_is_a_413(make_stack: StackFactory) -> None:
     stack = await make_stack(max_body_bytes=2048)
     reply = await stack.chat([{"role": "user", "content": "x" * 4096}])

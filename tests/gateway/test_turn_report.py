@@ -13,7 +13,7 @@ from gateway.request_log import RequestLog
 from gateway.routing import Decision
 from gateway.settings import LimitSettings, LogSettings
 from gateway.turn import TurnInputs, TurnOutcome
-from gateway.turn_report import PROVENANCE_HEADERS, TurnReport, provenance_headers
+from gateway.turn_report import PROVENANCE_HEADERS, TurnReport, exploration, provenance_headers
 from ppd.modes import Mode
 from tests.support.metrics import sample as sample_of
 
@@ -123,3 +123,23 @@ def test_a_turn_that_never_got_a_path_is_logged_as_pd_with_its_expected_output(t
     record = json.loads(path.read_text())
     assert (record["path"], record["n_out"], record["ok"], record["ttft_ms"]) == ("pd", 40, False, None)
     assert record["error"] == "no live decode worker in the pool"
+
+
+def test_a_turn_moved_off_its_drawn_path_is_not_marked_explored(tmp_path: Path) -> None:
+    # The draw sent it local (explored), but the decode worker was gone and it went through P.
+    drawn = Decision("local", "explore", explored=True, propensity=0.1)
+    moved = TurnOutcome(decision=drawn, path="pd", reason="decode_gone", completion_tokens=3, ok=True)
+    assert exploration(moved) == (False, 1.0)
+    assert "X-PPD-Explored" not in provenance_headers(_turn(), moved)
+    kept = TurnOutcome(decision=drawn, path="local", reason="explore", completion_tokens=3, ok=True)
+    assert exploration(kept) == (True, 0.1)
+    metrics = GatewayMetrics()
+    path = tmp_path / "requests.jsonl"
+    log = RequestLog(str(path))
+    report = TurnReport(metrics, log, LogSettings(run_id="run", shape="1P3D", target_qps=2.0))
+    report.finish(_turn(), moved, end=101.0)
+    log.close()
+    line = json.loads(path.read_text().splitlines()[0])
+    assert line["path"] == "pd"
+    assert "explored" not in line  # left out at its default: not explored, propensity 1
+    assert sample_of(metrics.registry, "ppd_gateway_explorations_total", {"path": "pd"}) is None

