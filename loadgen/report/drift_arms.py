@@ -335,8 +335,16 @@ def post_drift_events(drift: Sequence[str]) -> tuple[str, ...]:
     )
 
 
+def _exact(value: float) -> str:
+    """The shortest text that reads back as ``value`` (``2``, ``0.123456789``), never rounded."""
+    text = repr(float(value))
+    return text.removesuffix(".0")
+
+
 def _event_text(event: Any) -> str:
     parts = [
-        f"{k}={getattr(event, k)!r}" for k in ("link", "decode", "prefill") if getattr(event, k) is not None
+        f"{k}={_exact(getattr(event, k))}"
+        for k in ("link", "decode", "prefill")
+        if getattr(event, k) is not None
     ]
     return f"{event.at_s:g}:" + ",".join(parts)

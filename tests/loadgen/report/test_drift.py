@@ -227,6 +227,6 @@ def test_cli_runs_the_stale_arm(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 def test_the_oracle_measures_the_cluster_after_every_event_in_time_order() -> None:
     # Text order would put "100:..." before "50:..."; the later event must be applied last.
-    assert post_drift_events(("50:decode=2", "100:decode=4")) == ("0:decode=2.0", "0:decode=4.0")
-    assert post_drift_events(("100:decode=4", "50:decode=2")) == ("0:decode=2.0", "0:decode=4.0")
+    assert post_drift_events(("50:decode=2", "100:decode=4")) == ("0:decode=2", "0:decode=4")
+    assert post_drift_events(("100:decode=4", "50:decode=2")) == ("0:decode=2", "0:decode=4")
     assert post_drift_events(("10:link=0.123456789",)) == ("0:link=0.123456789",)  # no rounding
