@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from gateway.app import DEPS, create_app
 from gateway.deps import Deps
 from gateway.settings import Settings
+from tests.gateway.fake_decision import FakeDecision
 from tests.support.fake_openai import MODEL, FakeWorker
 
 __all__ = ["MODEL", "Reply", "Stack", "StackFactory"]
@@ -128,3 +129,16 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         await stack.server.close()
         for w in stack.workers.values():
             await w.close()
+
+
+@pytest.fixture
+async def decision() -> AsyncIterator[FakeDecision]:
+    """A fake DecisionService on 127.0.0.1:0 (``fake_decision.py``); test_e2e.py has its own, real one."""
+    svc = await FakeDecision().start()
+    yield svc
+    await svc.stop()
+
+
+def follow_up(messages: list[dict[str, Any]], reply: Reply, text: str) -> None:
+    """The next turn of a conversation: the answer as the assistant's message, then ``text``."""
+    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": text}]

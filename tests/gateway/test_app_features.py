@@ -4,28 +4,15 @@ API, the pass-through routes, metrics and the request log."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ppd.decision.v1 import decision_pb2
-from tests.gateway.conftest import MODEL, Reply, Stack, StackFactory
+from tests.gateway.conftest import MODEL, StackFactory, follow_up
 from tests.gateway.fake_decision import FakeDecision
 from tests.support.metrics import sample, samples
-
-
-@pytest.fixture
-async def decision() -> AsyncIterator[FakeDecision]:
-    svc = await FakeDecision().start()
-    yield svc
-    await svc.stop()
-
-
-async def _follow_up(stack: Stack, messages: list[dict[str, Any]], reply: Reply, text: str) -> None:
-    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": text}]
-
 
 # ---------------------------------------------------------------- ppd mode
 
@@ -38,7 +25,7 @@ async def test_ppd_mode_asks_the_decision_service_from_turn_two(
     first = await stack.chat(messages, max_tokens=6)
     assert (first.path, first.reason) == ("pd", "turn_one")
     assert not decision.seen  # turn 1 never asks
-    await _follow_up(stack, messages, first, "and then")
+    follow_up(messages, first, "and then")
     second = await stack.chat(messages, max_tokens=6)
     assert (second.path, second.reason, second.headers["X-PPD-Table-Version"]) == ("local", "table", "v-test")
     q = decision.seen[-1]
@@ -47,7 +34,7 @@ async def test_ppd_mode_asks_the_decision_service_from_turn_two(
     assert q.live.HasField("decode_kv_usage")
     decision.decision = decision_pb2.DECISION_PD
     decision.reason = decision_pb2.REASON_WEIGHTS
-    await _follow_up(stack, messages, second, "more")
+    follow_up(messages, second, "more")
     third = await stack.chat(
         messages, max_tokens=6, stream=True, headers={"X-PPD-Expected-Output-Tokens": "42"}
     )
@@ -65,7 +52,7 @@ async def test_ppd_mode_falls_back_when_the_service_is_down(make_stack: StackFac
     )
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     first = await stack.chat(messages)
-    await _follow_up(stack, messages, first, "again")
+    follow_up(messages, first, "again")
     second = await stack.chat(messages)
     assert second.status == 200
     assert second.path == "local"
@@ -80,7 +67,7 @@ async def test_mode_header_overrides_the_config(make_stack: StackFactory) -> Non
     stack = await make_stack(mode="local")
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     first = await stack.chat(messages)
-    await _follow_up(stack, messages, first, "again")
+    follow_up(messages, first, "again")
     second = await stack.chat(messages, headers={"X-PPD-Mode": "pd"})
     assert (second.path, second.reason, second.headers["X-PPD-Mode"]) == ("pd", "mode_pd", "pd")
 
@@ -95,7 +82,7 @@ async def test_fraction_mode_is_stable_per_conversation(make_stack: StackFactory
             # Fixed ids: which conversations go local is then fixed too (no chance in the test).
             reply = await stack.chat(messages, headers={"X-Session-ID": f"conversation-{c}"})
             seen.append(reply.path)
-            await _follow_up(stack, messages, reply, f"turn {t}")
+            follow_up(messages, reply, f"turn {t}")
         assert seen[0] == "pd"
         assert seen[1] == seen[2]  # the same conversation never flips
         paths.add(seen[1])
@@ -109,7 +96,7 @@ async def test_regeneration_and_edit_find_the_same_session(make_stack: StackFact
     stack = await make_stack(mode="local")
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     first = await stack.chat(messages)
-    await _follow_up(stack, messages, first, "question A")
+    follow_up(messages, first, "question A")
     second = await stack.chat(messages)
     regenerated = await stack.chat(messages)
     edited = await stack.chat([*messages[:-1], {"role": "user", "content": "question B"}])
@@ -286,7 +273,7 @@ async def test_metrics_show_decisions_ttft_and_sessions(make_stack: StackFactory
     stack = await make_stack(mode="local")
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     first = await stack.chat(messages, stream=True)
-    await _follow_up(stack, messages, first, "again")
+    follow_up(messages, first, "again")
     await stack.chat(messages, stream=True)
     text = await (await stack.http.get(stack.url + "/metrics")).text()
     assert sample(text, "ppd_gateway_decisions_total", path="pd", reason="turn_one") == 1
@@ -306,7 +293,7 @@ async def test_request_log_writes_benchmark_records(make_stack: StackFactory, tm
     )
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     first = await stack.chat(messages, stream=True, max_tokens=5)
-    await _follow_up(stack, messages, first, "again")
+    follow_up(messages, first, "again")
     await stack.chat(messages, max_tokens=5, headers={"X-PPD-Workload": "small_tiny"})
     stack.deps.request_log.flush()  # type: ignore[union-attr]
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -349,7 +336,7 @@ async def test_replica_mode_keeps_the_session_on_its_replica(make_stack: StackFa
     first = await stack.chat(messages, stream=True)
     assert (first.path, first.reason) == ("replica", "mode_replica")
     r = first.headers["X-PPD-Decode-Worker"]
-    await _follow_up(stack, messages, first, "again")
+    follow_up(messages, first, "again")
     second = await stack.chat(messages)
     assert (second.path, second.headers["X-PPD-Decode-Worker"], second.headers["X-PPD-Turn"]) == (
         "replica",

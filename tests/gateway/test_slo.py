@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from gateway.psi import Psi, TokenCount
 from gateway.settings import Settings, SettingsError, SloConfig
 from gateway.slo import SloControl
 from ppd.slo import SloSettings
-from tests.gateway.conftest import Reply, Stack, StackFactory
+from tests.gateway.conftest import StackFactory, follow_up
 from tests.gateway.fake_decision import FakeDecision
 from tests.gateway.fakes import FakeClient, FakeDecisions, ManualClock, forwarder_on_fakes
 from tests.support.metrics import sample
@@ -199,17 +198,6 @@ def test_the_route_request_has_weights_only_when_the_query_does() -> None:
 # ---------------------------------------------------------------- the app, over gRPC
 
 
-@pytest.fixture
-async def decision() -> AsyncIterator[FakeDecision]:
-    svc = await FakeDecision().start()
-    yield svc
-    await svc.stop()
-
-
-async def _follow_up(stack: Stack, messages: list[dict[str, Any]], reply: Reply, text: str) -> None:
-    messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": text}]
-
-
 async def test_the_app_sends_the_weights_and_shows_the_state(
     make_stack: StackFactory, decision: FakeDecision
 ) -> None:
@@ -233,7 +221,7 @@ async def test_the_app_sends_the_weights_and_shows_the_state(
     reply = await stack.chat(messages, stream=True, max_tokens=6)
     await observed(1)
     for n, text in ((2, "and then"), (3, "and after")):
-        await _follow_up(stack, messages, reply, text)
+        follow_up(messages, reply, text)
         reply = await stack.chat(messages, stream=True, max_tokens=6)
         await observed(n)
     weights = [(q.weights.w_ttft, q.weights.w_tpot) for q in decision.seen]
@@ -254,7 +242,7 @@ async def test_the_app_without_targets_sends_no_weights_and_has_no_slo_in_health
     stack = await make_stack(mode="ppd", decision={"address": decision.address, "deadline_ms": 2000.0})
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
     reply = await stack.chat(messages)
-    await _follow_up(stack, messages, reply, "and then")
+    follow_up(messages, reply, "and then")
     await stack.chat(messages)
     assert [q.HasField("weights") for q in decision.seen] == [False]
     assert "slo" not in await (await stack.http.get(stack.url + "/health")).json()
