@@ -26,6 +26,7 @@ from loadgen.report.drift_arms import (
 )
 from loadgen.report.drift_section import DriftFigures, figures, figures_json, goals, write_section
 from loadgen.report.reproduce import find_table
+from loadgen.report.section import progress_printer
 from loadgen.report.traffic import mix_conversations
 from ppd import catalog
 from table_builder.records import Record, write_records
@@ -117,7 +118,6 @@ def _arms(text: str) -> tuple[str, ...]:
 
 
 def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    import sys
 
     del environ
     defaults = DriftSettings()
@@ -147,11 +147,7 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         )
         return 2
 
-    def say(line: str) -> None:
-        if not args.no_progress:
-            print(line, file=sys.stderr, flush=True)
-
-    fig, path = run_drift(settings, args.out, progress=say)
+    fig, path = run_drift(settings, args.out, progress=progress_printer(args.no_progress))
     print(f"drift section: {path}")
     for row in goals(fig):
         print("| " + " | ".join(row) + " |")

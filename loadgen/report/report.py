@@ -33,6 +33,7 @@ from loadgen.report.comparison import (
     wtpot_points,
 )
 from loadgen.report.paper import BANDS, HIGH_QPS, PAPER_FIGURE6_LOCAL, PAPER_TABLE1, PAPER_TABLE5
+from loadgen.report.section import md_table, ms
 from table_builder.records import Record, read_records
 
 __all__ = ["REPORT_NAME", "ReportInputs", "load_inputs", "write_report"]
@@ -60,10 +61,6 @@ def load_inputs(folder: Path) -> ReportInputs:
     return ReportInputs(records=read_records(files), manifest=manifest, files=files)
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:+.1f}%"
 
@@ -71,12 +68,6 @@ def _pct(value: float | None) -> str:
 def _rate(value: float) -> str:
     """A failure rate, with one decimal near the ends, so 0.4% never reads as 0% nor 99.6% as 100%."""
     return f"{100 * value:.1f}%" if 0 < value < 0.1 or 0.9 < value < 1 else f"{100 * value:.0f}%"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return [*lines, ""]
 
 
 def _provenance(inputs: ReportInputs) -> str:
@@ -129,10 +120,10 @@ def _section_table1(pts: Sequence[Point], plots: _Plots) -> list[str]:
         qps_levels = sorted({p.qps for p in group})
         by = {(p.mode, p.qps): p for p in group}
         rows = [
-            [f"{q:g}", *[_ms(by[(m, q)].ttft2_mean_ms) if (m, q) in by else "-" for m in modes]]
+            [f"{q:g}", *[ms(by[(m, q)].ttft2_mean_ms) if (m, q) in by else "-" for m in modes]]
             for q in qps_levels
         ]
-        lines += [f"### {shape}: mean Turn 2+ TTFT (ms)", "", *_table(["QPS", *modes], rows)]
+        lines += [f"### {shape}: mean Turn 2+ TTFT (ms)", "", *md_table(["QPS", *modes], rows)]
         bands = [
             [m, *[_pct(band_changes(group, shape, m)[name]) for name, _, _ in BANDS]]
             for m in modes
@@ -143,7 +134,7 @@ def _section_table1(pts: Sequence[Point], plots: _Plots) -> list[str]:
         if bands:
             header = ["vs PD", *[f"{name} ({lo:g}-{hi:g})" for name, lo, hi in BANDS]]
             lines += [f"{shape}: change in mean Turn 2+ TTFT versus PD (negative = better)", ""]
-            lines += _table(header, bands)
+            lines += md_table(header, bands)
 
     def draw(axes: Any) -> None:
         for ax, (shape, group) in zip(axes, shapes.items(), strict=True):
@@ -172,9 +163,9 @@ def _section_pareto(pts: Sequence[Point], plots: _Plots) -> list[str]:
     for shape, group in shapes.items():
         for q in sorted({p.qps for p in group}):
             front = pareto([p for p in group if p.qps == q])
-            rows += [[shape, f"{q:g}", p.mode, f"{p.tokens_per_s:.0f}", _ms(p.ttft_p99_ms)] for p in front]
+            rows += [[shape, f"{q:g}", p.mode, f"{p.tokens_per_s:.0f}", ms(p.ttft_p99_ms)] for p in front]
     lines += ["Pareto-optimal modes per shape and QPS (higher tokens/s, lower P99 TTFT):", ""]
-    lines += _table(["shape", "QPS", "mode", "tokens/s", "P99 TTFT (ms)"], rows)
+    lines += md_table(["shape", "QPS", "mode", "tokens/s", "P99 TTFT (ms)"], rows)
 
     def draw(axes: Any) -> None:
         for ax, (shape, group) in zip(axes, shapes.items(), strict=True):
@@ -207,13 +198,13 @@ def _section_failures(pts: Sequence[Point]) -> list[str]:
         [f"{shape} ({mode})", *[_rate(r[q]) if q in r else "-" for q in levels]]
         for (shape, mode), r in rates.items()
     ]
-    lines += _table(["config", *[f"QPS={q:g}" for q in levels]], rows)
+    lines += md_table(["config", *[f"QPS={q:g}" for q in levels]], rows)
     paper = [
         [f"{shape} ({mode})", *[f"{100 * v:.0f}%" for v in values]]
         for (shape, mode), values in PAPER_TABLE5.items()
     ]
     lines += ["The paper's Table 5 (real H100 runs), for comparison:", ""]
-    return [*lines, *_table(["config", *[f"QPS={q:g}" for q in HIGH_QPS]], paper)]
+    return [*lines, *md_table(["config", *[f"QPS={q:g}" for q in HIGH_QPS]], paper)]
 
 
 def _section_winners(pts: Sequence[Point]) -> list[str]:
@@ -228,7 +219,7 @@ def _section_winners(pts: Sequence[Point]) -> list[str]:
         for m in ("pd", "local", "ppd")
     ]
     lines += [f"Counted over {n} (shape, QPS) test points; ties count for every tied mode.", ""]
-    return [*lines, *_table(["mode", "TPOT best", "TTFT best", "SR = 100%"], rows)]
+    return [*lines, *md_table(["mode", "TPOT best", "TTFT best", "SR = 100%"], rows)]
 
 
 def _section_wtpot(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
@@ -238,13 +229,13 @@ def _section_wtpot(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
     rows = [
         [
             s.label,
-            _ms(s.point.ttft2_mean_ms),
-            _ms(s.point.tpot2_mean_ms),
+            ms(s.point.ttft2_mean_ms),
+            ms(s.point.tpot2_mean_ms),
             "-" if s.point.local_share is None else f"{100 * s.point.local_share:.0f}%",
         ]
         for s in sweep
     ]
-    lines += _table(["setting", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "routed local"], rows)
+    lines += md_table(["setting", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "routed local"], rows)
 
     def draw(axes: Any) -> None:
         ax = axes[0]
@@ -305,14 +296,16 @@ def _section_paper_wtpot(sweeps: Sequence[tuple[float, Sequence[SweepPoint]]], p
             rows.append(
                 [
                     s.label,
-                    _ms(s.point.ttft2_mean_ms) + _vs(s.point.ttft2_mean_ms, pd_ttft),
-                    _ms(s.point.tpot2_mean_ms) + _vs(s.point.tpot2_mean_ms, pd_tpot),
+                    ms(s.point.ttft2_mean_ms) + _vs(s.point.ttft2_mean_ms, pd_ttft),
+                    ms(s.point.tpot2_mean_ms) + _vs(s.point.tpot2_mean_ms, pd_tpot),
                     "-" if s.point.local_share is None else f"{100 * s.point.local_share:.0f}%",
                     "" if paper is None else f"{100 * paper:.0f}%",
                 ]
             )
         lines += [f"QPS {qps:g}:", ""]
-        lines += _table(["setting", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "routed local", "paper"], rows)
+        lines += md_table(
+            ["setting", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "routed local", "paper"], rows
+        )
 
     def draw(axes: Any) -> None:
         share, frontier = axes
@@ -356,10 +349,10 @@ def _section_links(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
     if not sweep:
         return [*lines, "No link-bandwidth sweep in these records.", ""]
     rows = [
-        [s.mode, s.label, _ms(s.point.ttft2_mean_ms), _ms(s.point.tpot2_mean_ms), _ms(s.point.e2e_mean_ms)]
+        [s.mode, s.label, ms(s.point.ttft2_mean_ms), ms(s.point.tpot2_mean_ms), ms(s.point.e2e_mean_ms)]
         for s in sweep
     ]
-    lines += _table(["mode", "link", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "E2E (ms)"], rows)
+    lines += md_table(["mode", "link", "Turn 2+ TTFT (ms)", "Turn 2+ TPOT (ms)", "E2E (ms)"], rows)
 
     def draw(axes: Any) -> None:
         ax = axes[0]
@@ -385,7 +378,7 @@ def _section_links(sweep: Sequence[SweepPoint], plots: _Plots) -> list[str]:
 def _section_acceptance(result: Acceptance, shape: str) -> list[str]:
     marks = {True: "PASS", False: "FAIL", None: "n/a"}
     rows = [[c.name, marks[c.passed], c.detail] for c in result.checks]
-    return [f"## Acceptance figures ({shape})", "", *_table(["check", "result", "measured"], rows)]
+    return [f"## Acceptance figures ({shape})", "", *md_table(["check", "result", "measured"], rows)]
 
 
 def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Path:

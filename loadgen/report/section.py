@@ -6,12 +6,13 @@ matplotlib is imported only when a PNG is drawn (object API, no pyplot global st
 from __future__ import annotations
 
 import math
+import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["md_table", "mean", "ms", "p99", "save_png"]
+__all__ = ["md_table", "mean", "ms", "p99", "progress_printer", "save_png"]
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -48,3 +49,13 @@ def save_png(path: Path, title: str, caption: str, draw: Callable[[Any], None], 
     fig.suptitle(f"{title}\n{wrapped}", fontsize=9)
     fig.savefig(path, dpi=110)
     return path
+
+
+def progress_printer(quiet: bool) -> Callable[[str], None]:
+    """Where an experiment's progress lines go: stderr, flushed, or nowhere with ``--no-progress``."""
+
+    def say(line: str) -> None:
+        if not quiet:
+            print(line, file=sys.stderr, flush=True)
+
+    return say

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from typing import Any, Final
 
 from loadgen.arguments import positive, positive_list
 from loadgen.report.reproduce import find_table
-from loadgen.report.section import md_table, mean, ms, p99, save_png
+from loadgen.report.section import md_table, mean, ms, p99, progress_printer, save_png
 from loadgen.report.traffic import ramp_conversations
 from ppd import slo as controller
 from table_builder.records import Record, write_records
@@ -346,11 +345,7 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         table=args.table,
     )
 
-    def say(line: str) -> None:
-        if not args.no_progress:
-            print(line, file=sys.stderr, flush=True)
-
-    fig, path = run_slo(settings, args.out, progress=say)
+    fig, path = run_slo(settings, args.out, progress=progress_printer(args.no_progress))
     print(f"slo section: {path}")
     for row in _goals(fig):
         print("| " + " | ".join(row) + " |")
