@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ppd.slo import p99 as slo_p99
+
 __all__ = ["md_table", "mean", "ms", "p99", "progress_printer", "save_png"]
 
 
@@ -26,11 +28,8 @@ def mean(values: Sequence[float]) -> float | None:
 
 
 def p99(values: Sequence[float]) -> float | None:
-    """The 99th percentile, nearest rank (the value at or above 99% of the sample)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+    """The 99th percentile as the SLO controller computes it (``ppd.slo.p99``, nearest rank)."""
+    return slo_p99(list(values)) if values else None
 
 
 def ms(value: float | None) -> str:
