@@ -62,6 +62,7 @@ class Reason(IntEnum):
     NEAREST_CELL = 6
     DEFAULT = 7
     LIVE_SIGNAL = 8
+    BIDIR_FAILED_IN_CELL = 9
 
 
 class QueryError(ValueError):
