@@ -40,7 +40,9 @@ def requests(seed: int = 17, count: int = 600) -> list[pb.RouteRequest]:
         )
         kind = rng.random()
         if kind < 0.2:
-            req.weights.w_ttft, req.weights.w_tpot = rng.choice([(1.0, 0.2), (0.05, 1.0), (1.0, 0.0), (0.3, 0.7)])
+            req.weights.w_ttft, req.weights.w_tpot = rng.choice(
+                [(1.0, 0.2), (0.05, 1.0), (1.0, 0.0), (0.3, 0.7)]
+            )
         elif kind < 0.4:
             req.weights_profile = rng.choice(["ttft", "tpot", "balanced"])
         if rng.random() < 0.3:
