@@ -41,6 +41,7 @@ from gateway.pool import WorkerPool, WorkerSpec, names_address
 from gateway.ports import ClientRequest, DecisionClient, Upstream
 from gateway.probe import PoolMonitor
 from gateway.psi import QpsMeter, Tokenizers
+from gateway.redis_sessions import RedisSessionStore
 from gateway.request_log import RequestLog
 from gateway.sessions import InMemorySessionStore, SessionStore
 from gateway.settings import Settings
@@ -81,8 +82,17 @@ def create_app(
         app_metrics = metrics or GatewayMetrics()
         workers = upstream or HttpUpstream.create(settings.timeouts)
         decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
-        store = sessions or InMemorySessionStore(
-            ttl_s=settings.sessions.ttl_s, max_entries=settings.sessions.max_entries, clock=clock
+        shared = (
+            RedisSessionStore.connect(settings.sessions, app_metrics, clock=clock)
+            if sessions is None and settings.sessions.redis_url
+            else None
+        )
+        store = (
+            sessions
+            or shared
+            or InMemorySessionStore(
+                ttl_s=settings.sessions.ttl_s, max_entries=settings.sessions.max_entries, clock=clock
+            )
         )
         pool = WorkerPool(settings.workers, heartbeat_expiry_s=settings.pool.heartbeat_expiry_s, clock=clock)
         qps = QpsMeter(
@@ -118,6 +128,8 @@ def create_app(
             asyncio.create_task(monitor.run(), name="pool-monitor"),
             asyncio.create_task(_sweep(deps), name="session-sweeper"),
         ]
+        if shared is not None:
+            tasks.append(asyncio.create_task(shared.watch(), name="session-store-watch"))
         try:
             yield
         finally:
@@ -128,6 +140,8 @@ def create_app(
                     await task
             await decider.close()
             await workers.close()
+            if shared is not None:
+                await shared.close()
             if request_log is not None:
                 request_log.close()
 
@@ -155,7 +169,7 @@ def server_options(settings: Settings) -> dict[str, Any]:
 async def _sweep(deps: Deps) -> None:
     while True:
         await asyncio.sleep(deps.settings.sessions.sweep_interval_s)
-        dropped = deps.sessions.expire()
+        dropped = await deps.sessions.expire()
         if dropped:
             log.debug("expired %d idle sessions", dropped)
         if deps.request_log is not None:
