@@ -82,18 +82,7 @@ def create_app(
         app_metrics = metrics or GatewayMetrics()
         workers = upstream or HttpUpstream.create(settings.timeouts)
         decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
-        shared = (
-            RedisSessionStore.connect(settings.sessions, app_metrics, clock=clock)
-            if sessions is None and settings.sessions.redis_url
-            else None
-        )
-        store = (
-            sessions
-            or shared
-            or InMemorySessionStore(
-                ttl_s=settings.sessions.ttl_s, max_entries=settings.sessions.max_entries, clock=clock
-            )
-        )
+        store, shared = _session_store(settings, sessions, app_metrics, clock)
         pool = WorkerPool(settings.workers, heartbeat_expiry_s=settings.pool.heartbeat_expiry_s, clock=clock)
         qps = QpsMeter(
             window_s=settings.policy.qps_window_s, hysteresis=settings.policy.qps_hysteresis, clock=clock
@@ -157,6 +146,20 @@ def create_app(
     app.router.add_post("/admin/workers", _register_worker)
     app.router.add_delete("/admin/workers/{worker_id}", _deregister_worker)
     return app
+
+
+def _session_store(
+    settings: Settings, given: SessionStore | None, metrics: GatewayMetrics, clock: Clock
+) -> tuple[SessionStore, RedisSessionStore | None]:
+    """The store the app uses, and the shared one it owns (to watch and close), if any: the one
+    given, else Redis when `[sessions] redis_url` names it, else this process's memory."""
+    if given is not None:  # `is not None`: an empty store is falsy (len 0)
+        return given, None
+    s = settings.sessions
+    if s.redis_url:
+        shared = RedisSessionStore.connect(s, metrics, clock=clock)
+        return shared, shared
+    return InMemorySessionStore(ttl_s=s.ttl_s, max_entries=s.max_entries, clock=clock), None
 
 
 def server_options(settings: Settings) -> dict[str, Any]:
