@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -193,6 +194,35 @@ async def test_a_signal_while_children_start_stops_those_started_so_far(tmp_path
             os.kill(pid, 0)  # stopped and reaped
     assert out.getvalue() == ""  # never announced as up
     assert not (tmp_path / "gateway.toml").exists()
+
+
+@pytest.mark.parametrize(
+    ("redis", "reason"),
+    [
+        (("/nonexistent/redis-server",), "redis: cannot start '/nonexistent/redis-server'"),
+        (
+            standin("--exit-before", "2", "--stderr", "bad config"),
+            "redis: exited with code 2 before it was ready",
+        ),
+    ],
+)
+async def test_gateways_without_a_working_redis_stop_the_stack_naming_it(
+    redis: tuple[str, ...], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    out, stop = _Out(), asyncio.Event()
+    commands = dataclasses.replace(_commands(), redis=lambda sock: redis)
+    assert await run_stack(StackSettings(gateways=3, ready_timeout_s=30), commands, out, stop) == 1
+    assert reason in caplog.text
+    assert out.getvalue() == ""
+
+
+def test_ppd_up_refuses_zero_gateways(capsys: pytest.CaptureFixture[str]) -> None:
+    from devstack.stack import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--gateways", "0"])
+    assert exc.value.code == 2
+    assert "--gateways: must be at least 1" in capsys.readouterr().err
 
 
 def test_the_engine_picks_the_cluster_command() -> None:

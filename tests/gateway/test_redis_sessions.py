@@ -255,3 +255,29 @@ def test_settings_name_a_redis_url_or_nothing() -> None:
         Settings.from_mapping({"sessions": {"redis_url": "http://cache"}})
     with pytest.raises(SettingsError, match="redis_timeout_s"):
         Settings.from_mapping({"sessions": {"redis_url": "unix:///x.sock", "redis_timeout_s": 0}})
+
+
+async def test_a_write_back_that_fails_half_way_keeps_what_did_not_go_back(
+    server: RedisServer, raw: aioredis.Redis
+) -> None:
+    """Recovery whose probe write passes but whose write-back is refused (an ACL without scripts):
+    the sessions learnt meanwhile stay in local memory and the store stays degraded until it works."""
+    replica = Replica(_settings(server, redis_timeout_s=0.2))
+    try:
+        server.pause()
+        try:
+            await replica.store.put("a", _session("a"))  # times out: degraded, kept locally
+        finally:
+            server.resume()
+        await replica.store.put("b", _session("b"))
+        assert replica.degraded() == 1
+        await raw.execute_command("ACL", "SETUSER", "default", "-eval", "-evalsha")
+        assert await replica.store.probe() is False
+        assert replica.degraded() == 1
+        assert await replica.store.get("a") == _session("a")
+        assert await replica.store.get("b") == _session("b")
+        await raw.execute_command("ACL", "SETUSER", "default", "+eval", "+evalsha")
+        assert await replica.store.probe() is True
+        assert await raw.exists("ppd:sessions:a", "ppd:sessions:b") == 2
+    finally:
+        await replica.store.close()
