@@ -271,12 +271,12 @@ async def test_a_write_back_that_fails_half_way_keeps_what_did_not_go_back(
             server.resume()
         await replica.store.put("b", _session("b"))
         assert replica.degraded() == 1
-        await raw.execute_command("ACL", "SETUSER", "default", "-eval", "-evalsha")
+        await raw.execute_command("ACL", "SETUSER", "default", "-eval", "-evalsha")  # type: ignore[no-untyped-call]
         assert await replica.store.probe() is False
         assert replica.degraded() == 1
         assert await replica.store.get("a") == _session("a")
         assert await replica.store.get("b") == _session("b")
-        await raw.execute_command("ACL", "SETUSER", "default", "+eval", "+evalsha")
+        await raw.execute_command("ACL", "SETUSER", "default", "+eval", "+evalsha")  # type: ignore[no-untyped-call]
         assert await replica.store.probe() is True
         assert await raw.exists("ppd:sessions:a", "ppd:sessions:b") == 2
     finally:
