@@ -240,7 +240,9 @@ def _gateway(upstream: str, folder: Path, store: str, redis_url: str) -> _Proc:
     config.write_text(
         'mode = "local"\n'
         f'[[workers]]\nid = "P0"\nrole = "prefill"\nurl = "{upstream}"\n'
-        f'[[workers]]\nid = "D0"\nrole = "decode"\nurl = "{upstream}"\n' + sessions
+        f'[[workers]]\nid = "D0"\nrole = "decode"\nurl = "{upstream}"\n'
+        # Generous: on a saturated machine a 3 s connect limit fails requests; this measures cost.
+        "[timeouts]\nconnect_s = 60.0\nidle_s = 600.0\n" + sessions
     )
     return _start(["gateway", "serve", "--config", str(config), "--port", "0", "--log-level", "WARNING"])
 
