@@ -3,7 +3,8 @@
 #   make test   lint + type check + import contracts + real vLLM prepared + the whole test suite
 # Both create .venv and install what they need; nothing is installed by hand (`make redis` installs
 # Debian's redis-server when it is missing: the shared session store of `ppd-up --gateways N` and its
-# tests). `make vllm` prepares real vLLM on this CPU in its own venv (cached under ~/.cache/ppd-router, keyed by versions).
+# tests). `make vllm` prepares real vLLM on this CPU in its own venv (cached under
+# ~/.cache/ppd-router, keyed by versions).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -29,7 +30,7 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends redis-server; }
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
