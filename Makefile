@@ -1,15 +1,17 @@
 # The two set-up commands of the README:
 #   make run    the whole system locally (simulated workers, decision service, gateway)
 #   make test   lint + type check + import contracts + real vLLM prepared + the whole test suite
-# Both create .venv and install what they need; nothing is installed by hand. `make vllm` prepares
-# real vLLM on this CPU in its own venv (cached under ~/.cache/ppd-router, keyed by versions).
+# Both create .venv and install what they need; nothing is installed by hand (`make redis` installs
+# Debian's redis-server when it is missing: the shared session store of `ppd-up --gateways N` and its
+# tests). `make vllm` prepares real vLLM on this CPU in its own venv (cached under
+# ~/.cache/ppd-router, keyed by versions).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint typecheck vllm unit proto clean
+.PHONY: venv run test lint typecheck vllm unit proto clean redis
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +21,16 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) redis
 	$(BIN)/ppd-up $(ARGS)
+
+# Debian's redis-server, only when missing (CI runs as root on Debian; elsewhere sudo asks). The
+# package's own service is not started in containers (policy-rc.d); tests and ppd-up start their own.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -34,7 +44,7 @@ typecheck: $(STAMP)
 vllm: $(STAMP)
 	$(BIN)/ppd-vllm prepare
 
-test: lint typecheck vllm
+test: lint typecheck vllm redis
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 proto: $(STAMP)

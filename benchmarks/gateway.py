@@ -257,14 +257,14 @@ def _session_store_memory(sessions: int, bound: int) -> dict[str, Any]:
         key = content_key(
             MODEL, [{"role": "user", "content": f"conversation {i}"}, {"role": "assistant", "content": "x"}]
         )
-        store.put(key, Session(uuid.uuid4().hex, "D0", 1, 300, (64,)))
+        store.put_now(key, Session(uuid.uuid4().hex, "D0", 1, 300, (64,)))
         if i % 50_000 == 0:
             peak = max(peak, rss())
-            store.expire()
+            store.expire_now()
     peak = max(peak, rss())
     full = len(store)
     now[0] += 7200
-    store.expire()
+    store.expire_now()
     gc.collect()
     return {
         "sessions_created": sessions,

@@ -4,17 +4,24 @@ Starts, in order, each through its command-line contract (one JSON ready line on
 1. a cluster: simulated (``python -m simulator cluster --topology T --base-port 0``, the default), or
    real vLLM on this CPU with ``--engine vllm-cpu`` (``python -m vllm_harness cluster --topology T``);
 2. the decision service with the shipped tables: ``python -m decision_service serve --tables DIR ...``;
-3. the gateway on 127.0.0.1:8000 with a TOML config generated from the cluster's worker list.
+3. the gateway on 127.0.0.1:8000 with a TOML config generated from the cluster's worker list;
+   with ``--gateways N`` (N > 1): one ``redis-server`` on a unix socket, N gateway replicas sharing
+   their sessions on it (``[sessions] redis_url``), and Envoy on 127.0.0.1:8000 in front of them,
+   round robin (``deploy/envoy/gateway-shared``), once it sees every replica healthy.
 
 Then prints one JSON line (the URLs, for scripts and tests) and a human banner with copy-paste
 ``curl`` and ``openai`` examples, and runs until Ctrl-C/SIGTERM or until a child dies; either way
-every child is stopped. Exit code 0 after a signal, 1 when a child failed (named, with its stderr).
+every child is stopped. A signal while children are still starting stops the ones started so far
+at once (it does not wait for the next one to get ready). Exit code 0 after a signal, 1 when a child
+failed (named, with its stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -25,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from devstack.supervisor import ChildError, ChildSpec, Supervisor
+from devstack.replicas import answers_ping, envoy_argv, poll, redis_argv, start_envoy
+from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
 __all__ = ["ENGINES", "StackCommands", "StackSettings", "gateway_config", "main", "run_stack"]
 
@@ -49,6 +57,8 @@ class StackSettings:
     model_label: str = "llama-3.1-8b"
     ready_timeout_s: float = 60.0
     config_dir: Path | None = None
+    # More than 1: that many gateway replicas sharing sessions on Redis, behind Envoy (round robin).
+    gateways: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +68,10 @@ class StackCommands:
     cluster: Callable[[StackSettings], tuple[str, ...]]
     decision: Callable[[StackSettings], tuple[str, ...]]
     gateway: Callable[[StackSettings, Path], tuple[str, ...]]
+    # With --gateways N > 1: redis-server on a unix socket path; Envoy on a rendered config and the
+    # file it writes its admin address to.
+    redis: Callable[[Path], tuple[str, ...]] = dataclasses.field(default=redis_argv)
+    envoy: Callable[[Path, Path], tuple[str, ...]] = dataclasses.field(default=envoy_argv)
 
     @classmethod
     def real(cls, python: str = sys.executable) -> StackCommands:
@@ -95,8 +109,15 @@ def _toml_str(value: str) -> str:
     return json.dumps(value)  # a JSON string of printable text is a valid TOML basic string
 
 
-def gateway_config(settings: StackSettings, cluster: Mapping[str, Any], decision: Mapping[str, Any]) -> str:
-    """The gateway's TOML config (gateway/README.md) from the cluster's and decision service's ready lines."""
+def gateway_config(
+    settings: StackSettings,
+    cluster: Mapping[str, Any],
+    decision: Mapping[str, Any],
+    *,
+    redis_url: str = "",
+) -> str:
+    """The gateway's TOML config (gateway/README.md) from the cluster's and decision service's ready
+    lines; with `redis_url`, the session store the replicas share."""
     workers = cluster.get("workers")
     if not isinstance(workers, list) or not workers:
         raise ValueError("the cluster's ready line lists no workers")
@@ -111,6 +132,8 @@ def gateway_config(settings: StackSettings, cluster: Mapping[str, Any], decision
         f"address = {_toml_str(f'127.0.0.1:{grpc_port}')}",
         f"table_key = {_toml_str(f'{settings.topology}/{settings.model_label}')}",
     ]
+    if redis_url:
+        lines += ["", "[sessions]", f"redis_url = {_toml_str(redis_url)}"]
     for worker in workers:
         if not isinstance(worker, dict) or not all(
             isinstance(worker.get(k), str) for k in ("id", "role", "url")
@@ -127,8 +150,19 @@ def gateway_config(settings: StackSettings, cluster: Mapping[str, Any], decision
 
 
 def _banner(
-    url: str, settings: StackSettings, cluster: Mapping[str, Any], decision: Mapping[str, Any]
+    url: str,
+    settings: StackSettings,
+    cluster: Mapping[str, Any],
+    decision: Mapping[str, Any],
+    gateways: Sequence[str] = (),
 ) -> str:
+    front = "gateway (OpenAI API):  "
+    replicas = ""
+    if len(gateways) > 1:
+        front = "Envoy (OpenAI API):    "
+        replicas = (
+            f"\n  gateway replicas:      {', '.join(gateways)} (round robin, sessions shared on redis-server)"
+        )
     workers = "\n".join(f"    {w['id']:<4} {w['role']:<8} {w['url']}" for w in cluster.get("workers", []))
     model = str(cluster.get("model") or DEFAULT_MODEL)
     kind = "real vLLM workers (CPU)" if settings.engine == "vllm-cpu" else "simulated workers"
@@ -140,7 +174,7 @@ def _banner(
     )
     return f"""
 PPD stack is up ({settings.topology}, mode {settings.mode}, tables {settings.tables}).
-  gateway (OpenAI API):  {url}/v1
+  {front}{url}/v1{replicas}
   decision service:      grpc 127.0.0.1:{decision.get("grpc")}, metrics http://127.0.0.1:{decision.get("metrics")}/metrics
   {kind}:
 {workers}
@@ -160,6 +194,17 @@ Response headers X-PPD-Path and X-PPD-Reason say where each turn ran and why. Ct
 """
 
 
+@dataclass(frozen=True, slots=True)
+class _Up:
+    """What a started stack announces."""
+
+    url: str
+    cluster: dict[str, Any]
+    decision: dict[str, Any]
+    gateways: tuple[str, ...]
+    redis: str = ""
+
+
 async def run_stack(
     settings: StackSettings,
     commands: StackCommands,
@@ -169,53 +214,101 @@ async def run_stack(
     relay: Callable[[str], None] | None = None,
     grace_s: float = 10.0,
 ) -> int:
-    """Start the stack, serve until ``stop`` is set or a child dies, stop everything; the exit code."""
+    """Start the stack, serve until ``stop`` is set or a child dies, stop everything; the exit code.
+    ``stop`` is heeded while children are still starting too: the ones started so far are stopped."""
     supervisor = Supervisor(relay=relay, grace_s=grace_s)
-    timeout = settings.ready_timeout_s
     code = 1
     with tempfile.TemporaryDirectory(prefix="ppd-up-") as scratch:
-        config_dir = settings.config_dir or Path(scratch)
+        stopper = asyncio.create_task(stop.wait())
+        starting = asyncio.create_task(_start(settings, commands, supervisor, Path(scratch)))
         try:
-            # A real cluster may prepare its venv and model first (minutes, once) and load slowly.
-            cluster_timeout = max(timeout, 900.0) if settings.engine == "vllm-cpu" else timeout
-            cluster = await supervisor.start(
-                ChildSpec(_CLUSTER_NAMES[settings.engine], commands.cluster(settings), cluster_timeout)
-            )
-            decision = await supervisor.start(
-                ChildSpec("decision service", commands.decision(settings), timeout)
-            )
-            config = config_dir / "gateway.toml"
-            try:
-                config.write_text(gateway_config(settings, cluster.ready, decision.ready), encoding="utf-8")
-            except ValueError as exc:
-                raise ChildError("ppd-up", f"cannot configure the gateway: {exc}") from None
-            gateway = await supervisor.start(
-                ChildSpec("gateway", commands.gateway(settings, config), timeout)
-            )
-            port = gateway.ready.get("http")
-            if type(port) is not int:
-                raise ChildError("gateway", f"ready line has no integer 'http' port: {gateway.ready}")
-            url = f"http://127.0.0.1:{port}"
-            ready = {"gateway": url, "decision": decision.ready, "workers": cluster.ready.get("workers", [])}
-            out.write(json.dumps(ready) + "\n")
-            out.write(_banner(url, settings, cluster.ready, decision.ready))
-            out.flush()
-            stopper = asyncio.create_task(stop.wait())
-            watcher = asyncio.create_task(supervisor.wait_any_exit())
-            done, _ = await asyncio.wait({stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            watcher.cancel()
-            if watcher in done and not watcher.cancelled():
-                raise watcher.result()
-            logger.info("stopping the stack")
-            code = 0
+            await asyncio.wait({stopper, starting}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                logger.info("stopping while the stack starts: stopping the children started so far")
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ChildError):
+                    await starting
+                code = 0
+            else:
+                up = starting.result()
+                ready = {
+                    "gateway": up.url,
+                    "decision": up.decision,
+                    "workers": up.cluster.get("workers", []),
+                }
+                if settings.gateways > 1:
+                    ready |= {"gateways": list(up.gateways), "redis": up.redis}
+                out.write(json.dumps(ready) + "\n")
+                out.write(_banner(up.url, settings, up.cluster, up.decision, up.gateways))
+                out.flush()
+                watcher = asyncio.create_task(supervisor.wait_any_exit())
+                done, _ = await asyncio.wait({stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                watcher.cancel()
+                if watcher in done and not watcher.cancelled():
+                    raise watcher.result()
+                logger.info("stopping the stack")
+                code = 0
         except ChildError as exc:
             logger.error("%s; stopping every process", exc)
         finally:
+            stopper.cancel()
+            if not starting.done():  # run_stack itself cancelled
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ChildError):
+                    await starting
             codes = await supervisor.stop_all()
             if codes:
                 logger.info("stopped: %s", ", ".join(f"{name} ({c})" for name, c in codes.items()))
     return code
+
+
+async def _start(
+    settings: StackSettings, commands: StackCommands, supervisor: Supervisor, scratch: Path
+) -> _Up:
+    """Every child in order, each once the one before is ready (raises ChildError)."""
+    timeout = settings.ready_timeout_s
+    # A real cluster may prepare its venv and model first (minutes, once) and load slowly.
+    cluster_timeout = max(timeout, 900.0) if settings.engine == "vllm-cpu" else timeout
+    cluster = await supervisor.start(
+        ChildSpec(_CLUSTER_NAMES[settings.engine], commands.cluster(settings), cluster_timeout)
+    )
+    decision = await supervisor.start(ChildSpec("decision service", commands.decision(settings), timeout))
+    redis_url = ""
+    if settings.gateways > 1:
+        sock = scratch / "redis.sock"  # the scratch folder: a short path (a socket's is limited)
+        redis = await supervisor.start(ChildSpec("redis", commands.redis(sock), timeout, ready_line=False))
+        await poll(lambda: answers_ping(sock), redis, timeout, "answer PING on its socket")
+        redis_url = f"unix://{sock}"
+    config = (settings.config_dir or scratch) / "gateway.toml"
+    try:
+        config.write_text(
+            gateway_config(settings, cluster.ready, decision.ready, redis_url=redis_url), encoding="utf-8"
+        )
+    except ValueError as exc:
+        raise ChildError("ppd-up", f"cannot configure the gateway: {exc}") from None
+    if settings.gateways == 1:
+        gateway = await supervisor.start(ChildSpec("gateway", commands.gateway(settings, config), timeout))
+        url = f"http://127.0.0.1:{_http_port(gateway)}"
+        return _Up(url, cluster.ready, decision.ready, (url,))
+    replica = dataclasses.replace(settings, port=0)  # Envoy takes the stack's port
+    ports = []
+    for i in range(settings.gateways):
+        child = await supervisor.start(
+            ChildSpec(f"gateway {i + 1}", commands.gateway(replica, config), timeout)
+        )
+        ports.append(_http_port(child))
+    url = await start_envoy(
+        commands.envoy, supervisor, scratch / "envoy", port=settings.port, replicas=ports, timeout_s=timeout
+    )
+    gateways = tuple(f"http://127.0.0.1:{port}" for port in ports)
+    return _Up(url, cluster.ready, decision.ready, gateways, redis_url)
+
+
+def _http_port(gateway: Child) -> int:
+    port = gateway.ready.get("http")
+    if type(port) is not int:
+        raise ChildError(gateway.name, f"ready line has no integer 'http' port: {gateway.ready}")
+    return port
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -248,8 +341,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ready-timeout", type=float, default=60.0, help="seconds each child may take to start"
     )
+    parser.add_argument(
+        "--gateways",
+        type=_replicas,
+        default=1,
+        help="gateway replicas (default 1); more than 1 adds one redis-server (the session store they "
+        "share) and Envoy on --port in front of them, round robin",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
+
+
+def _replicas(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -269,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         model_label=args.model_label,
         ready_timeout_s=args.ready_timeout,
+        gateways=args.gateways,
     )
 
     async def serve() -> int:

@@ -41,6 +41,7 @@ from gateway.pool import WorkerPool, WorkerSpec, names_address
 from gateway.ports import ClientRequest, DecisionClient, Upstream
 from gateway.probe import PoolMonitor
 from gateway.psi import QpsMeter, Tokenizers
+from gateway.redis_sessions import RedisSessionStore
 from gateway.request_log import RequestLog
 from gateway.sessions import InMemorySessionStore, SessionStore
 from gateway.settings import Settings
@@ -81,9 +82,7 @@ def create_app(
         app_metrics = metrics or GatewayMetrics()
         workers = upstream or HttpUpstream.create(settings.timeouts)
         decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
-        store = sessions or InMemorySessionStore(
-            ttl_s=settings.sessions.ttl_s, max_entries=settings.sessions.max_entries, clock=clock
-        )
+        store, shared = _session_store(settings, sessions, app_metrics, clock)
         pool = WorkerPool(settings.workers, heartbeat_expiry_s=settings.pool.heartbeat_expiry_s, clock=clock)
         qps = QpsMeter(
             window_s=settings.policy.qps_window_s, hysteresis=settings.policy.qps_hysteresis, clock=clock
@@ -118,6 +117,8 @@ def create_app(
             asyncio.create_task(monitor.run(), name="pool-monitor"),
             asyncio.create_task(_sweep(deps), name="session-sweeper"),
         ]
+        if shared is not None:
+            tasks.append(asyncio.create_task(shared.watch(), name="session-store-watch"))
         try:
             yield
         finally:
@@ -128,6 +129,8 @@ def create_app(
                     await task
             await decider.close()
             await workers.close()
+            if shared is not None:
+                await shared.close()
             if request_log is not None:
                 request_log.close()
 
@@ -145,6 +148,20 @@ def create_app(
     return app
 
 
+def _session_store(
+    settings: Settings, given: SessionStore | None, metrics: GatewayMetrics, clock: Clock
+) -> tuple[SessionStore, RedisSessionStore | None]:
+    """The store the app uses, and the shared one it owns (to watch and close), if any: the one
+    given, else Redis when `[sessions] redis_url` names it, else this process's memory."""
+    if given is not None:  # `is not None`: an empty store is falsy (len 0)
+        return given, None
+    s = settings.sessions
+    if s.redis_url:
+        shared = RedisSessionStore.connect(s, metrics, clock=clock)
+        return shared, shared
+    return InMemorySessionStore(ttl_s=s.ttl_s, max_entries=s.max_entries, clock=clock), None
+
+
 def server_options(settings: Settings) -> dict[str, Any]:
     """aiohttp server settings for the gateway's own listener. aiohttp closes a connection whose
     request head is not complete `keepalive_timeout` after it opened (or after its last response):
@@ -155,7 +172,7 @@ def server_options(settings: Settings) -> dict[str, Any]:
 async def _sweep(deps: Deps) -> None:
     while True:
         await asyncio.sleep(deps.settings.sessions.sweep_interval_s)
-        dropped = deps.sessions.expire()
+        dropped = await deps.sessions.expire()
         if dropped:
             log.debug("expired %d idle sessions", dropped)
         if deps.request_log is not None:

@@ -108,7 +108,7 @@ class Forwarder:
         )
         mode = self._mode(request.headers)
         view = d.pool.view()
-        match = find_session(
+        match = await find_session(
             d.sessions,
             explicit=request.headers.get(SESSION_HEADER) or req.session_id,
             endpoint=req.endpoint,
@@ -373,7 +373,7 @@ class Forwarder:
             self._upstream_error(call.worker, role, "bad_body")
             raise UpstreamError(f"worker {call.worker} sent a malformed answer", worker=call.worker) from None
         answer, usage = answer_from_body(body)
-        self._remember(turn, outcome, answer, usage, completion_chunks=None)
+        await self._remember(turn, outcome, answer, usage, completion_chunks=None)
         outcome.ok = True
         await client.reply(reply.body, provenance_headers(turn, outcome))
 
@@ -428,7 +428,7 @@ class Forwarder:
                 metrics.stream_errors.labels("worker_error_event").inc()
                 outcome.error = relay.error
             else:
-                self._complete(turn, outcome, relay)
+                await self._complete(turn, outcome, relay)
             await client.end()
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             upstream.close()
@@ -469,7 +469,7 @@ class Forwarder:
                 outcome.last_token = received
             if relay.done and relay.error is None:
                 # Before the client can see [DONE] and send its next turn, which must find this one.
-                self._complete(turn, outcome, relay)
+                await self._complete(turn, outcome, relay)
             if out:
                 await client.write(out)
                 if outcome.overhead is None and outcome.decode_sent is not None:
@@ -486,12 +486,12 @@ class Forwarder:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _complete(self, turn: TurnInputs, outcome: TurnOutcome, relay: StreamRelay) -> None:
+    async def _complete(self, turn: TurnInputs, outcome: TurnOutcome, relay: StreamRelay) -> None:
         if not outcome.ok:
             outcome.ok = True
-            self._remember(turn, outcome, relay.answer, relay.usage, completion_chunks=relay.chunks)
+            await self._remember(turn, outcome, relay.answer, relay.usage, completion_chunks=relay.chunks)
 
-    def _remember(
+    async def _remember(
         self,
         turn: TurnInputs,
         outcome: TurnOutcome,
@@ -521,10 +521,10 @@ class Forwarder:
             history_messages=len(turn.req.messages) if chain is not None else 0,
         )
         if turn.explicit_id:
-            d.sessions.put(explicit_key(turn.explicit_id), after)
+            await d.sessions.put(explicit_key(turn.explicit_id), after)
         if chain is not None:
             key = chain.fork().add({"role": "assistant", "content": answer}).key()
-            d.sessions.put(key, after)
+            await d.sessions.put(key, after)
         if outcome.rebound:
             d.metrics.rebinds.inc()
 

@@ -106,6 +106,19 @@ class GatewayMetrics:
             registry=r,
         )
         self.sessions = Gauge("ppd_gateway_sessions", "Session entries held", registry=r)
+        # The shared session store ([sessions] redis_url, gateway/redis_sessions.py).
+        self.session_store_degraded = Gauge(
+            "ppd_gateway_session_store_degraded",
+            "1 while the shared session store (Redis) fails and sessions stay in this replica's memory",
+            registry=r,
+        )
+        self.session_store_errors = Counter(
+            "ppd_gateway_session_store_errors",
+            "Shared session store calls that failed (timeout, unreachable, error) and entries that could "
+            "not be read (bad_entry), by cause",
+            ["cause"],
+            registry=r,
+        )
         self.qps = Gauge("ppd_gateway_qps", "Request rate fed to decisions (window, hysteresis)", registry=r)
         self.inflight = Gauge("ppd_gateway_requests_in_flight", "Client requests being served", registry=r)
         self.workers = Gauge("ppd_gateway_workers", "Workers in the pool", ["role", "state"], registry=r)

@@ -92,17 +92,21 @@ class Session:
 
 
 class SessionStore(Protocol):
-    """Where sessions live; in memory by default, a shared store for several gateway replicas."""
+    """Where sessions live; in memory by default (InMemorySessionStore), or shared by several gateway
+    replicas (redis_sessions.RedisSessionStore). Async because a shared store is a network call; a
+    store never raises to the request path (a shared one falls back to local memory)."""
 
-    def get(self, key: str) -> Session | None: ...
+    async def get(self, key: str) -> Session | None: ...
 
-    def put(self, key: str, session: Session) -> None: ...
+    async def put(self, key: str, session: Session) -> None: ...
 
-    def expire(self) -> int:
+    async def expire(self) -> int:
         """Drop idle entries now; returns how many went."""
         ...
 
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        """Entries held (a shared store: as last seen)."""
+        ...
 
 
 class _Entry:
@@ -114,7 +118,8 @@ class _Entry:
 
 
 class InMemorySessionStore:
-    """LRU-ordered dict with an idle TTL. Not thread-safe: one event loop owns it."""
+    """LRU-ordered dict with an idle TTL. Not thread-safe: one event loop owns it. The `*_now` methods
+    are the same operations for synchronous callers (the shared store's degraded mode, benchmarks)."""
 
     def __init__(self, *, ttl_s: float, max_entries: int, clock: Clock) -> None:
         if ttl_s <= 0 or max_entries <= 0:
@@ -129,7 +134,16 @@ class InMemorySessionStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str) -> Session | None:
+    async def get(self, key: str) -> Session | None:
+        return self.get_now(key)
+
+    async def put(self, key: str, session: Session) -> None:
+        self.put_now(key, session)
+
+    async def expire(self) -> int:
+        return self.expire_now()
+
+    def get_now(self, key: str) -> Session | None:
         entry = self._entries.get(key)
         if entry is None:
             return None
@@ -142,7 +156,7 @@ class InMemorySessionStore:
         self._entries.move_to_end(key)
         return entry.session
 
-    def put(self, key: str, session: Session) -> None:
+    def put_now(self, key: str, session: Session) -> None:
         now = self._clock()
         entry = self._entries.get(key)
         if entry is None:
@@ -155,7 +169,11 @@ class InMemorySessionStore:
             entry.last_used = now
             self._entries.move_to_end(key)
 
-    def expire(self) -> int:
+    def items(self) -> list[tuple[str, Session]]:
+        """Every entry held, least recently used first (idle ones too, until a sweep drops them)."""
+        return [(key, entry.session) for key, entry in self._entries.items()]
+
+    def expire_now(self) -> int:
         deadline = self._clock() - self._ttl
         dropped = 0
         entries = self._entries
@@ -297,7 +315,7 @@ class SessionMatch:
         return self.history_end if self.session is not None else 0
 
 
-def find_session(
+async def find_session(
     store: SessionStore,
     *,
     explicit: str | None,
@@ -314,17 +332,17 @@ def find_session(
     chain: KeyChain | None = None
     reset = ""
     if explicit:
-        session = store.get(explicit_key(explicit))
+        session = await store.get(explicit_key(explicit))
     if endpoint == "chat":
         chain = KeyChain(model)
         if session is None:
             chain.extend(messages[:history_end])
         elif explicit and history_extends(session, chain, messages, history_end) is False:
-            found = store.get(chain.key()) if history_end else None
+            found = await store.get(chain.key()) if history_end else None
             session = replace(found, id=explicit) if found is not None else None
             reset = "fork" if found is not None else "new_history"
         if not explicit and history_end:
-            session = store.get(chain.key())
+            session = await store.get(chain.key())
         chain.extend(messages[history_end:])
     return SessionMatch(
         explicit_id=explicit,

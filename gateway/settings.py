@@ -111,6 +111,18 @@ class SessionSettings:
     ttl_s: float = 3600.0
     max_entries: int = 200_000
     sweep_interval_s: float = 10.0
+    # The session store shared by gateway replicas (gateway/redis_sessions.py): a Redis URL
+    # (redis://host:6379/0, rediss://..., unix:///run/redis.sock); empty = this process's memory.
+    # ttl_s and max_entries then bound the shared store (and the local memory it falls back to).
+    redis_url: str = ""
+    # Every key this store writes starts with it (replicas sharing sessions use the same prefix).
+    redis_prefix: str = "ppd:sessions:"
+    # Longest wait for one Redis call (and its connection); past it the replica keeps sessions in its
+    # own memory (degraded) until Redis answers again, tried every redis_retry_s. It counts wall time
+    # on a busy event loop too, so keep it well above the loop's stalls under load (0.25 s degraded
+    # a saturated 2-core test machine's gateway at 200 streams).
+    redis_timeout_s: float = 1.0
+    redis_retry_s: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +250,7 @@ class Settings:
             raise SettingsError("need 0 < decision.health_reopen_s <= decision.health_reopen_max_s")
         if self.sessions.ttl_s <= 0 or self.sessions.max_entries <= 0:
             raise SettingsError("sessions.ttl_s and sessions.max_entries must be positive")
+        _check_shared_sessions(self.sessions)
         if self.max_body_bytes <= 0:
             raise SettingsError("max_body_bytes must be positive")
         slo = self.slo
@@ -280,6 +293,18 @@ def _slo_section(raw: Any) -> SloConfig:
                 raise SettingsError(f"setting {key!r} in [slo] must be a number of milliseconds")
             controller[key] = float(value)
     return SloConfig(SloSettings(**controller), **_section(SloConfig, base, "slo"))
+
+
+def _check_shared_sessions(sessions: SessionSettings) -> None:
+    if not sessions.redis_url:
+        return
+    if not sessions.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise SettingsError("sessions.redis_url must start with redis://, rediss:// or unix://")
+    if not (sessions.redis_timeout_s > 0 and sessions.redis_retry_s > 0 and sessions.redis_prefix):
+        raise SettingsError(
+            "sessions.redis_timeout_s and sessions.redis_retry_s must be positive, "
+            "sessions.redis_prefix not empty"
+        )
 
 
 def _section(cls: type[Any], raw: Any, name: str, *, skip: set[str] | None = None) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate.utils as kv
 import pytest
@@ -456,7 +457,7 @@ def test_our_containers_run_the_documented_image_as_its_user(overlay: str) -> No
         for d in rendered(overlay)
         if d["kind"] in (*WORKLOADS, "CronJob")
         for c in pod_spec(d)["containers"]
-        if not c["image"].startswith("vllm/")
+        if not c["image"].startswith(("vllm/", "redis:"))
     ]
     assert ours
     for c in ours:
@@ -577,3 +578,20 @@ def test_refresh_script_publishes_a_table_refreshed_from_logs_laid_out_as_the_ga
     served = Table.open(tmp_path / "tables" / name)
     assert served.header.provenance["base"]["version"] == offline.version
     assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == [name, "base"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateways_share_sessions_on_the_redis_service(overlay: str) -> None:
+    docs = rendered(overlay)
+    url = urlsplit(gateway_config(docs)["sessions"]["redis_url"])
+    service = one(docs, "Service", url.hostname or "")
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == url.port]
+    redis = one(docs, "Deployment", "ppd-redis")
+    assert ports_of(container(redis))[port["targetPort"]] == 6379
+    assert service["spec"]["selector"] == redis["spec"]["selector"]["matchLabels"]
+    args = container(redis)["args"]
+    # A cache: no persistence, bounded memory evicting the least recently used.
+    assert args[args.index("--save") + 1] == ""
+    assert args[args.index("--appendonly") + 1] == "no"
+    assert args[args.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert one(docs, "Deployment", "ppd-gateway")["spec"]["replicas"] >= 2

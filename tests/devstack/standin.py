@@ -2,12 +2,14 @@
 
 python tests/devstack/standin.py [--ready JSON] [--stderr TEXT] [--exit-before N] [--silent]
                               [--bad-ready] [--exit-after N] [--ignore-term] [--config FILE]
+                              [--say-pid]   (first stderr line: "pid N")
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -24,7 +26,10 @@ def main() -> int:
     p.add_argument("--exit-after", type=int)
     p.add_argument("--ignore-term", action="store_true")
     p.add_argument("--config")
+    p.add_argument("--say-pid", action="store_true")
     args, _ = p.parse_known_args()
+    if args.say_pid:
+        print(f"pid {os.getpid()}", file=sys.stderr, flush=True)
     if args.stderr:
         print(args.stderr, file=sys.stderr, flush=True)
     if args.exit_before is not None:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -162,6 +164,65 @@ async def test_the_stack_gives_up_when_a_child_cannot_start(caplog: pytest.LogCa
     assert "simulator cluster: exited with code 5 before it was ready" in caplog.text
     assert "no such topology" in caplog.text
     assert out.getvalue() == ""
+
+
+async def test_a_signal_while_children_start_stops_those_started_so_far(tmp_path: Path) -> None:
+    """Ctrl-C/SIGTERM during start-up: the decision service never gets ready (its deadline is an hour
+    away); ppd-up must not wait for it, but stop the cluster and it at once and exit 0."""
+    out, stop = _Out(), asyncio.Event()
+    pids: dict[str, int] = {}
+
+    def relay(line: str) -> None:
+        name, _, text = line.partition("] ")
+        if text.startswith("pid "):
+            pids[name.removeprefix("[")] = int(text.split()[1])
+            if len(pids) == 2:
+                stop.set()  # what ppd-up's SIGINT/SIGTERM handler does
+
+    commands = StackCommands(
+        cluster=lambda s: standin("--say-pid", "--ready", json.dumps(CLUSTER)),
+        decision=lambda s: standin("--say-pid", "--silent"),
+        gateway=lambda s, config: standin("--ready", f'{{"http": {s.port}}}'),
+    )
+    settings = StackSettings(config_dir=tmp_path, ready_timeout_s=3600)
+    async with asyncio.timeout(120):  # without the fix: an hour, the decision service's deadline
+        code = await run_stack(settings, commands, out, stop, relay=relay)
+    assert code == 0
+    assert set(pids) == {"simulator cluster", "decision service"}
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped
+    assert out.getvalue() == ""  # never announced as up
+    assert not (tmp_path / "gateway.toml").exists()
+
+
+@pytest.mark.parametrize(
+    ("redis", "reason"),
+    [
+        (("/nonexistent/redis-server",), "redis: cannot start '/nonexistent/redis-server'"),
+        (
+            standin("--exit-before", "2", "--stderr", "bad config"),
+            "redis: exited with code 2 before it was ready",
+        ),
+    ],
+)
+async def test_gateways_without_a_working_redis_stop_the_stack_naming_it(
+    redis: tuple[str, ...], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    out, stop = _Out(), asyncio.Event()
+    commands = dataclasses.replace(_commands(), redis=lambda sock: redis)
+    assert await run_stack(StackSettings(gateways=3, ready_timeout_s=30), commands, out, stop) == 1
+    assert reason in caplog.text
+    assert out.getvalue() == ""
+
+
+def test_ppd_up_refuses_zero_gateways(capsys: pytest.CaptureFixture[str]) -> None:
+    from devstack.stack import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--gateways", "0"])
+    assert exc.value.code == 2
+    assert "--gateways: must be at least 1" in capsys.readouterr().err
 
 
 def test_the_engine_picks_the_cluster_command() -> None:

@@ -57,7 +57,7 @@ async def test_turn_is_remembered_before_the_client_sees_done(make_stack: StackF
         async for line in resp.content:
             if line.startswith(b"data: [DONE]"):
                 key = content_key(MODEL, [*messages, {"role": "assistant", "content": text}])
-                assert stack.deps.sessions.get(key) is not None
+                assert await stack.deps.sessions.get(key) is not None
                 break
             if line.startswith(b"data: "):
                 for choice in json.loads(line[6:])["choices"]:

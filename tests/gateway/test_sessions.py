@@ -108,15 +108,15 @@ def test_session_after_turn_tracks_context_and_bounded_history() -> None:
 def test_store_expires_idle_entries_lazily_and_in_sweeps() -> None:
     clock = FakeClock()
     store = InMemorySessionStore(ttl_s=60, max_entries=10, clock=clock)
-    store.put("a", Session("a"))
-    store.put("b", Session("b"))
+    store.put_now("a", Session("a"))
+    store.put_now("b", Session("b"))
     clock.now += 30
-    assert store.get("a") is not None  # touching a renews it
+    assert store.get_now("a") is not None  # touching a renews it
     clock.now += 31
-    assert store.get("b") is None
-    assert store.get("a") is not None
+    assert store.get_now("b") is None
+    assert store.get_now("a") is not None
     clock.now += 61
-    assert store.expire() == 1
+    assert store.expire_now() == 1
     assert len(store) == 0
 
 
@@ -124,11 +124,11 @@ def test_store_evicts_least_recently_used_at_the_bound() -> None:
     clock = FakeClock()
     store = InMemorySessionStore(ttl_s=60, max_entries=3, clock=clock)
     for key in "abc":
-        store.put(key, Session(key))
-    store.get("a")
-    store.put("d", Session("d"))
-    assert store.get("b") is None
-    assert {k for k in "acd" if store.get(k) is not None} == set("acd")
+        store.put_now(key, Session(key))
+    store.get_now("a")
+    store.put_now("d", Session("d"))
+    assert store.get_now("b") is None
+    assert {k for k in "acd" if store.get_now(k) is not None} == set("acd")
     assert len(store) == 3
     assert store.evicted == 1
 
@@ -138,10 +138,10 @@ def test_store_memory_stays_bounded_under_any_traffic() -> None:
     store = InMemorySessionStore(ttl_s=5, max_entries=100, clock=clock)
     for i in range(10_000):
         clock.now += 0.001
-        store.put(f"k{i}", Session(str(i)))
+        store.put_now(f"k{i}", Session(str(i)))
         assert len(store) <= 100
     clock.now += 10
-    store.expire()
+    store.expire_now()
     assert len(store) == 0
 
 
@@ -194,13 +194,13 @@ def test_a_history_extends_a_session_only_through_what_it_was_sent() -> None:
     assert history_extends(unknown, KeyChain(M), [u("x")], 0) is None
 
 
-def test_find_session_continues_forks_or_starts_a_conversation() -> None:
+async def test_find_session_continues_forks_or_starts_a_conversation() -> None:
     from gateway.sessions import InMemorySessionStore, KeyChain, explicit_key, find_session
 
     store = InMemorySessionStore(ttl_s=60.0, max_entries=100, clock=lambda: 0.0)
     ids = iter(["new1", "new2", "new3"])
     first = [{"role": "user", "content": "hi"}]
-    fresh = find_session(
+    fresh = await find_session(
         store, explicit=None, endpoint="chat", model="m", messages=first, new_id=lambda: next(ids)
     )
     assert (fresh.session, fresh.session_id, fresh.turn, fresh.reset) == (None, "new1", 1, "")
@@ -213,18 +213,18 @@ def test_find_session_continues_forks_or_starts_a_conversation() -> None:
         history_messages=1,
     )
     follow_up = [*first, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
-    store.put(KeyChain("m").extend(follow_up[:2]).key(), after)
-    store.put(explicit_key("named"), after)
-    found = find_session(
+    await store.put(KeyChain("m").extend(follow_up[:2]).key(), after)
+    await store.put(explicit_key("named"), after)
+    found = await find_session(
         store, explicit=None, endpoint="chat", model="m", messages=follow_up, new_id=lambda: next(ids)
     )
     assert (found.session_id, found.turn, found.history_end, found.new_messages_from) == ("new1", 2, 2, 2)
-    named = find_session(
+    named = await find_session(
         store, explicit="named", endpoint="chat", model="m", messages=follow_up, new_id=lambda: next(ids)
     )
     assert (named.session_id, named.turn, named.reset) == ("new1", 2, "")
     other = [{"role": "user", "content": "a new story"}]
-    reused = find_session(
+    reused = await find_session(
         store, explicit="named", endpoint="chat", model="m", messages=other, new_id=lambda: next(ids)
     )
     assert (reused.session, reused.session_id, reused.turn, reused.reset) == (None, "named", 1, "new_history")

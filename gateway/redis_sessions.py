@@ -1,0 +1,258 @@
+"""The shared session store of several gateway replicas, on Redis (`[sessions] redis_url`).
+
+Rule 1 (atomic): every operation on an entry is one Lua script, so Redis runs it whole and alone:
+a read renews the entry's TTL and its place in the LRU index; a write sets the value with its TTL,
+indexes it and trims the store to `max_entries` in the same step. No replica ever sees a value
+without its TTL, an index without its entry, or a store over its bound. Two replicas finishing a turn
+of one conversation at once: the later write wins, as within one replica.
+Rule 2 (bounded): each entry expires `ttl_s` after its last read or write (PX); a sorted set
+`<prefix>index` orders the entries by last use (Redis's own clock, the same for every replica) and
+the write that takes the store over `max_entries` deletes the least recently used. The sweeper
+(`expire`) drops index members whose entry expired.
+Rule 3 (degraded, never a client error): when a call fails (Redis down, unreachable, slower than
+`redis_timeout_s`, refusing writes), the store switches to this replica's own memory (an
+InMemorySessionStore with the same bounds), says so in one WARNING line and the gauge
+`ppd_gateway_session_store_degraded` = 1, and stops calling Redis on the request path. `watch()`
+tries a real write every `redis_retry_s`; when one succeeds, the sessions learnt meanwhile are
+written back, one INFO line says so, and the gauge returns to 0. Conversations continue throughout;
+only the sharing pauses (a turn landing on another replica meanwhile starts over through P/D).
+Rule 4 (generic entries): values are `session_codec.DataclassCodec(Session)` bytes; an entry that does
+not decode (another version, corruption) counts as a miss, counted and logged at most once a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Final
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.metrics import GatewayMetrics
+from gateway.session_codec import CodecError, DataclassCodec
+from gateway.sessions import InMemorySessionStore, Session
+from gateway.settings import SessionSettings
+from gateway.types import Clock
+
+__all__ = ["RedisSessionStore"]
+
+log = logging.getLogger(__name__)
+
+# KEYS: entry, index. ARGV: ttl_ms. The value, its TTL renewed and its index score set to now.
+_GET: Final = """
+local value = redis.call('GET', KEYS[1])
+if value then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[2], t[1] * 1000 + math.floor(t[2] / 1000), KEYS[1])
+end
+return value
+"""
+# KEYS: entry, index. ARGV: value, ttl_ms, max_entries. Returns the entries held after the write.
+_PUT: Final = """
+local t = redis.call('TIME')
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], t[1] * 1000 + math.floor(t[2] / 1000), KEYS[1])
+local held = redis.call('ZCARD', KEYS[2])
+local over = held - tonumber(ARGV[3])
+if over > 0 then
+  local oldest = redis.call('ZPOPMIN', KEYS[2], over)
+  for i = 1, #oldest, 2 do
+    redis.call('DEL', oldest[i])
+  end
+  held = held - over
+end
+return held
+"""
+# KEYS: index. ARGV: ttl_ms. Drops the members whose entry expired; returns (dropped, held).
+_EXPIRE: Final = """
+local t = redis.call('TIME')
+local cutoff = t[1] * 1000 + math.floor(t[2] / 1000) - tonumber(ARGV[1])
+local dropped = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
+return {dropped, redis.call('ZCARD', KEYS[1])}
+"""
+_BAD_ENTRY_LOG_S: Final = 60.0
+_FAILURES: Final = (RedisError, OSError)
+_WRITE_BACK_ROUNDS: Final = 3
+
+
+class RedisSessionStore:
+    """A SessionStore (sessions.py) on Redis, shared by every replica that names the same Redis and
+    prefix; falls back to local memory while Redis fails (module docstring)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        settings: SessionSettings,
+        metrics: GatewayMetrics,
+        *,
+        clock: Clock,
+    ) -> None:
+        self._redis = client
+        self._s = settings
+        self._metrics = metrics
+        self._clock = clock
+        self._ttl_ms = max(1, round(settings.ttl_s * 1000))
+        self._index = settings.redis_prefix + "index"
+        self._codec = DataclassCodec(Session)
+        self._get = client.register_script(_GET)
+        self._put = client.register_script(_PUT)
+        self._expire = client.register_script(_EXPIRE)
+        self._local = self._new_local()
+        self._held = 0
+        self.degraded = False
+        self._bad_entries = 0
+        self._bad_logged_at: float | None = None
+        metrics.session_store_degraded.set(0)
+
+    @classmethod
+    def connect(
+        cls, settings: SessionSettings, metrics: GatewayMetrics, *, clock: Clock
+    ) -> RedisSessionStore:
+        """A store on `settings.redis_url`; connects lazily (no call is made here)."""
+        client = aioredis.from_url(
+            settings.redis_url,
+            socket_timeout=settings.redis_timeout_s,
+            socket_connect_timeout=settings.redis_timeout_s,
+            # No retries inside the client: a failed call goes to local memory at once (Rule 3).
+            retry=Retry(NoBackoff(), 0),
+        )
+        return cls(client, settings, metrics, clock=clock)
+
+    def _new_local(self) -> InMemorySessionStore:
+        return InMemorySessionStore(ttl_s=self._s.ttl_s, max_entries=self._s.max_entries, clock=self._clock)
+
+    def _key(self, key: str) -> str:
+        return self._s.redis_prefix + key
+
+    def __len__(self) -> int:
+        return len(self._local) if self.degraded else self._held
+
+    async def get(self, key: str) -> Session | None:
+        if not self.degraded:
+            try:
+                raw = await self._get(keys=[self._key(key), self._index], args=[self._ttl_ms])
+            except _FAILURES as exc:
+                self._degrade(exc)
+            else:
+                if raw is not None:
+                    session = self._decode(key, raw)
+                    if session is not None:
+                        return session
+        # Degraded, or a miss: what this replica learnt while Redis was away (empty otherwise).
+        return self._local.get_now(key)
+
+    async def put(self, key: str, session: Session) -> None:
+        if not self.degraded:
+            try:
+                self._held = int(await self._write(key, session))
+                return
+            except _FAILURES as exc:
+                self._degrade(exc)
+        self._local.put_now(key, session)
+
+    async def expire(self) -> int:
+        dropped = self._local.expire_now()
+        if self.degraded:
+            return dropped
+        try:
+            gone, held = await self._expire(keys=[self._index], args=[self._ttl_ms])
+        except _FAILURES as exc:
+            self._degrade(exc)
+            return dropped
+        self._held = int(held)
+        return dropped + int(gone)
+
+    async def _write(self, key: str, session: Session) -> int:
+        value = self._codec.encode(session)
+        return int(
+            await self._put(
+                keys=[self._key(key), self._index], args=[value, self._ttl_ms, self._s.max_entries]
+            )
+        )
+
+    def _decode(self, key: str, raw: bytes) -> Session | None:
+        try:
+            return self._codec.decode(raw)
+        except CodecError as exc:
+            self._metrics.session_store_errors.labels("bad_entry").inc()
+            self._bad_entries += 1
+            now = self._clock()
+            if self._bad_logged_at is None or now - self._bad_logged_at >= _BAD_ENTRY_LOG_S:
+                log.warning(
+                    "session store: %d entr%s in Redis could not be read and count as missing (last: %s: %s)",
+                    self._bad_entries, "y" if self._bad_entries == 1 else "ies", key, exc,
+                )  # fmt: skip
+                self._bad_logged_at = now
+                self._bad_entries = 0
+            return None
+
+    def _degrade(self, exc: BaseException) -> None:
+        self._metrics.session_store_errors.labels(_cause(exc)).inc()
+        if self.degraded:
+            return
+        self.degraded = True
+        self._metrics.session_store_degraded.set(1)
+        log.warning(
+            "session store: Redis failed (%s: %s); keeping sessions in this replica's memory until it "
+            "answers again (retry every %g s)",
+            type(exc).__name__, exc, self._s.redis_retry_s,
+        )  # fmt: skip
+
+    async def probe(self) -> bool:
+        """One recovery attempt while degraded: a real write (so a Redis that refuses writes stays
+        degraded), then the sessions learnt meanwhile written back (requests keep writing to local
+        memory until then, so a round repeats while they add more). True when sharing resumed."""
+        if not self.degraded:
+            return True
+        written = 0
+        try:
+            await self._redis.set(self._s.redis_prefix + "probe", b"1", px=self._ttl_ms)
+            for _ in range(_WRITE_BACK_ROUNDS):
+                pending, self._local = self._local, self._new_local()
+                try:
+                    for key, session in pending.items():
+                        self._held = await self._write(key, session)
+                        written += 1
+                except _FAILURES:
+                    for key, session in pending.items():  # keep what did not go back
+                        if self._local.get_now(key) is None:
+                            self._local.put_now(key, session)
+                    raise
+                if not self._local:
+                    break
+        except _FAILURES as exc:
+            log.debug("session store: Redis still failing: %s", exc)
+            return False
+        self.degraded = False
+        self._metrics.session_store_degraded.set(0)
+        log.info(
+            "session store: Redis answers again; %d session entr%s learnt meanwhile written back, "
+            "sharing resumed",
+            written, "y" if written == 1 else "ies",
+        )  # fmt: skip
+        return True
+
+    async def watch(self) -> None:
+        """Run for the life of the app: a recovery attempt every `redis_retry_s` while degraded."""
+        while True:
+            await asyncio.sleep(self._s.redis_retry_s)
+            if self.degraded:
+                await self.probe()
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def _cause(exc: BaseException) -> str:
+    """The metric label of a failed call."""
+    if isinstance(exc, RedisTimeoutError | TimeoutError):
+        return "timeout"
+    if isinstance(exc, RedisConnectionError | OSError):
+        return "unreachable"
+    return "error"
