@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from decision_service.table import Table
-from loadgen.arguments import names, positive
+from loadgen.arguments import at_least, names, open_unit, positive, share
 from loadgen.report.drift_arms import (
     ARMS,
     DriftSettings,
@@ -187,7 +187,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="drift events AT:KEY=FACTOR[,...] separated by ';', keys link (bandwidth factor), decode and "
         f"prefill (step-time factors) (default {';'.join(d.drift)})",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the arrivals (default 0)")
+    parser.add_argument("--seed", type=at_least(0), default=d.seed, help="seed of the arrivals (default 0)")
     parser.add_argument(
         "--tables", type=Path, default=d.tables, help="where the stale table is found (default tables/)"
     )
@@ -203,28 +203,30 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     loop = parser.add_argument_group("closed loop")
     loop.add_argument(
-        "--epsilon", type=float, default=d.epsilon, help=f"exploration share (default {d.epsilon:g})"
+        "--epsilon", type=share, default=d.epsilon, help=f"exploration share (default {d.epsilon:g})"
     )
-    loop.add_argument("--explore-seed", type=int, default=d.explore_seed, help="seed of the exploration draw")
     loop.add_argument(
-        "--refresh-every", type=int, default=d.refresh_every,
+        "--explore-seed", type=at_least(0), default=d.explore_seed, help="seed of the exploration draw"
+    )
+    loop.add_argument(
+        "--refresh-every", type=at_least(1), default=d.refresh_every,
         help=f"finished requests between refreshes (default {d.refresh_every})",
     )  # fmt: skip
     loop.add_argument(
         "--window",
-        type=int,
+        type=at_least(0),
         default=d.window,
         help=f"records a refresh reads, the latest (default {d.window}; 0 = all)",
     )
     loop.add_argument(
         "--min-samples",
-        type=int,
+        type=at_least(1),
         default=d.min_samples,
         help=f"refresh: no flip below (default {d.min_samples})",
     )
     loop.add_argument(
         "--confidence",
-        type=float,
+        type=open_unit,
         default=d.confidence,
         help=f"refresh: drift bound (default {d.confidence:g})",
     )

@@ -210,6 +210,35 @@ def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown drift key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--epsilon", "1.5", "from 0 to 1"),
+        ("--epsilon", "-0.1", "from 0 to 1"),
+        ("--epsilon", "nan", "from 0 to 1"),
+        ("--confidence", "1", "between 0 and 1"),
+        ("--confidence", "0", "between 0 and 1"),
+        ("--refresh-every", "0", "integer >= 1"),
+        ("--min-samples", "0", "integer >= 1"),
+        ("--window", "-1", "integer >= 0"),
+        ("--window", "1.5", "integer >= 0"),
+        ("--explore-seed", "-1", "integer >= 0"),
+        ("--seed", "-3", "integer >= 0"),
+    ],
+)
+def test_cli_range_checks_the_closed_loops_flags(
+    flag: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A bad value is a usage error naming the flag (exit 2), never a traceback from deep in a run.
+    with pytest.raises(SystemExit) as exc:
+        main(["drift", "--out", str(tmp_path), "--arms", "stale", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err, err
+    assert message in err, err
+    assert not any(tmp_path.iterdir())
+
+
 def test_cli_refuses_a_drift_after_the_run(tmp_path: Path) -> None:
     assert main(["drift", "--out", str(tmp_path), "--duration", "10", "--drift", "20:link=0.1"]) == 2
     assert not any(tmp_path.iterdir())
