@@ -25,6 +25,15 @@ saturation at a bound leaves nothing to unwind, so the first tick that sees the 
 away from the bound. Windowed samples age out after `window_s` whatever happened before.
 Rule 3 (bounded memory): the window holds at most `max_samples` samples per signal (the oldest go
 first), so a burst cannot grow it without bound.
+Rule 4 (judge the weight in force): every move empties both windows, so the next tick judges only
+requests that finished under the new weight, once `min_samples` of them are in (a 30 s window judged
+every 5 s would otherwise see the old weight's P99 for six more ticks and keep moving: overshoot).
+Rule 5 (back off relaxing, hold near the flip point): a relax that the next move undoes (TPOT over
+right after relaxing) found the flip point; the weight it relaxed from is the lowest known to hold.
+Relaxing to that weight is free, but below it the controller waits `relax_wait` seconds from its last
+step up, and each such cycle doubles that wait (from `window_s` up to 16 x `window_s`). Once the wait
+is over it relaxes tick by tick as before, so a lasting drop in load still brings it to the base;
+reaching the base forgets the flip point and the wait. While it waits the reason is relax_wait.
 """
 
 from __future__ import annotations
@@ -105,7 +114,8 @@ class SloState:
     ttft_samples: int
     #: The last tick's move and its cause: tpot_over, ttft_over, relax (back towards the base),
     #: at_base (no pressure, at the base), in_band (a p99 inside its dead band), too_few_samples,
-    #: at_bound (pressure, but w_tpot already at its bound), or "" before the first tick.
+    #: at_bound (pressure, but w_tpot already at its bound), relax_wait (room, but a recent relax
+    #: was undone: rule 5), or "" before the first tick.
     direction: Direction
     reason: str
     adjustments: int
@@ -145,6 +155,9 @@ class _Window:
         if len(self._samples) > self._cap:
             self._samples.popleft()
 
+    def clear(self) -> None:
+        self._samples.clear()
+
     def evict(self, now: float) -> None:
         samples, oldest = self._samples, now - self._span
         while samples and samples[0][0] <= oldest:
@@ -164,9 +177,14 @@ class SloController:
         "_adjustments",
         "_base_tpot",
         "_direction",
+        "_good",
         "_last",
+        "_last_move",
+        "_last_up",
         "_next_tick",
         "_reason",
+        "_relax_wait",
+        "_relaxed_from",
         "_s",
         "_tpot",
         "_ttft",
@@ -192,6 +210,13 @@ class SloController:
         self._direction: Direction = "hold"
         self._reason = ""
         self._adjustments = 0
+        # Rule 5: the reason of the last move, when w_tpot last went up, the weight the last relax
+        # left, the lowest weight known to hold, and how long to hold above it after a step up.
+        self._last_move = ""
+        self._last_up = -math.inf
+        self._relaxed_from = self._base_tpot
+        self._good = self._base_tpot
+        self._relax_wait = 0.0
 
     def observe(self, now: float, *, ttft_s: float | None, tpot_s: float | None) -> None:
         """One finished request's figures (None: not measured, e.g. TPOT of a one-token answer)."""
@@ -257,21 +282,41 @@ class SloController:
             self._move(max(self._w_tpot * down, s.w_tpot_min), "ttft_over")
         elif tpot_room and ttft_room:
             if self._w_tpot > self._base_tpot:
-                self._move(max(self._w_tpot * down, self._base_tpot), "relax")
+                target = max(self._w_tpot * down, self._base_tpot)
+                if target < self._good and now - self._last_up < self._relax_wait:
+                    self._set("hold", "relax_wait")
+                else:
+                    self._relaxed_from = self._w_tpot
+                    self._move(target, "relax")
             elif self._w_tpot < self._base_tpot:
                 self._move(min(self._w_tpot * up, self._base_tpot), "relax")
             else:
+                self._good, self._relax_wait = self._base_tpot, 0.0
                 self._set("hold", "at_base")
+            return
         else:
             self._set("hold", "in_band")
+            return
+        if self._direction == "up":
+            self._last_up = now
 
     def _move(self, w_tpot: float, reason: str) -> None:
         if w_tpot == self._w_tpot:
             self._set("hold", "at_bound")
             return
-        self._set("up" if w_tpot > self._w_tpot else "down", reason)
+        direction: Direction = "up" if w_tpot > self._w_tpot else "down"
+        if reason == "tpot_over" and self._last_move == "relax":
+            # Rule 5: that relax went past the flip point.
+            window = self._s.window_s
+            self._good = self._relaxed_from
+            self._relax_wait = min(max(2.0 * self._relax_wait, window), 16.0 * window)
+        self._set(direction, reason)
+        self._last_move = reason
         self._w_tpot = w_tpot
         self._adjustments += 1
+        # Rule 4: what the windows hold was measured under the old weight.
+        self._tpot.clear()
+        self._ttft.clear()
 
     def _set(self, direction: Direction, reason: str) -> None:
         self._direction = direction

@@ -206,7 +206,7 @@ def test_recovery_after_a_long_saturation_is_as_fast_as_after_a_short_one(satura
 
 def test_samples_age_out_of_the_window() -> None:
     ctrl = SloController(FAST, base_w_ttft=1.0, base_w_tpot=1.0)
-    t = drive(ctrl, 0.0, 2, tpot_ms=80.0)
+    t = drive(ctrl, 0.0, 2, tpot_ms=50.0)  # in the band: no move empties the window (rule 4)
     assert ctrl.state(t).tpot_samples == 40
     assert ctrl.state(t + FAST.window_s + 0.01).tpot_samples == 0
     assert ctrl.state(t + FAST.window_s + 0.01).tpot_p99_ms is None
@@ -294,5 +294,59 @@ def test_after_ttft_pressure_ends_w_tpot_climbs_back_to_the_base() -> None:
     t = drive(ctrl, 0.0, 5, tpot_ms=20.0, ttft_ms=400.0)
     assert ctrl.state(t).w_tpot < 1.0, ctrl.state(t)
     t = drive(ctrl, t, 15, tpot_ms=20.0, ttft_ms=100.0)
+    state = ctrl.state(t)
+    assert (state.w_tpot, state.reason) == (1.0, "at_base"), state
+
+
+def test_a_move_empties_the_window_so_the_next_tick_judges_the_new_weight() -> None:
+    # Rule 4: after the first step up, TPOT falls into the band at once. The 10 s window still holds
+    # 80 ms samples from before the move; judged on those the controller would keep stepping up,
+    # tick after tick, to its bound. It makes one move and holds.
+    ctrl = SloController(FAST, base_w_ttft=1.0, base_w_tpot=1.0)
+    t = 0.0
+    while ctrl.state(t).adjustments == 0:
+        t += 0.05
+        ctrl.observe(t, ttft_s=None, tpot_s=0.080)
+        ctrl.weights(t)
+    assert ctrl.state(t).tpot_samples == 0, ctrl.state(t)  # emptied at the move
+    t = drive(ctrl, t, 8, tpot_ms=50.0)
+    state = ctrl.state(t)
+    assert (state.w_tpot, state.adjustments, state.reason) == (1.5, 1, "in_band"), state
+
+
+def _plant(ctrl: SloController, seconds: int, flip: float, t: float = 0.0) -> tuple[float, int, int]:
+    """A cluster whose TPOT P99 is 80 ms while w_tpot < ``flip`` and 30 ms at or above it (the
+    table's cells flip there). Returns the time reached, the seconds spent below the flip point
+    (over the target) and the relaxes made."""
+    below = relaxes = 0
+    for _ in range(seconds):
+        before = ctrl.state(t).adjustments
+        w = ctrl.weights(t)[1]
+        below += w < flip
+        t = drive(ctrl, t, 1, tpot_ms=80.0 if w < flip else 30.0)
+        state = ctrl.state(t)
+        relaxes += state.adjustments > before and state.reason == "relax"
+    return t, below, relaxes
+
+
+def test_relaxing_backs_off_near_the_flip_point_instead_of_cycling() -> None:
+    # Rule 5: the flip point lies between 1.5 and 2.25. Relaxing from 2.25 to 1.5 puts TPOT over the
+    # target and the next move undoes it; each such cycle doubles the hold above 1.5 (10, 20, 40,
+    # 80, 160 s). Without the back-off it relaxes into the violation every few ticks (88 relaxes and
+    # 90 s over the target in these 10 minutes).
+    ctrl = SloController(FAST, base_w_ttft=1.0, base_w_tpot=1.0)
+    t, below, relaxes = _plant(ctrl, 600, flip=2.0)
+    assert relaxes <= 16, (relaxes, ctrl.state(t))
+    assert below <= 20, (below, ctrl.state(t))
+
+
+def test_after_the_load_drops_the_back_off_unwinds_and_w_tpot_returns_to_the_base() -> None:
+    # Rule 5, the other way: cycles first built up a long wait; once TPOT stays low at every weight,
+    # the controller still relaxes (after the wait), each relax that holds halves the wait, and it
+    # reaches the base.
+    ctrl = SloController(FAST, base_w_ttft=1.0, base_w_tpot=1.0)
+    t, _, _ = _plant(ctrl, 300, flip=2.0)
+    assert ctrl.state(t).w_tpot > 1.0, ctrl.state(t)
+    t = drive(ctrl, t, 400, tpot_ms=30.0)
     state = ctrl.state(t)
     assert (state.w_tpot, state.reason) == (1.0, "at_base"), state
