@@ -118,7 +118,7 @@ def test_tpot_comes_first_when_both_targets_are_missed() -> None:
 def test_ttft_over_but_tpot_inside_its_band_holds() -> None:
     s = replace(FAST, ttft_p99_ms=200.0)
     ctrl = SloController(s, base_w_ttft=1.0, base_w_tpot=1.0)
-    t = drive(ctrl, 0.0, 5, tpot_ms=48.0, ttft_ms=400.0)  # 48 ms: within ±10 % of 50
+    t = drive(ctrl, 0.0, 5, tpot_ms=45.0, ttft_ms=400.0)  # 45 ms: in the band 40-50 below the 50 target
     state = ctrl.state(t)
     assert (state.w_tpot, state.reason) == (1.0, "in_band"), state
 
@@ -157,14 +157,15 @@ def test_w_tpot_never_leaves_its_bounds_and_w_ttft_never_moves(
 
 @settings(max_examples=100, deadline=None)
 @given(
-    values=st.lists(st.floats(45.0, 55.0), min_size=1, max_size=50),
+    values=st.lists(st.floats(40.5, 50.0), min_size=1, max_size=50),
     seconds=st.integers(1, 120),
     start_high=st.booleans(),
 )
 def test_no_move_while_the_p99_stays_inside_the_hysteresis_band(
     values: list[float], seconds: int, start_high: bool
 ) -> None:
-    """TPOT p99 within ±10 % of the 50 ms target: whatever w_tpot the controller holds, it keeps it."""
+    """TPOT p99 in the band from 20 % below the 50 ms target to the target: whatever w_tpot the
+    controller holds, it keeps it."""
     ctrl = SloController(FAST, base_w_ttft=1.0, base_w_tpot=1.0)
     t = 0.0
     if start_high:  # first push w_tpot off the base, then fill the window with in-band samples only
@@ -350,3 +351,23 @@ def test_after_the_load_drops_the_back_off_unwinds_and_w_tpot_returns_to_the_bas
     t = drive(ctrl, t, 400, tpot_ms=30.0)
     state = ctrl.state(t)
     assert (state.w_tpot, state.reason) == (1.0, "at_base"), state
+
+
+def test_a_request_routed_before_the_last_move_is_not_a_sample() -> None:
+    # Rule 4: a long answer that finishes after a move was routed under the old weight; judged on
+    # it the controller would step up again although the new weight already holds.
+    ctrl = SloController(FAST, base_w_ttft=1.0, base_w_tpot=1.0)
+    t = 0.0
+    while ctrl.state(t).adjustments == 0:
+        t += 0.05
+        ctrl.observe(t, ttft_s=None, tpot_s=0.080, started=t - 0.5)
+        ctrl.weights(t)
+    moved = t
+    for _ in range(100):  # 5 s of answers started before the move, far over the target
+        t += 0.05
+        ctrl.observe(t, ttft_s=None, tpot_s=0.080, started=moved - 0.01)
+        ctrl.weights(t)
+    state = ctrl.state(t)
+    assert (state.adjustments, state.tpot_samples, state.w_tpot) == (1, 0, 1.5), state
+    ctrl.observe(t, ttft_s=None, tpot_s=0.080, started=moved)  # routed at the move: counts
+    assert ctrl.state(t).tpot_samples == 1
