@@ -73,6 +73,7 @@ def run_drift(
             f"requests from the last {settings.window or 'all'} records, min samples {settings.min_samples}, "
             f"confidence {settings.confidence:g}"
             + (", drifted paths replaced by the logs" if settings.replace_drifted else "")
+            + (", local TPOT from the fitted decode interference (rule 8)" if settings.interference else "")
         )
     fig = figures(runs, stale, oracle, cells, settings.drift_at)
     path = write_section(settings, runs, fig, out, notes=notes)
@@ -140,6 +141,7 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         min_samples=args.min_samples,
         confidence=args.confidence,
         replace_drifted=args.replace_drifted,
+        interference=args.interference,
     )
     if settings.drift_at >= settings.duration_s:
         logger.error(
@@ -232,8 +234,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     loop.add_argument(
         "--replace-drifted",
-        action="store_true",
-        help="refresh: a path whose logged figures drifted beyond the bound takes them alone (else merged)",
+        action=argparse.BooleanOptionalAction,
+        default=d.replace_drifted,
+        help="refresh: a path whose logged figures drifted beyond the bound takes them alone, else they "
+        "are merged with the base's pre-drift figures (rule 7; default on)",
+    )
+    loop.add_argument(
+        "--interference",
+        action=argparse.BooleanOptionalAction,
+        default=d.interference,
+        help="refresh: a cell's local TPOT from the decode interference its LOCAL turns cause to every "
+        "request on the worker, fitted on the logs (rule 8; default on), else the cell's own per-path means",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(handler=_command)

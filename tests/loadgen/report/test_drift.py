@@ -19,6 +19,7 @@ from loadgen.report.drift_arms import (
     ArmRun,
     DriftSettings,
     RefreshLoop,
+    TableSwap,
     cluster_config,
     decision_match,
     post_drift_events,
@@ -194,6 +195,29 @@ def test_the_decision_goal_needs_the_match_to_hold_not_a_final_table_that_matche
     assert "fell below again later" in converge[2]
     held = dataclasses.replace(fell_back, closed_matches=fell_back.closed_matches[:2], stayed=True)
     assert [row[1] for row in goals(held)[1:3]] == ["PASS", "PASS"]
+
+
+def test_convergence_is_the_settling_time_not_a_passing_match() -> None:
+    # The loop matches once after the drift (t=12), falls back (t=14), then matches from t=16 on: it
+    # converged at 16, and the requests counted run from the drift to 16.
+    stale = Table.open(STALE)
+    oracle = decided_everywhere(stale, local=False)
+    records = [
+        {"turn": 2, "ok": True, "path": "local", "ttft_ms": 1.0, "tpot_ms": 1.0, "start_time": float(t)}
+        for t in range(20)
+    ]
+
+    def fig(tables: list[tuple[float, Table]]) -> DriftFigures:
+        swaps = [TableSwap(at, k, table) for k, (at, table) in enumerate(tables)]
+        cells = Counter({CellKey(0, 0, 0): 1})
+        return figures([ArmRun("closed", records, swaps)], stale, oracle, cells, 10.0)
+
+    settles = fig([(5.0, stale), (12.0, oracle), (14.0, stale), (16.0, oracle), (18.0, oracle)])
+    assert (settles.converged_at, settles.requests_to_converge, settles.stayed) == (16.0, 6, True)
+    falls = fig([(5.0, stale), (12.0, oracle), (14.0, stale)])
+    assert (falls.converged_at, falls.requests_to_converge, falls.stayed) == (12.0, 2, False)
+    never = fig([(5.0, stale), (12.0, stale)])
+    assert (never.converged_at, never.requests_to_converge, never.stayed) == (None, None, None)
 
 
 def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
