@@ -20,7 +20,9 @@ first-in-first-out; a late answer resolves a future nobody waits for any more. A
 every waiter and is reopened by the next call, at most once a second.
 Rule 5 (no table): the service answers UNAVAILABLE until its first table loads, with trailing
 metadata `ppd-unavailable: no-table` (ppd/decision/v1/status.py); that answer is `fallback_not_serving`,
-any other UNAVAILABLE `fallback_unavailable`. The message text is never read.
+any other UNAVAILABLE `fallback_unavailable`. The message text is never read. A RouteStream answer
+carries no trailing metadata: its `error.code` UNAVAILABLE, which the service sets on a stream answer
+only for a missing table, is `fallback_not_serving` too (not `fallback_error`).
 Rule 6 (the third path): `RouteQuery.capabilities` containing "bidir" goes out as CAPABILITY_BIDIR, and
 only then may the answer be DECISION_BIDIR, read back as path "bidir"; a query without it sends the
 request it sent before capabilities existed.
@@ -69,6 +71,7 @@ _MISSES_BEFORE_DOWN = 3
 _MISSING_FOR_S = 1.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+_STREAM_NO_TABLE: int = grpc.StatusCode.UNAVAILABLE.value[0]  # rule 5 in a RouteStream answer's error
 _HealthWatch = grpc.aio.UnaryStreamMultiCallable[
     health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
 ]
@@ -305,7 +308,10 @@ class GrpcDecisionClient:
     ) -> tuple[decision_pb2.RouteResponse | None, str]:
         try:
             if self._s.stream:
-                return await self._route_stream(req), "ok"
+                resp = await self._route_stream(req)
+                if resp.error.code == _STREAM_NO_TABLE:
+                    return None, "not_serving"  # rule 5, stream form
+                return resp, "ok"
             return await stub.Route(req, timeout=self._deadline), "ok"
         except grpc.aio.AioRpcError as exc:
             return None, _outcome(exc)

@@ -49,9 +49,11 @@ class SloControl:
         """(w_ttft, w_tpot) for a Route request on this table."""
         return self._controller(table_key).weights(self._clock())
 
-    def observe(self, table_key: str, *, ttft_s: float | None, tpot_s: float | None) -> None:
+    def observe(
+        self, table_key: str, *, ttft_s: float | None, tpot_s: float | None, started: float | None = None
+    ) -> None:
         """A finished turn's TTFT and TPOT (None: not measured)."""
-        self._controller(table_key).observe(self._clock(), ttft_s=ttft_s, tpot_s=tpot_s)
+        self._controller(table_key).observe(self._clock(), ttft_s=ttft_s, tpot_s=tpot_s, started=started)
 
     def states(self) -> dict[str, SloState]:
         now = self._clock()

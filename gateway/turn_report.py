@@ -111,7 +111,7 @@ class TurnReport:
                 tpot = (outcome.last_token - (turn.start + outcome.ttft)) / (n_out - 1)
                 m.tpot.labels(outcome.path, turn.turn_class).observe(tpot)
             if self._slo is not None:
-                self._slo.observe(self._table_key, ttft_s=outcome.ttft, tpot_s=tpot)
+                self._slo.observe(self._table_key, ttft_s=outcome.ttft, tpot_s=tpot, started=turn.start)
         if self._log is None:
             return
         s = self._s

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
-__all__ = ["names", "positive", "positive_list", "positive_list_or_none"]
+__all__ = [
+    "at_least",
+    "names",
+    "open_unit",
+    "positive",
+    "positive_list",
+    "positive_list_or_none",
+    "share",
+]
 
 
 def positive(text: str) -> float:
@@ -39,3 +48,45 @@ def positive_list_or_none(text: str) -> tuple[float, ...]:
 def names(text: str) -> tuple[str, ...]:
     """Comma-separated names, blanks dropped."""
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _number(text: str, wanted: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+    return value
+
+
+def share(text: str) -> float:
+    """A number from 0 to 1, both included (a share of requests)."""
+    value = _number(text, "a number from 0 to 1")
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number from 0 to 1, got {text}")
+    return value
+
+
+def open_unit(text: str) -> float:
+    """A number strictly between 0 and 1 (a confidence level)."""
+    value = _number(text, "a number between 0 and 1 (both excluded)")
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1 (both excluded), got {text}")
+    return value
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse

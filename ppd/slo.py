@@ -11,13 +11,14 @@ ratio matters to the verdict, and one moving weight keeps the state readable.
 
 Rule 1 (the control law), at most once per `interval_s`, over the samples of the last `window_s`:
   - a configured target with fewer than `min_samples` samples in the window: no change;
-  - TPOT p99 above tpot_target * (1 + hysteresis): w_tpot up one step (TPOT is held first);
-  - else, with TPOT room (no TPOT target, or TPOT p99 below tpot_target * (1 - hysteresis)):
-    TTFT p99 above ttft_target * (1 + hysteresis): w_tpot down one step, as far as w_tpot_min;
+  - TPOT p99 above tpot_target: w_tpot up one step (TPOT is held first);
+  - else, with TPOT room (no TPOT target, or TPOT p99 below tpot_target * (1 - 2 * hysteresis)):
+    TTFT p99 above ttft_target: w_tpot down one step, as far as w_tpot_min;
     otherwise w_tpot back one step towards the base (never past it): with no pressure the
     controller is the fixed-weights router;
   - anything else (a p99 inside its band): no change. So the weights never chatter while the
-    p99s stay within ±hysteresis of the targets.
+    p99s stay within their bands. A target is a ceiling: each band, 2 x hysteresis wide, lies just
+    below its target, so the controller holds the P99 at or under the target, not around it.
 A step is multiplicative: up is w * (1 + step), down is w / (1 + step), clamped to
 [w_tpot_min, w_tpot_max] (and to the base when relaxing).
 Rule 2 (no wind-up): the state is the clamped weight itself, not an accumulated error; a long
@@ -25,6 +26,18 @@ saturation at a bound leaves nothing to unwind, so the first tick that sees the 
 away from the bound. Windowed samples age out after `window_s` whatever happened before.
 Rule 3 (bounded memory): the window holds at most `max_samples` samples per signal (the oldest go
 first), so a burst cannot grow it without bound.
+Rule 4 (judge the weight in force): every move empties both windows, and a finished request that
+started before the last move (`observe(started=...)`, the caller's clock) is not a sample: it was
+routed under the old weight. So the next tick judges only requests routed under the new weight, once
+`min_samples` of them are in (a 30 s window judged every 5 s would otherwise see the old weight's P99
+for six more ticks, and long answers finishing after a move would show it for longer still, and it
+would keep moving: overshoot).
+Rule 5 (back off relaxing, hold near the flip point): a relax that the next move undoes (TPOT over
+right after relaxing) found the flip point; the weight it relaxed from is the lowest known to hold.
+Relaxing to that weight is free, but below it the controller waits `relax_wait` seconds from its last
+step up, and each such cycle doubles that wait (from `window_s` up to 16 x `window_s`). Once the wait
+is over it relaxes tick by tick as before, so a lasting drop in load still brings it to the base;
+reaching the base forgets the flip point and the wait. While it waits the reason is relax_wait.
 """
 
 from __future__ import annotations
@@ -55,7 +68,7 @@ class SloSettings:
     w_tpot_max: float = 16.0
     #: Relative change of w_tpot per adjustment (0.25: x1.25 up, /1.25 down).
     step: float = 0.25
-    #: Half-width of the dead band around each target, relative (0.05: ±5 %).
+    #: Half-width of the dead band just below each target, relative (0.05: from -10 % to the target).
     hysteresis: float = 0.05
     #: Fewer samples than this in the window for a configured target: no change.
     min_samples: int = 50
@@ -105,7 +118,8 @@ class SloState:
     ttft_samples: int
     #: The last tick's move and its cause: tpot_over, ttft_over, relax (back towards the base),
     #: at_base (no pressure, at the base), in_band (a p99 inside its dead band), too_few_samples,
-    #: at_bound (pressure, but w_tpot already at its bound), or "" before the first tick.
+    #: at_bound (pressure, but w_tpot already at its bound), relax_wait (room, but a recent relax
+    #: was undone: rule 5), or "" before the first tick.
     direction: Direction
     reason: str
     adjustments: int
@@ -145,6 +159,9 @@ class _Window:
         if len(self._samples) > self._cap:
             self._samples.popleft()
 
+    def clear(self) -> None:
+        self._samples.clear()
+
     def evict(self, now: float) -> None:
         samples, oldest = self._samples, now - self._span
         while samples and samples[0][0] <= oldest:
@@ -164,9 +181,15 @@ class SloController:
         "_adjustments",
         "_base_tpot",
         "_direction",
+        "_good",
         "_last",
+        "_last_move",
+        "_last_up",
+        "_moved_at",
         "_next_tick",
         "_reason",
+        "_relax_wait",
+        "_relaxed_from",
         "_s",
         "_tpot",
         "_ttft",
@@ -192,10 +215,23 @@ class SloController:
         self._direction: Direction = "hold"
         self._reason = ""
         self._adjustments = 0
+        # Rule 5: the reason of the last move, when w_tpot last went up, the weight the last relax
+        # left, the lowest weight known to hold, and how long to hold above it after a step up.
+        self._last_move = ""
+        self._last_up = -math.inf
+        self._moved_at = -math.inf
+        self._relaxed_from = self._base_tpot
+        self._good = self._base_tpot
+        self._relax_wait = 0.0
 
-    def observe(self, now: float, *, ttft_s: float | None, tpot_s: float | None) -> None:
-        """One finished request's figures (None: not measured, e.g. TPOT of a one-token answer)."""
+    def observe(
+        self, now: float, *, ttft_s: float | None, tpot_s: float | None, started: float | None = None
+    ) -> None:
+        """One finished request's figures (None: not measured, e.g. TPOT of a one-token answer);
+        ``started``: when it was routed (rule 4), None when unknown (taken as routed now)."""
         now = self._monotonic(now)
+        if started is not None and started < self._moved_at:
+            return
         if ttft_s is not None and math.isfinite(ttft_s) and ttft_s >= 0:
             self._ttft.add(now, ttft_s * 1e3)
         if tpot_s is not None and math.isfinite(tpot_s) and tpot_s >= 0:
@@ -247,31 +283,52 @@ class SloController:
             return
         up, down = 1.0 + s.step, 1.0 / (1.0 + s.step)
         h = s.hysteresis
-        tpot_over = s.tpot_p99_ms is not None and tpot is not None and tpot > s.tpot_p99_ms * (1 + h)
-        tpot_room = s.tpot_p99_ms is None or (tpot is not None and tpot < s.tpot_p99_ms * (1 - h))
-        ttft_over = s.ttft_p99_ms is not None and ttft is not None and ttft > s.ttft_p99_ms * (1 + h)
-        ttft_room = s.ttft_p99_ms is None or (ttft is not None and ttft < s.ttft_p99_ms * (1 - h))
+        tpot_over = s.tpot_p99_ms is not None and tpot is not None and tpot > s.tpot_p99_ms
+        tpot_room = s.tpot_p99_ms is None or (tpot is not None and tpot < s.tpot_p99_ms * (1 - 2 * h))
+        ttft_over = s.ttft_p99_ms is not None and ttft is not None and ttft > s.ttft_p99_ms
+        ttft_room = s.ttft_p99_ms is None or (ttft is not None and ttft < s.ttft_p99_ms * (1 - 2 * h))
         if tpot_over:
             self._move(min(self._w_tpot * up, s.w_tpot_max), "tpot_over")
         elif tpot_room and ttft_over:
             self._move(max(self._w_tpot * down, s.w_tpot_min), "ttft_over")
         elif tpot_room and ttft_room:
             if self._w_tpot > self._base_tpot:
-                self._move(max(self._w_tpot * down, self._base_tpot), "relax")
+                target = max(self._w_tpot * down, self._base_tpot)
+                if target < self._good and now - self._last_up < self._relax_wait:
+                    self._set("hold", "relax_wait")
+                else:
+                    self._relaxed_from = self._w_tpot
+                    self._move(target, "relax")
             elif self._w_tpot < self._base_tpot:
                 self._move(min(self._w_tpot * up, self._base_tpot), "relax")
             else:
+                self._good, self._relax_wait = self._base_tpot, 0.0
                 self._set("hold", "at_base")
+            return
         else:
             self._set("hold", "in_band")
+            return
+        if self._direction == "up":
+            self._last_up = now
 
     def _move(self, w_tpot: float, reason: str) -> None:
         if w_tpot == self._w_tpot:
             self._set("hold", "at_bound")
             return
-        self._set("up" if w_tpot > self._w_tpot else "down", reason)
+        direction: Direction = "up" if w_tpot > self._w_tpot else "down"
+        if reason == "tpot_over" and self._last_move == "relax":
+            # Rule 5: that relax went past the flip point.
+            window = self._s.window_s
+            self._good = self._relaxed_from
+            self._relax_wait = min(max(2.0 * self._relax_wait, window), 16.0 * window)
+        self._set(direction, reason)
+        self._last_move = reason
         self._w_tpot = w_tpot
         self._adjustments += 1
+        # Rule 4: what the windows hold was measured under the old weight.
+        self._moved_at = self._last
+        self._tpot.clear()
+        self._ttft.clear()
 
     def _set(self, direction: Direction, reason: str) -> None:
         self._direction = direction

@@ -14,11 +14,13 @@ Rules:
    routing policy as a whole, which a refresh does not estimate).
 2. QPS: a record's ``target_qps`` when it has one (benchmark runs, the simulator); a production log
    line has 0 (no fixed load level), and then its load level is the arrival rate of the logs
-   themselves: all records of the shape and model with ``target_qps`` 0, every turn (every gateway's
-   log together: the cluster's offered load, as a benchmark's ``target_qps`` is), counted over
+   themselves in the table's unit, conversations per second (a benchmark's ``target_qps`` is the
+   rate conversations arrive at, whatever their turns): the Turn-1 records of the shape and model
+   with ``target_qps`` 0 (every gateway's log together: the cluster's offered load), counted over
    ``qps_window_s`` seconds (10 s, the gateway's own ``policy.qps_window_s``) centred on its start,
-   the window moved inside the logs' span at either end. Around a gap in the logs (an idle night)
-   the rate of the lines within half a window of it is undercounted.
+   the window moved inside the logs' span at either end. Counting every turn would file a two-turn
+   mix at twice its level. Around a gap in the logs (an idle night) the rate of the lines within half
+   a window of it is undercounted.
 3. Merge, per cell and path, weighted by sample counts: the table stores a mean over its completed
    requests (``sent x success``) and the number sent, so the merged mean is
    ``(base mean x base completed + sum of logged values) / (base completed + logged completed)``, the
@@ -50,6 +52,21 @@ Rules:
    requests of a path the table no longer chooses (seen only through exploration), so the two paths
    would be compared across the drift. Its drift report lists the logged figure as the merged one.
    No flip below the sample minimum still holds (rule 4 acts on the result).
+8. Optional (``interference``): a LOCAL append-prefill slows the decode steps of *every* request on
+   its decode worker, so a cell's own requests do not show what its LOCAL answer costs in TPOT (in a
+   mix they share the decode batch with everyone else's, whichever path each took, and per-path means
+   of the same cell hardly differ). Rule 8 reads that cost from the logs as a natural experiment: each
+   evidence record with a TPOT (every turn, every cell) is exposed, over its decode interval
+   ``[start + TTFT, start + E2E]``, to the Turn-2+ arrivals of each (cell, path) per second; a least-
+   squares fit of the TPOTs on those rates, with one intercept per stretch of ``_TREND_S`` seconds (at
+   most ``_TREND_BLOCKS`` stretches; a drift moves the level), gives each (cell, path) arrival's added
+   TPOT. A cell's effect is ``(local coefficient - pd coefficient) x rate / mean TPOT``, ``rate``
+   the Turn-2+ arrivals per second of all cells: the relative TPOT change were the whole load that
+   cell's and going LOCAL rather than PD, which is what a sweep point of the cell measures
+   (interference taken as linear in the load). A cell with at least ``_MIN_ARRIVALS`` arrivals on
+   each path and an effect beyond ``z`` standard errors of the fit (rule 5's ``z``) gets its local TPOT
+   ``pd TPOT x (1 + effect)`` after rules 3 and 7; rule 4 acts on the result. Exploration provides the
+   arrivals of the path the table does not choose; Poisson arrivals provide the spread.
 
 The rules stay one module: they act in one pass on the same per-cell rows, and the property tests
 (order, sample minimum) hold the whole pass.
@@ -86,7 +103,7 @@ __all__ = [
 ]
 
 #: Goes into every refreshed table's provenance; bump when the rules change the bytes.
-REFRESH_VERSION: Final = "table_builder.refresh/1"
+REFRESH_VERSION: Final = "table_builder.refresh/2"
 #: Record modes whose Turn-2+ requests are evidence (rule 1).
 EVIDENCE_MODES: Final = frozenset({"ppd", "pd", "local"})
 _PATHS: Final = ("pd", "local")
@@ -96,6 +113,10 @@ _COLUMNS: Final = {
 }
 _CENSORED_TTFT_MS: Final = 30_000.0
 _ROUNDING: Final = 1e-9
+#: Rule 8: arrivals a cell needs on each path, and the trend's stretches.
+_MIN_ARRIVALS: Final = 10
+_TREND_S: Final = 20.0
+_TREND_BLOCKS: Final = 50
 
 Row = npt.NDArray[np.float64]
 
@@ -146,6 +167,10 @@ class _Evidence:
     left_out: Mapping[str, int]
     newest: float | None
     runs: tuple[str, ...]
+    #: Rule 8: each Turn-2+ evidence record's cell, path and start; every evidence record's (start,
+    #: decode start, decode end, TPOT) of any turn.
+    located: tuple[tuple[CellKey, str, float], ...] = ()
+    decodes: tuple[tuple[float, float, float, float], ...] = ()
 
 
 def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float) -> _Evidence:
@@ -159,14 +184,23 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
         else:
             left_out[f"other shape/model ({r.shape}/{r.model})"] += 1
     # Arrival times of the unlabelled (production) records, for rule 2's rate.
-    arrivals = sorted(r.start_time for r in ours if r.target_qps <= 0)
+    # Rule 2: conversations per second, the table's unit: a conversation arrives with its Turn 1.
+    arrivals = sorted(r.start_time for r in ours if r.target_qps <= 0 and r.turn == 1)
+    if not arrivals:  # a log of later turns only: each line stands for its own arrival
+        arrivals = sorted(r.start_time for r in ours if r.target_qps <= 0)
     cells: dict[CellKey, dict[str, _PathEvidence]] = {}
     used = 0
     runs: set[str] = set()
+    located: list[tuple[CellKey, str, float]] = []
+    decodes: list[tuple[float, float, float, float]] = []
     for r in ours:
         if r.mode not in EVIDENCE_MODES:
             left_out[f"mode {r.mode} (evidence is ppd, pd and local)"] += 1
             continue
+        if r.ok and r.tpot_ms is not None and r.ttft_ms is not None and (r.e2e_ms or 0.0) > r.ttft_ms:
+            assert r.e2e_ms is not None
+            begin, end = r.start_time + r.ttft_ms / 1e3, r.start_time + r.e2e_ms / 1e3
+            decodes.append((r.start_time, begin, end, r.tpot_ms))
         if r.turn < 2:
             left_out["turn 1 (always PD; not part of the decision)"] += 1
             continue
@@ -176,6 +210,7 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
         qps = r.target_qps if r.target_qps > 0 else _arrival_rate(arrivals, r.start_time, qps_window_s)
         key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=qps, workload=r.workload)
         cells.setdefault(key, {}).setdefault(r.path, _PathEvidence()).add(r)
+        located.append((key, r.path, r.start_time))
         used += 1
         runs.add(r.run_id)
     for paths in cells.values():
@@ -189,7 +224,60 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
         left_out=dict(sorted(left_out.items())),
         newest=newest,
         runs=tuple(sorted(runs)),
+        located=tuple(sorted(located)),
+        decodes=tuple(sorted(decodes)),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Interference:
+    effect: float
+    error: float
+
+
+def _interference(evidence: _Evidence) -> dict[CellKey, _Interference]:
+    """Rule 8's fit: per cell with both paths logged, its TPOT effect and standard error."""
+    arrivals: dict[tuple[CellKey, str], list[float]] = {}
+    for key, path, start in evidence.located:
+        arrivals.setdefault((key, path), []).append(start)
+    rows = evidence.decodes
+    if not rows or not arrivals:
+        return {}
+    pairs = sorted(arrivals)
+    first = min(rows[0][0], *(a[0] for a in arrivals.values()))
+    span = max(*(r[0] for r in rows), *(a[-1] for a in arrivals.values())) - first
+    if span <= 0:
+        return {}
+    stretch = max(_TREND_S, span / _TREND_BLOCKS)
+    blocks = sorted({math.floor((r[0] - first) / stretch) for r in rows})
+    column = {b: i for i, b in enumerate(blocks)}
+    x = np.zeros((len(rows), len(blocks) + len(pairs)), dtype=np.float64)
+    y = np.array([r[3] for r in rows], dtype=np.float64)
+    for i, (start, begin, end, _) in enumerate(rows):
+        x[i, column[math.floor((start - first) / stretch)]] = 1.0
+        for j, pair in enumerate(pairs):
+            times = arrivals[pair]
+            x[i, len(blocks) + j] = (bisect_right(times, end) - bisect_left(times, begin)) / (end - begin)
+    if len(rows) <= x.shape[1]:
+        return {}
+    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    residual = y - x @ beta
+    cov = float(residual @ residual) / (len(rows) - x.shape[1]) * np.linalg.pinv(x.T @ x)
+    rate = len(evidence.located) / span
+    scale = rate / float(np.mean(y)) if float(np.mean(y)) > 0 else 0.0
+    index = {pair: len(blocks) + j for j, pair in enumerate(pairs)}
+    out: dict[CellKey, _Interference] = {}
+    for key in sorted({k for k, _ in pairs}):
+        lo, pd = index.get((key, "local")), index.get((key, "pd"))
+        if lo is None or pd is None or scale <= 0:
+            continue
+        if min(len(arrivals[key, "local"]), len(arrivals[key, "pd"])) < _MIN_ARRIVALS:
+            continue
+        var = float(cov[lo, lo] + cov[pd, pd] - 2.0 * cov[lo, pd])
+        out[key] = _Interference(
+            effect=float(beta[lo] - beta[pd]) * scale, error=math.sqrt(max(var, 0.0)) * scale
+        )
+    return out
 
 
 def _arrival_rate(arrivals: Sequence[float], t: float, window_s: float) -> float:
@@ -286,12 +374,14 @@ class _Candidates:
     filled: list[CellKey] = field(default_factory=list)
     one_path: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    interference: dict[str, float] = field(default_factory=dict)
 
 
-def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool) -> _Candidates:
+def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool, interference: bool) -> _Candidates:
     header = base.header
     timeout_ms = float(header.provenance.get("censored_ttft_ms", _CENSORED_TTFT_MS))
     out = _Candidates()
+    effects = _interference(evidence) if interference else {}
     for key, paths in evidence.cells.items():
         out.logged[key] = sum(ev.sent for ev in paths.values())
         label = _label(header, key)
@@ -303,6 +393,11 @@ def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool) -> _C
                     _merge_path(row, path, paths[path], z, shifts, replace)
             if shifts:
                 out.drifted.append(CellDrift(cell=label, shifts=tuple(shifts)))
+            fit = effects.get(key)
+            if fit is not None and fit.effect > -1.0 and abs(fit.effect) > z * fit.error:
+                # Rule 8: the local path's TPOT as the cell's traffic alone would cost it.
+                row[Figure.LOCAL_TPOT_MS] = row[Figure.PD_TPOT_MS] * (1.0 + fit.effect)
+                out.interference[label] = fit.effect
             if (row[list(LATENCIES)] <= 0).any():
                 out.notes.append(f"{label}: logged latencies of 0 ms would zero a figure; base figures kept")
             else:
@@ -377,9 +472,10 @@ def refresh_table(
     confidence: float,
     qps_window_s: float = 10.0,
     replace_drifted: bool = False,
+    interference: bool = False,
 ) -> RefreshResult:
     """Merge the logged evidence in ``records`` into ``base`` (module rules 1-6; with
-    ``replace_drifted``, rule 7).
+    ``replace_drifted``, rule 7; with ``interference``, rule 8).
 
     ``qps_window_s``: rule 2's window for records without a target QPS.
     """
@@ -391,7 +487,7 @@ def refresh_table(
     records = list(records)
     header = base.header
     evidence = _gather(records, header, qps_window_s)
-    cands = _candidates(base, evidence, z, replace_drifted)
+    cands = _candidates(base, evidence, z, replace_drifted, interference)
     figures, changes, held = _hold(base, cands, min_samples)
     names = sorted(header.profiles)
     flips = tuple(
@@ -435,6 +531,10 @@ def refresh_table(
         notes=tuple(notes),
     )
     new_header = _provenance(base, records, evidence, report, qps_window_s, replace_drifted)
+    if interference:  # absent when off: the bytes of a plain refresh are unchanged
+        provenance = dict(new_header.provenance)
+        provenance["interference"] = dict(sorted(cands.interference.items()))
+        new_header = dataclasses.replace(new_header, provenance=provenance)
     return RefreshResult(spec=TableSpec(new_header, figures), drift=report)
 
 

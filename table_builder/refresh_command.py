@@ -81,6 +81,7 @@ def _cmd_refresh(args: argparse.Namespace) -> int:
         confidence=args.confidence,
         qps_window_s=args.qps_window,
         replace_drifted=args.replace_drifted,
+        interference=args.interference,
     )
     report = result.drift
     # The figures were encoded and validated while rule 4 was checked: the write cannot be refused.
@@ -168,6 +169,12 @@ def add_parser(
         action="store_true",
         help="a path whose logged figures moved beyond the bound takes the logged figures alone instead "
         "of merging them with the base's (rule 7; default: merge)",
+    )
+    refresh.add_argument(
+        "--interference",
+        action="store_true",
+        help="a cell's local TPOT from the decode interference its LOCAL turns cause to every request "
+        "on the worker, fitted on the logs (rule 8; default: the cell's own requests' per-path means)",
     )
     refresh.add_argument(
         "--skip-bad-lines",

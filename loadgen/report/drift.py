@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from decision_service.table import Table
-from loadgen.arguments import names, positive
+from loadgen.arguments import at_least, names, open_unit, positive, share
 from loadgen.report.drift_arms import (
     ARMS,
     DriftSettings,
@@ -73,6 +73,7 @@ def run_drift(
             f"requests from the last {settings.window or 'all'} records, min samples {settings.min_samples}, "
             f"confidence {settings.confidence:g}"
             + (", drifted paths replaced by the logs" if settings.replace_drifted else "")
+            + (", local TPOT from the fitted decode interference (rule 8)" if settings.interference else "")
         )
     fig = figures(runs, stale, oracle, cells, settings.drift_at)
     path = write_section(settings, runs, fig, out, notes=notes)
@@ -140,6 +141,7 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         min_samples=args.min_samples,
         confidence=args.confidence,
         replace_drifted=args.replace_drifted,
+        interference=args.interference,
     )
     if settings.drift_at >= settings.duration_s:
         logger.error(
@@ -187,7 +189,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="drift events AT:KEY=FACTOR[,...] separated by ';', keys link (bandwidth factor), decode and "
         f"prefill (step-time factors) (default {';'.join(d.drift)})",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the arrivals (default 0)")
+    parser.add_argument("--seed", type=at_least(0), default=d.seed, help="seed of the arrivals (default 0)")
     parser.add_argument(
         "--tables", type=Path, default=d.tables, help="where the stale table is found (default tables/)"
     )
@@ -203,35 +205,46 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     loop = parser.add_argument_group("closed loop")
     loop.add_argument(
-        "--epsilon", type=float, default=d.epsilon, help=f"exploration share (default {d.epsilon:g})"
+        "--epsilon", type=share, default=d.epsilon, help=f"exploration share (default {d.epsilon:g})"
     )
-    loop.add_argument("--explore-seed", type=int, default=d.explore_seed, help="seed of the exploration draw")
     loop.add_argument(
-        "--refresh-every", type=int, default=d.refresh_every,
+        "--explore-seed", type=at_least(0), default=d.explore_seed, help="seed of the exploration draw"
+    )
+    loop.add_argument(
+        "--refresh-every", type=at_least(1), default=d.refresh_every,
         help=f"finished requests between refreshes (default {d.refresh_every})",
     )  # fmt: skip
     loop.add_argument(
         "--window",
-        type=int,
+        type=at_least(0),
         default=d.window,
         help=f"records a refresh reads, the latest (default {d.window}; 0 = all)",
     )
     loop.add_argument(
         "--min-samples",
-        type=int,
+        type=at_least(1),
         default=d.min_samples,
         help=f"refresh: no flip below (default {d.min_samples})",
     )
     loop.add_argument(
         "--confidence",
-        type=float,
+        type=open_unit,
         default=d.confidence,
         help=f"refresh: drift bound (default {d.confidence:g})",
     )
     loop.add_argument(
         "--replace-drifted",
-        action="store_true",
-        help="refresh: a path whose logged figures drifted beyond the bound takes them alone (else merged)",
+        action=argparse.BooleanOptionalAction,
+        default=d.replace_drifted,
+        help="refresh: a path whose logged figures drifted beyond the bound takes them alone, else they "
+        "are merged with the base's pre-drift figures (rule 7; default on)",
+    )
+    loop.add_argument(
+        "--interference",
+        action=argparse.BooleanOptionalAction,
+        default=d.interference,
+        help="refresh: a cell's local TPOT from the decode interference its LOCAL turns cause to every "
+        "request on the worker, fitted on the logs (rule 8; default on), else the cell's own per-path means",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(handler=_command)

@@ -93,7 +93,10 @@ class DriftSettings:
     confidence: float = 0.95
     #: Refresh rule 7 (``refresh_table(replace_drifted=...)``): a path whose logged figures drifted
     #: beyond the bound takes them alone instead of merging with the base's pre-drift figures.
-    replace_drifted: bool = False
+    replace_drifted: bool = True
+    #: Refresh rule 8 (``refresh_table(interference=...)``): a cell's local TPOT from the decode
+    #: interference its LOCAL turns cause to every request on the worker, fitted on the logs.
+    interference: bool = True
 
     @property
     def drift_at(self) -> float:
@@ -167,13 +170,20 @@ class SwitchAt:
             self.swaps.append(TableSwap(now, 0, self._table))
 
 
-def refresh_from_base(*, min_samples: int, confidence: float, replace_drifted: bool = False) -> Refresh:
+def refresh_from_base(
+    *, min_samples: int, confidence: float, replace_drifted: bool = False, interference: bool = False
+) -> Refresh:
     """``table_builder.refresh.refresh_table`` as a :data:`Refresh`: the base is always the offline
     table the loop was given, the evidence the latest records (see the module docstring)."""
 
     def refresh(base: Table, records: Sequence[Record]) -> Table:
         result = refresh_table(
-            base, records, min_samples=min_samples, confidence=confidence, replace_drifted=replace_drifted
+            base,
+            records,
+            min_samples=min_samples,
+            confidence=confidence,
+            replace_drifted=replace_drifted,
+            interference=interference,
         )
         return Table.from_bytes(encode_table(result.spec))
 
@@ -276,6 +286,7 @@ def run_arm(
                 min_samples=settings.min_samples,
                 confidence=settings.confidence,
                 replace_drifted=settings.replace_drifted,
+                interference=settings.interference,
             )
         explore = ExploreSettings(epsilon=settings.epsilon, seed=settings.explore_seed)
         loop = RefreshLoop(router, stale, refresh, every=settings.refresh_every, window=settings.window)

@@ -59,7 +59,7 @@ class DriftFigures:
     #: The closed loop's decision match after each swap: (time, requests finished, match).
     closed_matches: tuple[tuple[float, int, float], ...]
     stale_match: float
-    converged_at: float | None  # first swap after the drift at or above MATCH_GOAL
+    converged_at: float | None  # from this swap on every swap is at or above MATCH_GOAL (else the first)
     requests_to_converge: int | None  # requests that arrived after the drift until then
     stayed: bool | None  # and every later swap stayed at or above it
     closed_ttft_ms: float | None  # closed loop Turn 2+ TTFT from converged_at (else from the drift)
@@ -127,13 +127,25 @@ def figures(
         if before:
             in_force = before[-1][2]
         after = [m for m in matches if m[0] >= drift_at]
-        if in_force >= MATCH_GOAL:
-            converged_at = drift_at
-        else:
-            converged_at = next((t for t, _, m in after if m >= MATCH_GOAL), None)
+        # Converged: from the refresh on which it and every later one match (the settling time; a
+        # match it falls back from is a passing one). Already there at the drift when the table in
+        # force then matched and no refresh after it falls below.
+        converged_at = drift_at if in_force >= MATCH_GOAL else None
+        for t, _, m in after:
+            if m < MATCH_GOAL:
+                converged_at = None
+            elif converged_at is None:
+                converged_at = t
+        first = (
+            drift_at if in_force >= MATCH_GOAL else next((t for t, _, m in after if m >= MATCH_GOAL), None)
+        )
         if converged_at is not None:
             requests = sum(1 for r in closed.records if drift_at <= r["start_time"] < converged_at)
-            stayed = all(m >= MATCH_GOAL for t, _, m in after if t >= converged_at)
+            stayed = True
+        elif first is not None:  # it got there, and fell below again later
+            converged_at = first
+            requests = sum(1 for r in closed.records if drift_at <= r["start_time"] < first)
+            stayed = False
     window_from = converged_at if converged_at is not None else drift_at
     closed_ttft = _ttft(_turn2(closed.records, window_from, inf)) if closed is not None else None
     oracle_run = by.get("oracle")

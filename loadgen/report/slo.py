@@ -22,7 +22,8 @@ The controller's tuning for the experiment (``controller_step``, ``controller_in
 ``controller_min_samples``) is not the gateway's default (``ppd.slo.SloSettings``: a 30 s window,
 x1.25 steps every 5 s, 50 samples): the ramp here changes level every ``step_s`` seconds, and the
 table's cells flip only between w_tpot 2 and 4, so x1.25 steps reach the first flip after ~30 s,
-a whole ramp step late.
+a whole ramp step late. A tick a second is safe: each tick judges only requests routed under the
+weight in force (``ppd.slo`` rule 4), so ticking fast reacts sooner without overshooting.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class SloSettings:
     #: The controller's relative step (1.0: w_tpot doubles or halves), seconds between its moves, and
     #: the fewest samples in its window it acts on.
     controller_step: float = 1.0
-    controller_interval_s: float = 2.5
-    controller_min_samples: int = 20
+    controller_interval_s: float = 1.0
+    controller_min_samples: int = 10
     run_slo_arm: bool = True
     seed: int = 0
     tables: Path = Path("tables")

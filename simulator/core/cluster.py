@@ -619,6 +619,7 @@ class _Sim:
                 t,
                 ttft_s=first - req.arrival if first is not None else None,
                 tpot_s=(t - first) / (req.n_out - 1) if first is not None and req.n_out > 1 else None,
+                started=req.arrival,
             )
         self._live.pop(req.rid, None)
         assert req.d is not None

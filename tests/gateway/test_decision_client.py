@@ -209,9 +209,11 @@ async def test_no_table_is_read_from_the_status_detail_not_the_message(service: 
         await client.close()
 
 
-async def test_the_real_servicer_without_a_table_is_not_serving(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_real_servicer_without_a_table_is_not_serving(tmp_path: Path, stream: bool) -> None:
     # Both sides of the no-table signal over a real gRPC server: the real servicer (no health
-    # service here, so the client does call Route) sets it, the client reads it.
+    # service here, so the client does call Route) sets it, the client reads it. In stream form the
+    # answer carries it in `error` (no trailing metadata): still not_serving, never fallback_error.
     from decision_service.holder import TableHolder
     from decision_service.metrics import DecisionMetrics
     from decision_service.servicer import DecisionServicer, add_to_server
@@ -225,13 +227,17 @@ async def test_the_real_servicer_without_a_table_is_not_serving(tmp_path: Path) 
     await server.start()
     gateway_metrics = GatewayMetrics()
     client = GrpcDecisionClient(
-        DecisionSettings(address=f"127.0.0.1:{port}", deadline_ms=2000.0), gateway_metrics
+        DecisionSettings(address=f"127.0.0.1:{port}", deadline_ms=2000.0, stream=stream), gateway_metrics
     )
     await client.start()
     try:
         assert (await client.route(QUERY, FALLBACK)).reason == "fallback_not_serving"
         rpcs = sample(gateway_metrics.registry, "ppd_gateway_route_rpc_seconds_count", outcome="not_serving")
         assert rpcs == 1  # the RPC was made and answered with the signal
+        fallbacks = sample(
+            gateway_metrics.registry, "ppd_gateway_decision_fallbacks_total", cause="not_serving"
+        )
+        assert fallbacks == 1
     finally:
         await client.close()
         await server.stop(None)

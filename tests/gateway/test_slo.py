@@ -209,27 +209,31 @@ async def test_the_app_sends_the_weights_and_shows_the_state(
     control = stack.deps.slo
     assert control is not None
 
-    async def observed(n: int) -> None:
+    async def observed(adjustments: int, samples: int) -> None:
         # The turn's report runs once its answer has ended: wait for it, not for the client's read.
         async def seen() -> bool:
-            states = control.states()
-            return bool(states) and states["default"].ttft_samples == n
+            state = control.states().get("default")
+            return state is not None and (state.adjustments, state.ttft_samples) == (adjustments, samples)
 
-        await eventually(seen, what=f"{n} finished turns observed")
+        await eventually(seen, what=f"{adjustments} moves and {samples} samples")
 
+    # Turn 1 is a sample. Turn 2's Route moves w_tpot (one step down) and empties the window; turn 2
+    # itself arrived before that move, so it is no sample (ppd/slo.py rule 4). Turn 3's Route finds
+    # no sample (no move); turn 3 arrived after the move: one sample.
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
     reply = await stack.chat(messages, stream=True, max_tokens=6)
-    await observed(1)
-    for n, text in ((2, "and then"), (3, "and after")):
-        follow_up(messages, reply, text)
-        reply = await stack.chat(messages, stream=True, max_tokens=6)
-        await observed(n)
+    await observed(0, 1)
+    follow_up(messages, reply, "and then")
+    reply = await stack.chat(messages, stream=True, max_tokens=6)
+    await observed(1, 0)
+    follow_up(messages, reply, "and after")
+    reply = await stack.chat(messages, stream=True, max_tokens=6)
+    await observed(1, 1)
     weights = [(q.weights.w_ttft, q.weights.w_tpot) for q in decision.seen]
-    assert weights[0] == (1.0, 2.0 / 1.25), weights  # one finished turn seen: one step down
-    assert weights[1][1] < weights[0][1], weights
+    assert weights == [(1.0, 2.0 / 1.25)] * 2, weights
     health = await (await stack.http.get(stack.url + "/health")).json()
     table = health["slo"]["tables"]["default"]
-    assert (table["ttft_samples"], table["reason"]) == (3, "ttft_over"), health
+    assert (table["ttft_samples"], table["adjustments"], table["reason"]) == (1, 1, "too_few_samples"), health
     assert health["slo"]["ttft_p99_ms"] == 1e-6
     text = await (await stack.http.get(stack.url + "/metrics")).text()
     assert sample(text, "ppd_gateway_slo_w_tpot", table_key="default") == table["w_tpot"]

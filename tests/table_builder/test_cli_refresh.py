@@ -47,6 +47,7 @@ def test_help_lists_every_flag() -> None:
         "--confidence",
         "--qps-window",
         "--replace-drifted",
+        "--interference",
         "--skip-bad-lines",
         "--json",
     ):
@@ -79,6 +80,15 @@ def test_replace_drifted_reaches_the_refresh(base: Path, logs: Path, tmp_path: P
     plain, replaced = Table.open(tmp_path / "plain.ppdt"), Table.open(tmp_path / "replaced.ppdt")
     assert "replace_drifted" not in plain.header.provenance
     assert replaced.header.provenance["replace_drifted"] is True
+
+
+def test_interference_reaches_the_refresh(base: Path, logs: Path, tmp_path: Path) -> None:
+    args = ["refresh", "--logs", str(logs), "--base", str(base), "--json"]
+    assert main([*args, "--out", str(tmp_path / "plain.ppdt")]) == 0
+    assert main([*args, "--out", str(tmp_path / "fitted.ppdt"), "--interference"]) == 0
+    plain, fitted = Table.open(tmp_path / "plain.ppdt"), Table.open(tmp_path / "fitted.ppdt")
+    assert "interference" not in plain.header.provenance
+    assert isinstance(fitted.header.provenance["interference"], dict)
 
 
 def test_json_report_is_one_line(

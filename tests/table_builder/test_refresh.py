@@ -33,9 +33,16 @@ def figures(result: RefreshResult, cell: tuple[int, int, int] = CELL) -> dict[st
 
 
 def refresh(
-    base: Table, records: list[Record], *, min_samples: int = 1, confidence: float = 0.99
+    base: Table,
+    records: list[Record],
+    *,
+    min_samples: int = 1,
+    confidence: float = 0.99,
+    interference: bool = False,
 ) -> RefreshResult:
-    return refresh_table(base, records, min_samples=min_samples, confidence=confidence)
+    return refresh_table(
+        base, records, min_samples=min_samples, confidence=confidence, interference=interference
+    )
 
 
 # --- the merge -------------------------------------------------------------------------------------
@@ -88,8 +95,11 @@ def test_ppd_lines_count_by_the_path_they_took_and_the_rest_is_left_out() -> Non
 
 
 def test_a_production_line_without_a_target_qps_is_filed_at_the_logs_own_arrival_rate() -> None:
-    base = base_table(base_records() + [dataclasses.replace(r, target_qps=8.0) for r in base_records()])
-    # 8 requests a second for 30 s (Turn 1 lines count as arrivals too), no target_qps.
+    base = base_table(
+        base_records() + [dataclasses.replace(r, target_qps=q) for q in (4.0, 8.0) for r in base_records()]
+    )
+    # 8 requests a second for 30 s, no target_qps: two-turn conversations, so 4 conversations a second,
+    # the table's unit (a benchmark's target_qps); counting every turn would file them at 8.
     t0 = 1_767_300_000.0
     lines = [
         make_record(
@@ -99,10 +109,12 @@ def test_a_production_line_without_a_target_qps_is_filed_at_the_logs_own_arrival
         for i in range(240)
     ]  # fmt: skip
     result = refresh_table(base, lines, min_samples=1, confidence=0.99, qps_window_s=10.0)
+    at_4 = figures(result, (0, 6, AXES.qps_levels.index(4.0)))
     at_8 = figures(result, (0, 6, AXES.qps_levels.index(8.0)))
     at_2 = figures(result, CELL)
     assert at_2["local_samples"] == 4  # nothing landed at 2 QPS, not even the first and last lines
-    assert at_8["local_samples"] == 4 + 120
+    assert at_8["local_samples"] == 4
+    assert at_4["local_samples"] == 4 + 120
     with pytest.raises(ValueError, match="qps_window_s"):
         refresh_table(base, lines, min_samples=1, confidence=0.99, qps_window_s=0.0)
 
@@ -324,21 +336,24 @@ PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 
 
 @PROPERTY
-@given(records=evidence(), order=st.randoms(use_true_random=False))
-def test_the_same_evidence_in_any_order_gives_the_same_bytes(records: list[Record], order: Any) -> None:
+@given(records=evidence(), order=st.randoms(use_true_random=False), interference=st.booleans())
+def test_the_same_evidence_in_any_order_gives_the_same_bytes(
+    records: list[Record], order: Any, interference: bool
+) -> None:
     base = base_table()
     shuffled = list(records)
     order.shuffle(shuffled)
-    assert refresh(base, records, min_samples=5).encode() == refresh(base, shuffled, min_samples=5).encode()
+    first = refresh(base, records, min_samples=5, interference=interference).encode()
+    assert first == refresh(base, shuffled, min_samples=5, interference=interference).encode()
 
 
 @PROPERTY
-@given(records=evidence(), min_samples=st.integers(1, 30))
+@given(records=evidence(), min_samples=st.integers(1, 30), interference=st.booleans())
 def test_no_answer_flips_unless_the_cell_it_is_read_from_holds_the_sample_minimum(
-    records: list[Record], min_samples: int
+    records: list[Record], min_samples: int, interference: bool
 ) -> None:
     base = base_table(base_records() + [dataclasses.replace(r, target_qps=8.0) for r in base_records(2)])
-    result = refresh(base, records, min_samples=min_samples)
+    result = refresh(base, records, min_samples=min_samples, interference=interference)
     new = Router(Table.from_bytes(result.encode()))
     old = Router(base)
     # The test's own count of logged requests per cell (the classifier; QPS as refresh's rule 2).
@@ -371,3 +386,58 @@ def test_no_answer_flips_unless_the_cell_it_is_read_from_holds_the_sample_minimu
                 if answers[: len(weights)] != answers[len(weights) :]:
                     source = CellKey(c, w, AXES.qps_levels.index(after.qps_level))
                     assert counts[source] >= min_samples, (c, w, q, counts[source])
+
+
+# --- rule 8: the decode interference of LOCAL turns ------------------------------------------------
+
+
+def _interfering_logs(seed: int = 1) -> list[Record]:
+    """100 s of one cell's Turn-2 lines, 4 a second, half LOCAL by a seeded draw. Every line's TPOT is
+    10 ms plus 2 ms per LOCAL arrival during its 1 s of decoding, whichever path it took itself: the
+    cell's two paths show the same mean TPOT, and LOCAL costs everyone's."""
+    import random
+
+    draw = random.Random(seed)
+    t0 = 1_767_300_000.0
+    starts = [t0 + i / 4 for i in range(400)]
+    local = [draw.random() < 0.5 for _ in starts]
+    local_at = [t for t, is_local in zip(starts, local, strict=True) if is_local]
+    lines = []
+    for i, (t, is_local) in enumerate(zip(starts, local, strict=True)):
+        during = sum(1 for a in local_at if t + 0.05 <= a <= t + 1.05)
+        lines.append(
+            make_record(
+                run_id="gateway", mode="ppd", path="local" if is_local else "pd", conversation_id=f"c{i}",
+                start_time=t, ttft_ms=50.0, e2e_ms=1050.0, tpot_ms=10.0 + 2.0 * during,
+            )
+        )  # fmt: skip
+    return lines
+
+
+def test_interference_reads_the_tpot_cost_of_local_from_everyones_requests() -> None:
+    base = base_table()
+    lines = _interfering_logs()
+    own = figures(refresh(base, lines, min_samples=1))
+    fitted = refresh(base, lines, min_samples=1, interference=True)
+    after = figures(fitted)
+    # Per path, the cell's own lines show no cost: the merged TPOTs stay within a few percent.
+    assert abs(own["local_tpot_ms"] / own["pd_tpot_ms"] - 1.0) < 0.1, own
+    # The fit: 2 ms per LOCAL arrival a second, 4 arrivals a second, a mean TPOT near 14 ms: were the
+    # whole load LOCAL, TPOT would rise by about 2 x 4 / 14 = 57 %.
+    effect = after["local_tpot_ms"] / after["pd_tpot_ms"] - 1.0
+    assert 0.45 < effect < 0.7, after
+    assert after["pd_tpot_ms"] == own["pd_tpot_ms"]
+    table = Table.from_bytes(fitted.encode())
+    assert table.header.provenance["interference"] == {LABEL: pytest.approx(effect)}
+    assert "interference" not in Table.from_bytes(refresh(base, lines).encode()).header.provenance
+
+
+def test_interference_needs_both_paths_and_a_significant_fit() -> None:
+    base = base_table()
+    only_local = [dataclasses.replace(r, path="local") for r in _interfering_logs()]
+    assert figures(refresh(base, only_local, interference=True)) == figures(refresh(base, only_local))
+    # No interference at all (every TPOT the same): the fit finds no effect beyond its error.
+    flat = [dataclasses.replace(r, tpot_ms=12.0) for r in _interfering_logs()]
+    result = refresh(base, flat, interference=True)
+    assert figures(result) == figures(refresh(base, flat))
+    assert Table.from_bytes(result.encode()).header.provenance["interference"] == {}

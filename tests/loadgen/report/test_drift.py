@@ -19,6 +19,7 @@ from loadgen.report.drift_arms import (
     ArmRun,
     DriftSettings,
     RefreshLoop,
+    TableSwap,
     cluster_config,
     decision_match,
     post_drift_events,
@@ -196,6 +197,29 @@ def test_the_decision_goal_needs_the_match_to_hold_not_a_final_table_that_matche
     assert [row[1] for row in goals(held)[1:3]] == ["PASS", "PASS"]
 
 
+def test_convergence_is_the_settling_time_not_a_passing_match() -> None:
+    # The loop matches once after the drift (t=12), falls back (t=14), then matches from t=16 on: it
+    # converged at 16, and the requests counted run from the drift to 16.
+    stale = Table.open(STALE)
+    oracle = decided_everywhere(stale, local=False)
+    records = [
+        {"turn": 2, "ok": True, "path": "local", "ttft_ms": 1.0, "tpot_ms": 1.0, "start_time": float(t)}
+        for t in range(20)
+    ]
+
+    def fig(tables: list[tuple[float, Table]]) -> DriftFigures:
+        swaps = [TableSwap(at, k, table) for k, (at, table) in enumerate(tables)]
+        cells = Counter({CellKey(0, 0, 0): 1})
+        return figures([ArmRun("closed", records, swaps)], stale, oracle, cells, 10.0)
+
+    settles = fig([(5.0, stale), (12.0, oracle), (14.0, stale), (16.0, oracle), (18.0, oracle)])
+    assert (settles.converged_at, settles.requests_to_converge, settles.stayed) == (16.0, 6, True)
+    falls = fig([(5.0, stale), (12.0, oracle), (14.0, stale)])
+    assert (falls.converged_at, falls.requests_to_converge, falls.stayed) == (12.0, 2, False)
+    never = fig([(5.0, stale), (12.0, stale)])
+    assert (never.converged_at, never.requests_to_converge, never.stayed) == (None, None, None)
+
+
 def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["drift", "--help"])
@@ -208,6 +232,35 @@ def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
             main(["drift", "--out", "x", *bad])
         assert exc.value.code == 2
     assert "unknown drift key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--epsilon", "1.5", "from 0 to 1"),
+        ("--epsilon", "-0.1", "from 0 to 1"),
+        ("--epsilon", "nan", "from 0 to 1"),
+        ("--confidence", "1", "between 0 and 1"),
+        ("--confidence", "0", "between 0 and 1"),
+        ("--refresh-every", "0", "integer >= 1"),
+        ("--min-samples", "0", "integer >= 1"),
+        ("--window", "-1", "integer >= 0"),
+        ("--window", "1.5", "integer >= 0"),
+        ("--explore-seed", "-1", "integer >= 0"),
+        ("--seed", "-3", "integer >= 0"),
+    ],
+)
+def test_cli_range_checks_the_closed_loops_flags(
+    flag: str, value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A bad value is a usage error naming the flag (exit 2), never a traceback from deep in a run.
+    with pytest.raises(SystemExit) as exc:
+        main(["drift", "--out", str(tmp_path), "--arms", "stale", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err, err
+    assert message in err, err
+    assert not any(tmp_path.iterdir())
 
 
 def test_cli_refuses_a_drift_after_the_run(tmp_path: Path) -> None:

@@ -83,7 +83,9 @@ def test_the_controller_holds_a_tpot_target_and_keeps_part_of_the_ttft_gain(prof
 def test_on_a_load_ramp_w_tpot_rises_with_the_load_and_relaxes_after_it(profile: Profile) -> None:
     calm = synthetic_conversations(WORKLOAD, qps=2, duration_s=20, seed=1)
     busy = synthetic_conversations(WORKLOAD, qps=8, duration_s=30, seed=2)
-    after = synthetic_conversations(WORKLOAD, qps=2, duration_s=40, seed=4)
+    # Each step back judges only requests routed after the last one (ppd/slo.py rule 4): about 20
+    # finished turns at 2 QPS, so the calm after the burst lasts long enough for five steps.
+    after = synthetic_conversations(WORKLOAD, qps=2, duration_s=70, seed=4)
     convs = [
         *calm,
         *(dataclasses.replace(c, start=c.start + 20.0) for c in busy),
