@@ -6,7 +6,10 @@ Rule 1: ``TableHeader`` is the one place that lists the header's fields: their p
 router read one. A new field is a field here (its JSON place and its check), the builder's flag that
 sets it, and the code that uses it.
 Rule 2: ``Figure`` names the columns of the figures array (the last axis of ``figures[c, w, q]``); code
-indexes a cell's row by name, never by a bare number.
+indexes a cell's row by name, never by a bare number. Columns are only ever appended, each group with a
+new format version: ``FIGURES_OF_VERSION[v]`` is the header's ``figures`` list of a version-``v`` file
+(version 1: PD and LOCAL; version 2 adds the bidirectional mode, BIDIR). A reader gives every table all
+columns; those its file's version lacks read as zero (no samples).
 Rule 3: nothing here knows about files, sockets or clocks; a bad header raises ``HeaderError`` (or
 ``AxesError``, ``KeyError``, ``TypeError``, ``ValueError`` for a malformed one), which the file reader
 turns into its ``TableError``.
@@ -22,7 +25,16 @@ from typing import Any, Final
 
 from decision_service.axes import Axes
 
-__all__ = ["DECISIONS", "FIGURES", "Figure", "HeaderError", "TableHeader", "Weights"]
+__all__ = [
+    "BIDIR_FIGURES",
+    "DECISIONS",
+    "FIGURES",
+    "FIGURES_OF_VERSION",
+    "Figure",
+    "HeaderError",
+    "TableHeader",
+    "Weights",
+]
 
 #: The two answers a table can default to.
 DECISIONS: Final = ("pd", "local")
@@ -32,7 +44,9 @@ class Figure(IntEnum):
     """The figures of one cell, in their order along the array's last axis.
 
     Means over completed Turn-2+ requests (``*_TTFT_MS``, ``*_TPOT_MS``), completed / sent
-    (``*_SUCCESS``), and requests sent (``*_SAMPLES``; a cell is measured when both are > 0).
+    (``*_SUCCESS``), and requests sent (``*_SAMPLES``; a cell is measured when PD's and LOCAL's are
+    > 0). ``BIDIR_*`` (format version 2): the bidirectional KV mode's figures; a cell has them when
+    ``BIDIR_SAMPLES`` > 0, and only then may the router answer BIDIR there.
     """
 
     PD_TTFT_MS = 0
@@ -43,6 +57,10 @@ class Figure(IntEnum):
     LOCAL_SUCCESS = 5
     PD_SAMPLES = 6
     LOCAL_SAMPLES = 7
+    BIDIR_TTFT_MS = 8
+    BIDIR_TPOT_MS = 9
+    BIDIR_SUCCESS = 10
+    BIDIR_SAMPLES = 11
 
     @property
     def label(self) -> str:
@@ -50,11 +68,21 @@ class Figure(IntEnum):
         return self.name.lower()
 
 
-#: The header's ``figures`` list: ``Figure`` labels in array order.
+#: The header's ``figures`` list of the newest format: ``Figure`` labels in array order.
 FIGURES: Final = tuple(f.label for f in Figure)
+#: The bidirectional mode's columns (format version 2).
+BIDIR_FIGURES: Final = (
+    Figure.BIDIR_TTFT_MS,
+    Figure.BIDIR_TPOT_MS,
+    Figure.BIDIR_SUCCESS,
+    Figure.BIDIR_SAMPLES,
+)
+#: The header's ``figures`` list of each format version: a prefix of ``FIGURES``.
+FIGURES_OF_VERSION: Final = {1: FIGURES[: Figure.BIDIR_TTFT_MS], 2: FIGURES}
 #: Column groups the reader checks together.
 LATENCIES: Final = (Figure.PD_TTFT_MS, Figure.PD_TPOT_MS, Figure.LOCAL_TTFT_MS, Figure.LOCAL_TPOT_MS)
-SUCCESS_RATES: Final = (Figure.PD_SUCCESS, Figure.LOCAL_SUCCESS)
+BIDIR_LATENCIES: Final = (Figure.BIDIR_TTFT_MS, Figure.BIDIR_TPOT_MS)
+SUCCESS_RATES: Final = (Figure.PD_SUCCESS, Figure.LOCAL_SUCCESS, Figure.BIDIR_SUCCESS)
 
 
 class HeaderError(ValueError):
@@ -115,15 +143,16 @@ class TableHeader:
     def key(self) -> str:
         return f"{self.shape}/{self.model}"
 
-    def to_json(self) -> dict[str, Any]:
-        """The JSON header object, without what the file layer adds (``version``, ``arrays``)."""
+    def to_json(self, format_version: int = max(FIGURES_OF_VERSION)) -> dict[str, Any]:
+        """The JSON header object of a ``format_version`` file, without what the file layer adds
+        (``version``, ``arrays``)."""
         return {
             "format": "ppd-table",
             "key": self.key,
             "shape": self.shape,
             "model": self.model,
             "axes": self.axes.to_json(),
-            "figures": list(FIGURES),
+            "figures": list(FIGURES_OF_VERSION[format_version]),
             "weights": {
                 "default": self.default_weights.to_json(),
                 "profiles": {name: w.to_json() for name, w in sorted(self.profiles.items())},
@@ -139,8 +168,9 @@ class TableHeader:
         }
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> TableHeader:
-        """Read and check a JSON header object (the file layer checks ``version`` and ``arrays``)."""
+    def from_json(cls, raw: Mapping[str, Any], format_version: int = max(FIGURES_OF_VERSION)) -> TableHeader:
+        """Read and check the JSON header object of a ``format_version`` file (the file layer checks
+        ``version`` and ``arrays``)."""
         for key in ("key", "shape", "model", "default_decision"):
             if not isinstance(raw[key], str) or not raw[key]:
                 raise HeaderError(f"header field {key!r} must be a non-empty string")
@@ -148,8 +178,12 @@ class TableHeader:
             raise HeaderError(f"key {raw['key']!r} is not shape/model")
         if raw["default_decision"] not in DECISIONS:
             raise HeaderError(f"default_decision must be 'pd' or 'local', got {raw['default_decision']!r}")
-        if list(raw["figures"]) != list(FIGURES):
-            raise HeaderError(f"figures {raw['figures']} differ from this reader's {list(FIGURES)}")
+        expected = list(FIGURES_OF_VERSION[format_version])
+        if list(raw["figures"]) != expected:
+            raise HeaderError(
+                f"figures {raw['figures']} differ from this reader's {expected} "
+                f"(format version {format_version})"
+            )
         axes = Axes.from_json(raw["axes"])
         weights = raw["weights"]
         default_weights = Weights.from_json(weights["default"], "default")

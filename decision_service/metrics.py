@@ -16,7 +16,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
-from decision_service.route import Reason
+from decision_service.route import PATHS, Reason
 
 __all__ = ["DecisionMetrics", "MetricsEndpoint", "start_metrics_endpoint"]
 
@@ -35,7 +35,7 @@ class DecisionMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.decisions = Counter(
             "ppd_decisions",
-            "Routing decisions answered, by decision (pd|local) and reason code.",
+            "Routing decisions answered, by decision (pd|local|bidir) and reason code.",
             ["decision", "reason"],
             registry=self.registry,
         )
@@ -64,10 +64,10 @@ class DecisionMetrics:
             ["key"],
             registry=self.registry,
         )
-        # Children bound once: (local, reason) -> counter child. Reasons come from the core enum.
+        # Children bound once: (path, reason) -> counter child. Paths and reasons come from the core.
         self.decision_counter = {
-            (local, reason): self.decisions.labels("local" if local else "pd", reason.name.lower())
-            for local in (False, True)
+            (path, reason): self.decisions.labels(path, reason.name.lower())
+            for path in PATHS
             for reason in Reason
         }
         self._error_children: dict[str, Counter] = {}

@@ -1,4 +1,4 @@
-"""The decision rule: psi -> PD (x=0) or LOCAL (x=1), with provenance.
+"""The decision rule: psi -> PD (x=0) or LOCAL (x=1), or BIDIR for a caller that can serve it.
 
 Rule 1 (architecture.md, "The decision"): turn 1 is always PD. Otherwise psi maps to a cell (context
 class, workload class, nearest QPS level) and the cell's measured deltas are scored as
@@ -19,6 +19,19 @@ Rule 6 (where exploration may go, ``ppd/explore.py``): ``alternative_allowed`` s
         the verdict did not choose is safe to take: it met the success SLO in the cell that answered
         (the nearest measured level's figures) and, when it is LOCAL, no live signal forbids it
         (rules 4 and 5). Never for turn 1 or a (context, workload) without measurements.
+Rule 7 (the third path, BIDIR: vLLM's bidirectional KV mode): considered only when the caller says it
+        can serve it (``Query.bidir``, the request's CAPABILITY_BIDIR) and the cell that answered (the
+        nearest measured level) has BIDIR figures. Otherwise rules 1-6 answer alone, and the verdict is
+        exactly what it was before the mode existed. When considered: every allowed path is scored
+        against PD by the same S with its own deltas (delta_ttft_bidir = (ttft_pd - ttft_bidir) /
+        ttft_pd, delta_tpot_bidir = (tpot_bidir - tpot_pd) / tpot_pd); the highest S > 0 wins, else PD
+        (ties: PD, then LOCAL, then BIDIR). Like LOCAL (rule 2), BIDIR must meet the success SLO: when
+        it misses it, it is not considered and the answer is the two-path one with reason
+        BIDIR_FAILED_IN_CELL (unless a PD/LOCAL failure or a live signal already explains it). When it
+        meets it, the paths that missed the SLO are dropped (reason PD_FAILED_IN_CELL, else
+        LOCAL_FAILED_IN_CELL) and S picks among the rest. Live signals (rules 4, 5) forbid LOCAL only:
+        the better of PD and BIDIR takes its place. A BIDIR answer has ``alternative_allowed`` False
+        (exploration flips PD and LOCAL only).
 
 ``Router`` precomputes, once per table, every cell's default-weight verdict, so the common call
 (no explicit weights) is a classification plus one tuple index and allocates nothing.
@@ -37,6 +50,8 @@ from decision_service.table import Table
 
 __all__ = [
     "MAX_TOKENS",
+    "PATHS",
+    "BidirRule",
     "CellRule",
     "Query",
     "QueryError",
@@ -62,6 +77,12 @@ class Reason(IntEnum):
     NEAREST_CELL = 6
     DEFAULT = 7
     LIVE_SIGNAL = 8
+    BIDIR_FAILED_IN_CELL = 9
+
+
+# What the servicer and metrics call each path.
+PD, LOCAL, BIDIR = "pd", "local", "bidir"
+PATHS = (PD, LOCAL, BIDIR)
 
 
 class QueryError(ValueError):
@@ -84,6 +105,8 @@ class Query:
     decode_kv_usage: float | None = None
     prefill_queue_depth: int | None = None
     decode_running: int | None = None
+    # The caller can serve BIDIR (the request's CAPABILITY_BIDIR): rule 7.
+    bidir: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +123,26 @@ class Verdict:
     detail: str
     # Rule 6: the path not chosen passes the cell's success SLO (and no live signal forbids LOCAL).
     alternative_allowed: bool = False
+    # Rule 7: BIDIR (then ``local`` is False), and what the default weights decide for this caller.
+    bidir: bool = False
+    default_bidir: bool = False
+
+    @property
+    def path(self) -> str:
+        """ "pd", "local" or "bidir"."""
+        return BIDIR if self.bidir else LOCAL if self.local else PD
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BidirRule:
+    """A cell's BIDIR figures compiled (rule 7): its deltas against PD, whether it met the success SLO,
+    and the default-weight verdict for a caller that can serve it."""
+
+    delta_ttft: float
+    delta_tpot: float
+    success: float
+    passes: bool
+    verdict: Verdict
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -117,6 +160,12 @@ class CellRule:
     # Whether each mode met the success SLO here (both False without measurements): rule 6.
     pd_passes: bool = False
     local_passes: bool = False
+    # Rule 7: set when the row that answers has BIDIR figures.
+    bidir: BidirRule | None = None
+    # The row's success rates and QPS-level note, for BIDIR details.
+    pd_success: float = 0.0
+    local_success: float = 0.0
+    nearest_note: str = ""
 
 
 def check_query(q: Query, table: Table) -> None:
@@ -245,7 +294,7 @@ class Router:
             detail=detail,
             alternative_allowed=not pd_failed if local else not lo_failed,
         )
-        return CellRule(
+        rule = CellRule(
             context=ctx,
             workload=wl,
             qps_level=used,
@@ -255,7 +304,27 @@ class Router:
             verdict=v,
             pd_passes=not pd_failed,
             local_passes=not lo_failed,
+            pd_success=pd_ok,
+            local_success=lo_ok,
+            nearest_note=""
+            if src == q
+            else f"no measurements at {level:g} QPS; nearest measured level {used:g}",
         )
+        if not self.table.has_bidir(c, w, src):
+            return rule
+        bi_ttft, bi_tpot = float(row[Figure.BIDIR_TTFT_MS]), float(row[Figure.BIDIR_TPOT_MS])
+        bi_ok = float(row[Figure.BIDIR_SUCCESS])
+        partial = BidirRule(
+            delta_ttft=(pd_ttft - bi_ttft) / pd_ttft,
+            delta_tpot=(bi_tpot - pd_tpot) / pd_tpot,
+            success=bi_ok,
+            passes=bi_ok >= h.min_success,
+            verdict=v,
+        )
+        rule = dataclasses.replace(rule, bidir=partial)
+        three = _three_way(rule, partial, dw, weighted=False, h_min_success=h.min_success)
+        three = dataclasses.replace(three, default_local=three.local, default_bidir=three.bidir)
+        return dataclasses.replace(rule, bidir=dataclasses.replace(partial, verdict=three))
 
     def cell(self, c: int, w: int, q: int) -> CellRule:
         """The compiled rule of cell (context c, workload w, QPS level q)."""
@@ -271,6 +340,8 @@ class Router:
         header = self.table.header
         if weights is None and q.profile is not None:
             weights = header.profiles[q.profile]
+        if q.bidir and cell.bidir is not None:
+            return self._route_bidir(q, cell, cell.bidir, weights)
         v = cell.verdict
         if weights is not None and cell.forced is None and weights != header.default_weights:
             score = weights.w_ttft * cell.delta_ttft - weights.w_tpot * cell.delta_tpot
@@ -288,6 +359,33 @@ class Router:
             v = dataclasses.replace(v, alternative_allowed=False)  # rule 6: LOCAL is forbidden now
         return v
 
+    def _route_bidir(self, q: Query, cell: CellRule, b: BidirRule, weights: Weights | None) -> Verdict:
+        """Rule 7: the three-path verdict for a caller that can serve BIDIR, in a cell with its figures."""
+        h = self.table.header
+        v = b.verdict
+        if weights is not None and weights != h.default_weights:
+            fresh = _three_way(cell, b, weights, weighted=True, h_min_success=h.min_success)
+            v = dataclasses.replace(fresh, default_local=v.default_local, default_bidir=v.default_bidir)
+        if v.local:
+            overload = self._live_overload(q)
+            if overload is not None:
+                # LOCAL is forbidden now: the better of PD and BIDIR (BIDIR only if it met the SLO).
+                w = weights if weights is not None else h.default_weights
+                s_bidir = w.w_ttft * b.delta_ttft - w.w_tpot * b.delta_tpot
+                bidir = b.passes and (s_bidir > 0 or not cell.pd_passes)
+                v = dataclasses.replace(
+                    v,
+                    local=False,
+                    bidir=bidir,
+                    reason=Reason.LIVE_SIGNAL,
+                    score=s_bidir if bidir else v.score,
+                    detail=overload,
+                    alternative_allowed=False,
+                )
+        elif not v.bidir and v.alternative_allowed and self._live_overload(q) is not None:
+            v = dataclasses.replace(v, alternative_allowed=False)  # rule 6: LOCAL is forbidden now
+        return v
+
     def _live_overload(self, q: Query) -> str | None:
         """Why a live signal forbids LOCAL (rules 4 and 5), or None when none does."""
         h = self.table.header
@@ -300,6 +398,62 @@ class Router:
         if queue_limit is not None and queue is not None and queue > queue_limit:
             return None  # P is the scarcer side: keep the prefill on D
         return f"decode worker runs {q.decode_running} requests, above the table's limit {limit}"
+
+
+def _three_way(
+    cell: CellRule, b: BidirRule, weights: Weights, *, weighted: bool, h_min_success: float
+) -> Verdict:
+    """Rule 7 under ``weights``, before live signals. ``weighted``: the caller's weights, not the
+    table's (reason WEIGHTS instead of TABLE)."""
+    two = cell.verdict
+    s_local = weights.w_ttft * cell.delta_ttft - weights.w_tpot * cell.delta_tpot
+    s_bidir = weights.w_ttft * b.delta_ttft - weights.w_tpot * b.delta_tpot
+    unforced_reason = Reason.WEIGHTS if weighted and two.reason is Reason.TABLE else two.reason
+    successes = f"success pd={cell.pd_success:.3f} local={cell.local_success:.3f} bidir={b.success:.3f}"
+    note = cell.nearest_note
+    if not b.passes:
+        # BIDIR is not considered: the two-path answer (rules 2-3 as route() gives it), with BIDIR's
+        # failure named unless a PD/LOCAL failure explains the answer already.
+        if cell.forced is not None:
+            return two
+        local = s_local > 0
+        return dataclasses.replace(
+            two,
+            local=local,
+            reason=Reason.BIDIR_FAILED_IN_CELL,
+            score=s_local,
+            detail=f"{note}; {successes} vs SLO {h_min_success}"
+            if note
+            else f"{successes} vs SLO {h_min_success}",
+            alternative_allowed=cell.pd_passes if local else cell.local_passes,
+        )
+    candidates: list[tuple[str, float]] = []
+    if cell.pd_passes:
+        candidates.append((PD, 0.0))
+    if cell.local_passes:
+        candidates.append((LOCAL, s_local))
+    candidates.append((BIDIR, s_bidir))
+    best, best_score = candidates[0]
+    for path, score in candidates[1:]:
+        if score > best_score:
+            best, best_score = path, score
+    if best == PD:
+        best_score = max(score for path, score in candidates if path != PD)
+    if not cell.pd_passes or not cell.local_passes:
+        reason = Reason.PD_FAILED_IN_CELL if not cell.pd_passes else Reason.LOCAL_FAILED_IN_CELL
+        detail = f"{successes} vs SLO {h_min_success}"
+        detail = f"{note}; {detail}" if note else detail
+    else:
+        reason, detail = unforced_reason, note
+    return dataclasses.replace(
+        two,
+        local=best == LOCAL,
+        bidir=best == BIDIR,
+        reason=reason,
+        score=best_score,
+        detail=detail,
+        alternative_allowed=cell.pd_passes if best == LOCAL else cell.local_passes if best == PD else False,
+    )
 
 
 def route(table: Table, query: Query) -> Verdict:

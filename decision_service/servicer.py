@@ -32,7 +32,7 @@ from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, QueryError, Router, Verdict, check_query
 from decision_service.settings import DEFAULT_MAX_BATCH_ITEMS
-from decision_service.table import FORMAT_VERSION, Figure, Table, Weights
+from decision_service.table import Figure, Table, Weights
 from decision_service.wire import Malformed, RateLimitedLog, exactly_one, lenient
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
@@ -90,15 +90,16 @@ def _query(request: pb.RouteRequest) -> Query:
         decode_running=None
         if live is None or not live.HasField("decode_running_requests")
         else live.decode_running_requests,
+        bidir=pb.CAPABILITY_BIDIR in request.capabilities,
     )
 
 
 def _response(verdict: Verdict, table: Table, request_id: str) -> pb.RouteResponse:
     response = pb.RouteResponse(
-        decision=_DECISION[verdict.local],
+        decision=pb.DECISION_BIDIR if verdict.bidir else _DECISION[verdict.local],
         reason=verdict.reason.value,  # type: ignore[arg-type]  # numbered exactly like the proto enum
         score=verdict.score,
-        default_decision=_DECISION[verdict.default_local],
+        default_decision=pb.DECISION_BIDIR if verdict.default_bidir else _DECISION[verdict.default_local],
         table_version=table.version,
         table_key=table.key,
         request_id=request_id,
@@ -164,7 +165,7 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         except QueryError as exc:
             return _Failure(_INVALID_ARGUMENT, str(exc))
         verdict = router.route(query)
-        self._decision_counter[verdict.local, verdict.reason].inc()
+        self._decision_counter[verdict.path, verdict.reason].inc()
         return _response(verdict, table, request.request_id)
 
     def _decide_counted(
@@ -301,7 +302,7 @@ def _describe(router: Router, tables: TableSet) -> pb.DescribeTableResponse:
     response = pb.DescribeTableResponse(
         table_key=table.key,
         table_version=table.version,
-        format_version=FORMAT_VERSION,
+        format_version=table.format_version,
         context_edges=axes.context_edges,
         context_classes=axes.context_classes,
         workload_classes=[
@@ -336,26 +337,37 @@ def _cell_figures(router: Router) -> list[pb.CellFigures]:
             for q in range(nq):
                 row = table.figures[c, w, q]
                 own = router.cell(c, w, q)
-                cells.append(
-                    pb.CellFigures(
-                        cell=pb.Cell(
-                            context_class=axes.context_classes[c],
-                            workload_class=axes.workloads[w].name,
-                            qps_level=axes.qps_levels[q],
-                        ),
-                        measured=table.measured(c, w, q),
-                        pd_ttft_ms=float(row[Figure.PD_TTFT_MS]),
-                        pd_tpot_ms=float(row[Figure.PD_TPOT_MS]),
-                        local_ttft_ms=float(row[Figure.LOCAL_TTFT_MS]),
-                        local_tpot_ms=float(row[Figure.LOCAL_TPOT_MS]),
-                        pd_success=float(row[Figure.PD_SUCCESS]),
-                        local_success=float(row[Figure.LOCAL_SUCCESS]),
-                        pd_samples=int(row[Figure.PD_SAMPLES]),
-                        local_samples=int(row[Figure.LOCAL_SAMPLES]),
-                        delta_ttft=own.delta_ttft,
-                        delta_tpot=own.delta_tpot,
-                        default_decision=_DECISION[own.verdict.local],
-                        default_reason=own.verdict.reason.value,  # type: ignore[arg-type]
-                    )
+                figures = pb.CellFigures(
+                    cell=pb.Cell(
+                        context_class=axes.context_classes[c],
+                        workload_class=axes.workloads[w].name,
+                        qps_level=axes.qps_levels[q],
+                    ),
+                    measured=table.measured(c, w, q),
+                    pd_ttft_ms=float(row[Figure.PD_TTFT_MS]),
+                    pd_tpot_ms=float(row[Figure.PD_TPOT_MS]),
+                    local_ttft_ms=float(row[Figure.LOCAL_TTFT_MS]),
+                    local_tpot_ms=float(row[Figure.LOCAL_TPOT_MS]),
+                    pd_success=float(row[Figure.PD_SUCCESS]),
+                    local_success=float(row[Figure.LOCAL_SUCCESS]),
+                    pd_samples=int(row[Figure.PD_SAMPLES]),
+                    local_samples=int(row[Figure.LOCAL_SAMPLES]),
+                    delta_ttft=own.delta_ttft,
+                    delta_tpot=own.delta_tpot,
+                    default_decision=_DECISION[own.verdict.local],
+                    default_reason=own.verdict.reason.value,  # type: ignore[arg-type]
                 )
+                if table.has_bidir(c, w, q):
+                    # Only where the table has the mode: a version-1 table's answer stays as it was.
+                    figures.bidir_ttft_ms = float(row[Figure.BIDIR_TTFT_MS])
+                    figures.bidir_tpot_ms = float(row[Figure.BIDIR_TPOT_MS])
+                    figures.bidir_success = float(row[Figure.BIDIR_SUCCESS])
+                    figures.bidir_samples = int(row[Figure.BIDIR_SAMPLES])
+                if own.bidir is not None:
+                    figures.bidir_delta_ttft = own.bidir.delta_ttft
+                    figures.bidir_delta_tpot = own.bidir.delta_tpot
+                    v = own.bidir.verdict
+                    figures.bidir_default_decision = pb.DECISION_BIDIR if v.bidir else _DECISION[v.local]
+                    figures.bidir_default_reason = v.reason.value  # type: ignore[assignment]
+                cells.append(figures)
     return cells

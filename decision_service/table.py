@@ -3,7 +3,7 @@
 Layout (all integers little-endian)::
 
     offset 0   8 bytes   magic b"PPDTABLE"
-    offset 8   u16       format version (FORMAT_VERSION)
+    offset 8   u16       format version (1 or 2; FORMAT_VERSION is the newest)
     offset 10  u16       reserved, 0
     offset 12  u32       header length H
     offset 16  H bytes   JSON header, space-padded so that the arrays start on a 64-byte boundary
@@ -13,7 +13,13 @@ Layout (all integers little-endian)::
 The JSON header is a ``TableHeader`` (header.py: the key ``<shape>/<model>``, the axes, weights, the
 SLO, the default decision, live-signal limits, provenance; its fields and checks are listed there only)
 plus what this layer adds: a content-derived ``version`` and the ``arrays`` list. The one array,
-``figures``, is float64 of shape (context, workload, qps, len(Figure)).
+``figures``, is float64 of shape (context, workload, qps, F), F = len(FIGURES_OF_VERSION[version]):
+8 columns in version 1 (PD and LOCAL), 12 in version 2 (plus the bidirectional mode, BIDIR).
+
+Versions: a writer writes the lowest version that holds its figures: version 1 when no cell has BIDIR
+samples (so a two-mode table is the same bytes, and the same content version, as before version 2
+existed), version 2 otherwise. A reader reads both; a version-1 table gets the BIDIR columns as zeros
+(no samples anywhere), which the router treats exactly like a table without the mode.
 
 Rule 1: a file is validated completely (checksum, header, axes against arrays, finite figures) before a
 ``Table`` exists; a ``Table`` is therefore always good. Rule 2: writing is deterministic (sorted JSON keys,
@@ -40,7 +46,9 @@ import numpy.typing as npt
 
 from decision_service.axes import AxesError
 from decision_service.header import (
+    BIDIR_LATENCIES,
     FIGURES,
+    FIGURES_OF_VERSION,
     LATENCIES,
     SUCCESS_RATES,
     Figure,
@@ -52,6 +60,7 @@ from decision_service.header import (
 __all__ = [
     "DIGEST_SIZE",
     "FIGURES",
+    "FIGURES_OF_VERSION",
     "FORMAT_VERSION",
     "MAGIC",
     "PREAMBLE",
@@ -67,7 +76,8 @@ __all__ = [
 ]
 
 MAGIC: Final = b"PPDTABLE"
-FORMAT_VERSION: Final = 1
+#: The newest format version this code reads and writes (see "Versions" above).
+FORMAT_VERSION: Final = 2
 SUFFIX: Final = ".ppdt"
 #: magic, format version, reserved, header length (the layout above).
 PREAMBLE: Final = struct.Struct("<8sHHI")
@@ -104,8 +114,8 @@ class TableError(Exception):
 class TableSpec:
     """Everything a table file holds; the input of ``encode_table``.
 
-    ``figures[c, w, q]`` holds one cell's row, indexed by ``Figure``; a cell is measured when both
-    sample counts are > 0.
+    ``figures[c, w, q]`` holds one cell's row, indexed by ``Figure``: all ``len(FIGURES)`` columns, or
+    the 8 of format version 1; a cell is measured when PD's and LOCAL's sample counts are > 0.
     """
 
     header: TableHeader
@@ -115,7 +125,9 @@ class TableSpec:
 def encode_table(spec: TableSpec) -> bytes:
     """Serialise ``spec`` (validating it first, as a reader would)."""
     figures = np.ascontiguousarray(spec.figures, dtype=_DTYPE)
-    header = spec.header.to_json()
+    format_version = _version_for(figures)
+    figures = np.ascontiguousarray(figures[..., : len(FIGURES_OF_VERSION[format_version])])
+    header = spec.header.to_json(format_version)
     data = figures.tobytes()
     header["version"] = hashlib.sha256(_canonical(header) + data).hexdigest()[:16]
     # The array offset depends on the header length, which depends on the offset's digits: settle it.
@@ -130,10 +142,22 @@ def encode_table(spec: TableSpec) -> bytes:
             break
         offset = start
     raw = raw.ljust(start - PREAMBLE.size, b" ")
-    body = PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(raw)) + raw + data
+    body = PREAMBLE.pack(MAGIC, format_version, 0, len(raw)) + raw + data
     blob = body + hashlib.sha256(body).digest()
     _decode(memoryview(blob))  # never write what we would refuse to read
     return blob
+
+
+def _version_for(figures: Figures) -> int:
+    """The lowest format version that holds ``figures``: 2 when a cell has BIDIR samples, else 1."""
+    columns = figures.shape[-1] if figures.ndim == 4 else -1
+    if columns not in (len(FIGURES_OF_VERSION[1]), len(FIGURES)):
+        raise TableError(
+            "figures", f"figures have shape {figures.shape}; the last axis must be 8 or {len(FIGURES)}"
+        )
+    if columns == len(FIGURES) and (figures[..., Figure.BIDIR_SAMPLES] > 0).any():
+        return 2
+    return 1
 
 
 def write_table(path: str | os.PathLike[str], spec: TableSpec) -> Path:
@@ -159,16 +183,18 @@ class Table:
     that release tables explicitly; it only drops the arrays.
 
     ``header`` is what the table says (``TableHeader``); ``raw_header`` the JSON header object exactly as
-    stored, ``version`` and ``arrays`` included (DescribeTable hands it out as is).
+    stored, ``version`` and ``arrays`` included (DescribeTable hands it out as is). ``figures`` always
+    has every ``Figure`` column, whatever ``format_version`` the file has (see "Versions").
     """
 
-    __slots__ = ("figures", "header", "key", "path", "raw_header", "version")
+    __slots__ = ("figures", "format_version", "header", "key", "path", "raw_header", "version")
 
     def __init__(self, parsed: _Parsed, path: Path | None) -> None:
         self.path = path
         self.header = parsed.header
         self.raw_header = parsed.raw_header
         self.figures = parsed.figures
+        self.format_version = parsed.format_version
         self.key = parsed.header.key
         self.version: str = parsed.raw_header["version"]
 
@@ -191,6 +217,10 @@ class Table:
         row = self.figures[c, w, q]
         return bool(row[Figure.PD_SAMPLES] > 0 and row[Figure.LOCAL_SAMPLES] > 0)
 
+    def has_bidir(self, c: int, w: int, q: int) -> bool:
+        """Whether cell (c, w, q) has the bidirectional mode's figures (never in a version-1 file)."""
+        return bool(self.figures[c, w, q, Figure.BIDIR_SAMPLES] > 0)
+
     def close(self) -> None:
         """Drop the arrays. Arrays of a closed table must not be used any more."""
         self.figures = np.empty((0, 0, 0, len(FIGURES)))
@@ -204,6 +234,7 @@ class _Parsed:
     header: TableHeader
     raw_header: Mapping[str, Any]
     figures: Figures
+    format_version: int
 
 
 def _decode(buf: memoryview) -> _Parsed:
@@ -235,7 +266,7 @@ def _decode(buf: memoryview) -> _Parsed:
     if not isinstance(header, dict):
         raise TableError("header", "header is not a JSON object")
     try:
-        return _interpret(header, body)
+        return _interpret(header, body, version)
     except HeaderError as exc:
         raise TableError("header", str(exc)) from exc
     except (KeyError, TypeError, ValueError) as exc:
@@ -244,16 +275,17 @@ def _decode(buf: memoryview) -> _Parsed:
         raise TableError("header", f"malformed header: {exc!r}") from exc
 
 
-def _interpret(raw: dict[str, Any], body: memoryview) -> _Parsed:
+def _interpret(raw: dict[str, Any], body: memoryview, format_version: int) -> _Parsed:
     if not isinstance(raw["version"], str) or not raw["version"]:
         raise TableError("header", "header field 'version' must be a non-empty string")
-    header = TableHeader.from_json(raw)
+    header = TableHeader.from_json(raw, format_version)
+    columns = FIGURES_OF_VERSION[format_version]
     arrays = raw["arrays"]
     if len(arrays) != 1 or arrays[0]["name"] != "figures" or arrays[0]["dtype"] != _DTYPE:
         raise TableError("header", f"expected one {_DTYPE} array 'figures', got {arrays}")
     spec = arrays[0]
     shape = tuple(int(n) for n in spec["shape"])
-    expected = (*header.axes.shape, len(FIGURES))
+    expected = (*header.axes.shape, len(columns))
     if shape != expected:
         raise TableError("axes", f"figures have shape {shape}, the axes need {expected}")
     offset = int(spec["offset"])
@@ -264,8 +296,14 @@ def _interpret(raw: dict[str, Any], body: memoryview) -> _Parsed:
             f"array at {offset}+{nbytes} does not end where the content ends ({len(body)})",
         )
     figures = np.frombuffer(body, dtype=_DTYPE, count=int(np.prod(shape)), offset=offset).reshape(shape)
+    if len(columns) < len(FIGURES):
+        # An older file: the columns it lacks read as zero (no samples), in a read-only private copy.
+        full = np.zeros((*header.axes.shape, len(FIGURES)), dtype=_DTYPE)
+        full[..., : len(columns)] = figures
+        full.flags.writeable = False
+        figures = full
     _check_figures(figures)
-    return _Parsed(header, raw, figures)
+    return _Parsed(header, raw, figures, format_version)
 
 
 def _check_figures(figures: Figures) -> None:
@@ -281,6 +319,9 @@ def _check_figures(figures: Figures) -> None:
         )
     if (figures[..., SUCCESS_RATES] > 1).any():
         raise TableError("figures", "success rates must be within 0..1")
+    has_bidir = figures[..., Figure.BIDIR_SAMPLES] > 0
+    if (figures[..., BIDIR_LATENCIES][has_bidir] <= 0).any():
+        raise TableError("figures", "a cell with BIDIR samples has a zero BIDIR TTFT or TPOT")
     measured = (figures[..., Figure.PD_SAMPLES] > 0) & (figures[..., Figure.LOCAL_SAMPLES] > 0)
     if not measured.any():
         raise TableError("empty", "no cell has measurements for both modes")

@@ -41,7 +41,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.ports import RouteQuery
 from gateway.routing import Decision
 from gateway.settings import DecisionSettings
-from gateway.types import Clock
+from gateway.types import Clock, Path
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 
@@ -121,6 +121,8 @@ def request_from_query(q: RouteQuery) -> decision_pb2.RouteRequest:
     )
     if q.weights is not None:
         req.weights.w_ttft, req.weights.w_tpot = q.weights
+    if "bidir" in q.capabilities:
+        req.capabilities.append(decision_pb2.CAPABILITY_BIDIR)
     if q.live is not None:
         live = req.live
         if q.live.prefill_queue_depth is not None:
@@ -136,14 +138,17 @@ def decision_from_response(resp: decision_pb2.RouteResponse) -> Decision | None:
     """None when the answer carries an error or no decision."""
     if resp.HasField("error") and resp.error.code != 0:
         return None
+    path: Path
     if resp.decision == decision_pb2.DECISION_LOCAL:
         path = "local"
     elif resp.decision == decision_pb2.DECISION_PD:
         path = "pd"
+    elif resp.decision == decision_pb2.DECISION_BIDIR:
+        path = "bidir"
     else:
         return None
     return Decision(
-        path,  # type: ignore[arg-type]
+        path,
         _REASONS.get(resp.reason, "unspecified"),
         table_version=resp.table_version,
         score=resp.score,

@@ -96,6 +96,9 @@ class RouteQuery:
     table_key: str = ""
     # Explicit (w_ttft, w_tpot), e.g. the SLO controller's; None: the profile's or the table's.
     weights: tuple[float, float] | None = None
+    # Paths this gateway can serve besides pd and local ("bidir"); sent as RouteRequest.capabilities.
+    # Without "bidir" the service never answers bidir.
+    capabilities: frozenset[str] = frozenset()
 
 
 class DecisionClient(Protocol):

@@ -12,8 +12,8 @@ Clock = Callable[[], float]
 Json = Any
 JsonObject = dict[str, Any]
 ReadonlyJsonObject = Mapping[str, Any]
-# Where a request's prefill ran: through a prefill worker, on the decode worker, or on a replica;
-# "bidir": P pulled the history's KV from D, appended, and D pulled the result back (vLLM 3.4).
-Path = Literal["pd", "local", "replica", "bidir"]
+# Where a request's prefill ran: through a prefill worker, on the decode worker, on a prefill worker that
+# pulled the history's KV from the decode worker (vLLM's bidirectional KV mode), or on a replica.
+Path = Literal["pd", "local", "bidir", "replica"]
 Role = Literal["prefill", "decode", "replica"]
 Endpoint = Literal["chat", "completions"]

@@ -2,7 +2,8 @@
 
 Rules:
 
-1. The table compares *static* runs: mode ``pd`` (x=0) against mode ``local`` (x=1), per cell. Records of
+1. The table compares *static* runs: mode ``pd`` (x=0) against mode ``local`` (x=1), per cell, and, where
+   it was run, the bidirectional KV mode ``bidir`` (the table's third mode, format version 2). Records of
    other modes (``ppd``, ``fraction:*``, ``replica``), Turn-1 records and records of another shape or model
    are left out and counted in :class:`Tally`, never dropped silently.
 2. A request lands in the cell of its own (n_ctx, n_in, n_out) and its run's target QPS, located by the
@@ -36,8 +37,8 @@ __all__ = [
     "aggregate_records",
 ]
 
-#: The two static modes a table compares.
-COMPARED_MODES: Final[tuple[str, ...]] = ("pd", "local")
+#: The static modes a table compares: PD and LOCAL always, BIDIR where a sweep ran it.
+COMPARED_MODES: Final[tuple[str, ...]] = ("pd", "local", "bidir")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -131,7 +132,8 @@ def aggregate_records(
     locate: Locator,
     qps_levels: Iterable[float],
 ) -> Measurements:
-    """Turn-2+ records of static ``pd`` and ``local`` runs of one shape and model -> per-cell figures."""
+    """Turn-2+ records of static ``pd``, ``local`` and ``bidir`` runs of one shape and model -> per-cell
+    figures."""
     levels = frozenset(qps_levels)
     samples: dict[CellKey, dict[str, _Samples]] = {}
     left_out: Counter[str] = Counter()
@@ -142,7 +144,7 @@ def aggregate_records(
             left_out[f"other shape/model ({r.shape}/{r.model})"] += 1
             continue
         if r.mode not in COMPARED_MODES:
-            left_out[f"mode {r.mode} (only static pd and local runs are compared)"] += 1
+            left_out[f"mode {r.mode} (only static pd, local and bidir runs are compared)"] += 1
             continue
         if r.turn < 2:
             left_out["turn 1 (always PD; not part of the decision)"] += 1

@@ -21,6 +21,12 @@ Rules:
    score finite. Each such cell is listed in the summary and the provenance.
 4. Cells that are not measured keep zeros (the format's "no data"); the router answers them from the
    nearest measured QPS level or the table default. The summary lists them, never silently.
+5. The third mode, ``bidir`` (vLLM's bidirectional KV mode): its figures go into a measured cell (rule 3)
+   where ``bidir`` records sent Turn-2+ requests, by the same definitions; a ``bidir`` that completed
+   nothing is censored like a mode of rule 3 (TTFT at the timeout, PD's TPOT, success 0). Where no
+   ``bidir`` record landed the cell has no BIDIR figures (samples 0), and a table without any is written
+   as format version 1, the same bytes as before the mode existed. The summary counts the cells with
+   BIDIR figures.
 """
 
 from __future__ import annotations
@@ -37,10 +43,11 @@ import numpy as np
 
 from decision_service.axes import Axes, paper_axes
 from decision_service.classify import CompiledClassifier
-from decision_service.header import Figure, TableHeader, Weights
+from decision_service.header import BIDIR_FIGURES, Figure, TableHeader, Weights
 from decision_service.table import TableSpec, encode_table
 from ppd.catalog import TURN1_SETTINGS
 from table_builder.aggregate import (
+    COMPARED_MODES,
     CellKey,
     Locator,
     Measurements,
@@ -59,6 +66,7 @@ __all__ = [
     "BuildSummary",
     "CellNote",
     "axes_locator",
+    "bidir_figures",
     "build_from_artifact",
     "build_from_records",
     "cell_row",
@@ -146,21 +154,27 @@ class BuildSummary:
     snapped_qps: tuple[float, ...]
     #: Workload classes whose own benchmark (n_in, n_out) the live classifier puts in another class.
     misfiled_workloads: tuple[str, ...]
+    #: Measured cells that also have the bidirectional mode's figures (rule 5).
+    bidir: int = 0
 
     def counts(self) -> dict[str, int]:
-        return {
+        counts = {
             "cells": self.total_cells,
             "filled": self.filled,
             "low_sample": len(self.low_sample),
             "missing": len(self.missing),
             "censored": len(self.censored),
         }
+        if self.bidir:  # only then: a two-mode table keeps its bytes (rule 5)
+            counts["bidir"] = self.bidir
+        return counts
 
     def format(self, *, limit: int = 12) -> str:
         """A few readable lines for the terminal."""
         lines = [
             f"table {self.key}: {self.total_cells} cells, {self.filled} filled, "
-            f"{len(self.low_sample)} low-sample, {len(self.missing)} missing",
+            f"{len(self.low_sample)} low-sample, {len(self.missing)} missing"
+            + (f", {self.bidir} with bidir figures" if self.bidir else ""),
             f"inputs: {self.used} used"
             + "".join(f"; left out {n} ({why})" for why, n in self.left_out.items()),
         ]
@@ -262,6 +276,7 @@ def spec_from_measurements(
     low: list[CellNote] = []
     missing: list[CellNote] = []
     censored: list[CellNote] = []
+    with_bidir: list[CellNote] = []
     filled = 0
     for c in range(nc):
         for w in range(nw):
@@ -270,12 +285,20 @@ def spec_from_measurements(
                 modes = measurements.cells.get(CellKey(c, w, q), {})
                 row, problem, censor = cell_row(modes.get("pd"), modes.get("local"), options.timeout_ms)
                 if row is None:
+                    if problem == "no data" and "bidir" in modes:
+                        problem = "only bidir measured"
                     missing.append(_with(note, problem))
                     continue
                 figures[c, w, q] = row
                 filled += 1
                 if censor:
                     censored.append(_with(note, censor))
+                bidir_row, bidir_censor = bidir_figures(modes.get("bidir"), row, options.timeout_ms)
+                if bidir_row is not None:
+                    figures[c, w, q, list(BIDIR_FIGURES)] = bidir_row
+                    with_bidir.append(note)
+                    if bidir_censor:
+                        censored.append(_with(note, bidir_censor))
                 fewest = min(int(row[Figure.PD_SAMPLES]), int(row[Figure.LOCAL_SAMPLES]))
                 if fewest < options.min_samples:
                     low.append(_with(note, f"{fewest} < {options.min_samples} requests"))
@@ -292,6 +315,7 @@ def spec_from_measurements(
         left_out=tally.left_out,
         snapped_qps=tally.snapped_qps,
         misfiled_workloads=_misfiled_workloads(axes),
+        bidir=len(with_bidir),
     )
     full_provenance = {
         **provenance,
@@ -348,7 +372,22 @@ def cell_row(
         Figure.PD_SAMPLES: float(pd.sent),
         Figure.LOCAL_SAMPLES: float(local.sent),
     }
-    return tuple(by_figure[f] for f in Figure), "", "; ".join(censor)
+    return tuple(by_figure.get(f, 0.0) for f in Figure), "", "; ".join(censor)
+
+
+def bidir_figures(
+    bidir: ModeFigures | None, row: Sequence[float], timeout_ms: float
+) -> tuple[tuple[float, float, float, float] | None, str]:
+    """The BIDIR columns (TTFT, TPOT, success, samples) of a measured cell's ``row`` from the ``bidir``
+    mode's figures (rule 5), and what was censored; None where the mode sent nothing there."""
+    if bidir is None or bidir.sent <= 0:
+        return None, ""
+    ttft, tpot, censor = bidir.ttft_ms, bidir.tpot_ms, ""
+    if ttft is None or ttft <= 0:
+        ttft, censor = timeout_ms, f"bidir completed 0/{bidir.sent}"
+    if tpot is None or tpot <= 0:
+        tpot = row[Figure.PD_TPOT_MS]
+    return (ttft, tpot, bidir.success_rate, float(bidir.sent)), censor
 
 
 def iso_from_start_time(newest: float | None) -> str | None:
@@ -379,7 +418,7 @@ def build_from_records(records: Sequence[Record], options: BuildOptions) -> Buil
     provenance: dict[str, Any] = {
         "source": "records",
         "inputs_sha256": digest.hexdigest(),
-        "runs": sorted({r.run_id for r in used if r.mode in ("pd", "local")}),
+        "runs": sorted({r.run_id for r in used if r.mode in COMPARED_MODES}),
         "newest_start_time": newest,
     }
     if built_at is not None:

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from decision_service.axes import paper_axes
-from decision_service.header import FIGURES, Figure, HeaderError, TableHeader, Weights
+from decision_service.header import FIGURES, FIGURES_OF_VERSION, Figure, HeaderError, TableHeader, Weights
+from decision_service.table import FORMAT_VERSION
 from ppd.decision.v1 import decision_pb2 as pb
 
 #: A header whose every field differs from its default, so that a field lost on the way shows.
@@ -53,8 +54,31 @@ def test_figure_names_follow_the_array_order_and_the_proto() -> None:
         "local_success",
         "pd_samples",
         "local_samples",
+        "bidir_ttft_ms",
+        "bidir_tpot_ms",
+        "bidir_success",
+        "bidir_samples",
     )
     assert set(FIGURES) <= set(pb.CellFigures.DESCRIPTOR.fields_by_name)
+
+
+def test_each_format_version_lists_a_prefix_of_the_figures() -> None:
+    # Columns are only ever appended: version 1 is PD and LOCAL, version 2 adds BIDIR.
+    assert FIGURES_OF_VERSION[1] == FIGURES[:8]
+    assert FIGURES_OF_VERSION[2] == FIGURES
+    assert max(FIGURES_OF_VERSION) == FORMAT_VERSION == 2
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_header_reads_back_in_each_format_version(version: int) -> None:
+    raw = FULL.to_json(version)
+    assert raw["figures"] == list(FIGURES_OF_VERSION[version])
+    assert TableHeader.from_json(raw, version) == FULL
+
+
+def test_a_version_1_figures_list_is_refused_in_a_version_2_file() -> None:
+    with pytest.raises(HeaderError, match="format version 2"):
+        TableHeader.from_json(FULL.to_json(1), 2)
 
 
 def test_a_table_written_before_the_decode_guard_reads_with_the_guard_off() -> None:

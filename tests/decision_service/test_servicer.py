@@ -213,7 +213,7 @@ async def test_describe_table_lists_axes_every_cell_and_profiles(running: Runnin
     assert set(response.weights_profiles) == {"ttft", "tpot", "balanced"}
     assert response.default_weights.w_ttft > 0
     assert 0 < response.success_slo <= 1
-    assert response.format_version == 1
+    assert response.format_version == 1  # the synthetic table has no BIDIR figures: a version-1 file
     measured = [cell for cell in response.cells if cell.measured]
     unmeasured = [cell for cell in response.cells if not cell.measured]
     assert measured
@@ -331,3 +331,69 @@ async def test_decisions_and_errors_are_counted(running: Running) -> None:
     assert sample(registry, "ppd_decisions_total", decision="pd", reason="turn_one") == 1
     assert sample(registry, "ppd_route_errors_total", code="INVALID_ARGUMENT") == 1
     assert sample(registry, "ppd_route_latency_seconds_count") == 1
+
+
+# --- the third path over the wire (issue 17) -------------------------------------------------------
+
+BIDIR_KEY = "1P1D/llama-3.1-8b"
+
+
+def _write_bidir_table(folder: Path) -> None:
+    """A format-2 table where BIDIR halves PD's TTFT at PD's TPOT in (large, mid_bal, 4 QPS) only."""
+    from decision_service.table import Figure, TableSpec
+
+    spec = synthetic_spec(shape="1P1D")
+    fig = spec.figures.copy()
+    fig[1, 5, 3, Figure.BIDIR_TTFT_MS] = fig[1, 5, 3, Figure.LOCAL_TTFT_MS] / 2
+    fig[1, 5, 3, Figure.BIDIR_TPOT_MS] = fig[1, 5, 3, Figure.PD_TPOT_MS]
+    fig[1, 5, 3, Figure.BIDIR_SUCCESS] = 1.0
+    fig[1, 5, 3, Figure.BIDIR_SAMPLES] = 40
+    write_table(folder / "1p1d.ppdt", TableSpec(spec.header, fig))
+
+
+async def test_bidir_only_for_a_request_that_carries_the_capability(running: Running) -> None:
+    _write_bidir_table(running.tables_dir)
+    await running.holder.refresh()
+    plain = await running.stub.Route(
+        turn2(table_key=BIDIR_KEY, new_input_tokens=128, expected_output_tokens=128, context_tokens=1000)
+    )
+    assert plain.decision == pb.DECISION_LOCAL
+    capable = turn2(
+        table_key=BIDIR_KEY, new_input_tokens=128, expected_output_tokens=128, context_tokens=1000
+    )
+    capable.capabilities.append(pb.CAPABILITY_BIDIR)
+    answer = await running.stub.Route(capable)
+    assert (answer.decision, answer.reason, answer.default_decision) == (
+        pb.DECISION_BIDIR,
+        pb.REASON_TABLE,
+        pb.DECISION_BIDIR,
+    )
+    assert answer.score > plain.score > 0
+    assert not answer.alternative_allowed
+    assert sample(running.metrics.registry, "ppd_decisions_total", decision="bidir", reason="table") == 1
+    # A capability the service does not know (a newer caller) is ignored, not refused.
+    capable.capabilities[:] = [pb.CAPABILITY_BIDIR, 7]  # type: ignore[list-item]
+    assert (await running.stub.Route(capable)).decision == pb.DECISION_BIDIR
+
+
+async def test_describe_table_shows_the_bidir_figures(running: Running) -> None:
+    _write_bidir_table(running.tables_dir)
+    await running.holder.refresh()
+    response = await running.stub.DescribeTable(pb.DescribeTableRequest(table_key=BIDIR_KEY))
+    assert response.format_version == 2
+    assert "bidir_samples" in json.loads(response.header_json)["figures"]
+    with_bidir = [c for c in response.cells if c.bidir_samples]
+    assert len(with_bidir) == 1
+    cell = with_bidir[0]
+    assert (cell.cell.context_class, cell.cell.workload_class, cell.cell.qps_level) == (
+        "large",
+        "mid_bal",
+        4.0,
+    )
+    assert cell.bidir_ttft_ms == cell.local_ttft_ms / 2
+    assert cell.bidir_delta_ttft == (cell.pd_ttft_ms - cell.bidir_ttft_ms) / cell.pd_ttft_ms
+    assert cell.bidir_delta_tpot == 0.0
+    assert (cell.default_decision, cell.bidir_default_decision) == (pb.DECISION_LOCAL, pb.DECISION_BIDIR)
+    assert cell.bidir_default_reason == pb.REASON_TABLE
+    others = [c for c in response.cells if not c.bidir_samples]
+    assert all(c.bidir_default_decision == pb.DECISION_UNSPECIFIED for c in others)

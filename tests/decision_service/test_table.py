@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 from decision_service.axes import paper_axes
 from decision_service.table import (
     _REASONS,
+    DIGEST_SIZE,
+    PREAMBLE,
     Figure,
     Table,
     TableError,
@@ -235,3 +238,73 @@ def test_an_open_table_never_sees_its_file_rewritten_in_place(tmp_path: Path) ->
     assert np.array_equal(table.figures, before)
     assert not table.figures.flags.writeable
     assert table.measured(1, 0, 0)
+
+
+# --- format version 2: the bidirectional mode's columns (issue 17) ---------------------------------
+
+
+def _bidir_spec(**bidir: float) -> TableSpec:
+    spec = synthetic_spec()
+    fig = spec.figures.copy()
+    fig[1, 5, 3, Figure.BIDIR_TTFT_MS] = bidir.get("ttft", 30.0)
+    fig[1, 5, 3, Figure.BIDIR_TPOT_MS] = bidir.get("tpot", 9.5)
+    fig[1, 5, 3, Figure.BIDIR_SUCCESS] = bidir.get("success", 1.0)
+    fig[1, 5, 3, Figure.BIDIR_SAMPLES] = bidir.get("samples", 40.0)
+    return TableSpec(spec.header, fig)
+
+
+def test_a_table_with_bidir_samples_is_written_as_version_2_and_reads_back() -> None:
+    spec = _bidir_spec()
+    blob = encode_table(spec)
+    magic, version, _, _ = PREAMBLE.unpack_from(blob, 0)
+    assert (magic, version) == (b"PPDTABLE", 2)
+    table = Table.from_bytes(blob)
+    assert table.format_version == 2
+    assert table.raw_header["figures"][-4:] == [
+        "bidir_ttft_ms",
+        "bidir_tpot_ms",
+        "bidir_success",
+        "bidir_samples",
+    ]
+    np.testing.assert_array_equal(table.figures, spec.figures)
+    assert table.has_bidir(1, 5, 3)
+    assert not table.has_bidir(1, 5, 2)
+    assert encode_table(spec) == blob  # deterministic
+
+
+def test_a_version_1_spec_of_eight_columns_is_still_accepted() -> None:
+    spec = synthetic_spec()
+    eight = TableSpec(spec.header, spec.figures[..., :8].copy())
+    assert encode_table(eight) == encode_table(spec)
+
+
+def test_figures_of_another_width_are_refused() -> None:
+    spec = synthetic_spec()
+    with pytest.raises(TableError, match="last axis must be 8 or 12"):
+        encode_table(TableSpec(spec.header, spec.figures[..., :10].copy()))
+
+
+@pytest.mark.parametrize(
+    ("bidir", "message"),
+    [
+        ({"ttft": 0.0}, "zero BIDIR TTFT or TPOT"),
+        ({"tpot": 0.0}, "zero BIDIR TTFT or TPOT"),
+        ({"success": 1.5}, "success rates must be within 0..1"),
+        ({"ttft": -1.0}, "negative figure bidir_ttft_ms"),
+    ],
+)
+def test_bad_bidir_figures_are_refused(bidir: dict[str, float], message: str) -> None:
+    with pytest.raises(TableError, match=message):
+        encode_table(_bidir_spec(**bidir))
+
+
+def test_zero_bidir_latency_without_samples_is_no_figure() -> None:
+    assert Table.from_bytes(encode_table(_bidir_spec(ttft=0.0, tpot=0.0, samples=0.0))).format_version == 1
+
+
+def test_a_version_2_header_in_a_version_1_file_is_refused() -> None:
+    blob = encode_table(_bidir_spec())
+    magic, _, reserved, hlen = PREAMBLE.unpack_from(blob, 0)
+    body = PREAMBLE.pack(magic, 1, reserved, hlen) + blob[PREAMBLE.size : -DIGEST_SIZE]
+    with pytest.raises(TableError, match="format version 1"):
+        Table.from_bytes(body + hashlib.sha256(body).digest())

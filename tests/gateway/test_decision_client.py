@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import shutil
@@ -81,6 +82,45 @@ def test_query_maps_onto_the_proto() -> None:
     assert decision_from_response(decision_pb2.RouteResponse()) is None
     allowed = decision_pb2.RouteResponse(decision=decision_pb2.DECISION_PD, alternative_allowed=True)
     assert decision_from_response(allowed) == Decision("pd", "unspecified", alternative_allowed=True)
+
+
+def test_a_query_without_capabilities_sends_none() -> None:
+    # The request a gateway sent before the capability existed: byte for byte the same.
+    assert list(request_from_query(QUERY).capabilities) == []
+    assert b"\x58" not in request_from_query(QUERY).SerializeToString()  # field 11, varint
+
+
+def test_the_bidir_capability_is_sent() -> None:
+    req = request_from_query(dataclasses.replace(QUERY, capabilities=frozenset({"bidir"})))
+    assert list(req.capabilities) == [decision_pb2.CAPABILITY_BIDIR]
+
+
+@pytest.mark.parametrize(
+    ("decision", "path"),
+    [
+        (decision_pb2.DECISION_PD, "pd"),
+        (decision_pb2.DECISION_LOCAL, "local"),
+        (decision_pb2.DECISION_BIDIR, "bidir"),
+    ],
+)
+def test_each_decision_maps_onto_a_path(decision: int, path: str) -> None:
+    resp = decision_pb2.RouteResponse(decision=decision, reason=decision_pb2.REASON_TABLE, score=0.25)  # type: ignore[arg-type]
+    got = decision_from_response(resp)
+    assert got is not None
+    assert (got.path, got.reason, got.score) == (path, "table", 0.25)
+
+
+def test_an_unspecified_decision_is_no_decision() -> None:
+    assert decision_from_response(decision_pb2.RouteResponse()) is None
+
+
+def test_the_bidir_failed_reason_is_named() -> None:
+    resp = decision_pb2.RouteResponse(
+        decision=decision_pb2.DECISION_PD, reason=decision_pb2.REASON_BIDIR_FAILED_IN_CELL
+    )
+    got = decision_from_response(resp)
+    assert got is not None
+    assert got.reason == "bidir_failed_in_cell"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -81,8 +81,12 @@ def row(
     local_success: float,
     pd_samples: float,
     local_samples: float,
+    bidir_ttft_ms: float = 0.0,
+    bidir_tpot_ms: float = 0.0,
+    bidir_success: float = 0.0,
+    bidir_samples: float = 0.0,
 ) -> list[float]:
-    """One cell's figures, by name, in the array's order."""
+    """One cell's figures, by name, in the array's order (no BIDIR figures unless given)."""
     named = {
         Figure.PD_TTFT_MS: pd_ttft_ms,
         Figure.PD_TPOT_MS: pd_tpot_ms,
@@ -92,6 +96,10 @@ def row(
         Figure.LOCAL_SUCCESS: local_success,
         Figure.PD_SAMPLES: pd_samples,
         Figure.LOCAL_SAMPLES: local_samples,
+        Figure.BIDIR_TTFT_MS: bidir_ttft_ms,
+        Figure.BIDIR_TPOT_MS: bidir_tpot_ms,
+        Figure.BIDIR_SUCCESS: bidir_success,
+        Figure.BIDIR_SAMPLES: bidir_samples,
     }
     return [named[f] for f in Figure]
 
@@ -147,7 +155,7 @@ def _with_figures(edit: Callable[[np.ndarray], None], *, holes: bool = False) ->
     """A good table whose figure array `edit` changed in place after encoding (re-signed)."""
     spec = synthetic_spec(holes=holes)
     blob = encode_table(spec)
-    fig = spec.figures.copy()
+    fig = spec.figures[..., : len(_header_of(blob)[0]["figures"])].copy()  # the columns the file holds
     edit(fig)
     return _resign(blob[: _array_offset(blob)] + fig.astype("<f8").tobytes())
 

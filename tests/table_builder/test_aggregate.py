@@ -73,8 +73,8 @@ def test_what_is_left_out_is_counted_by_reason() -> None:
     )
     assert m.tally.used == 1
     assert m.tally.left_out == {
-        "mode fraction:0.5 (only static pd and local runs are compared)": 1,
-        "mode ppd (only static pd and local runs are compared)": 1,
+        "mode fraction:0.5 (only static pd, local and bidir runs are compared)": 1,
+        "mode ppd (only static pd, local and bidir runs are compared)": 1,
         "other shape/model (1P3D/qwen)": 1,
         "other shape/model (2P2D/llama-3.1-8b)": 1,
         "target_qps 0 (no load level to file it under)": 1,
@@ -149,3 +149,13 @@ def test_synthetic_runs_file_under_the_class_they_are_named_for(
 ) -> None:
     key = LOCATE(n_ctx=256, n_in=n_in, n_out=n_out, qps=4.0, workload=workload)
     assert AXES.workload_names()[key.workload] == expected
+
+
+def test_bidir_records_are_the_third_compared_mode() -> None:
+    bidir = record(run_id="run-bidir", ttft_ms=70.0, tpot_ms=10.5)
+    object.__setattr__(bidir, "mode", "bidir")  # Record's mode grammar is ppd/modes.py's business
+    m = _aggregate([record(), record(mode="local", path="local", ttft_ms=40.0), bidir])
+    assert set(m.cells[CELL]) == {"pd", "local", "bidir"}
+    assert (m.cells[CELL]["bidir"].ttft_ms, m.cells[CELL]["bidir"].sent) == (70.0, 1)
+    assert m.tally.used == 3
+    assert m.tally.left_out == {}

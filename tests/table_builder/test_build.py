@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -61,7 +62,14 @@ def test_a_measured_cell_holds_both_modes_figures() -> None:
         "local_success": 1.0,
         "pd_samples": 2.0,
         "local_samples": 2.0,
+        # No bidir records: no BIDIR figures, and the table is a format-1 file.
+        "bidir_ttft_ms": 0.0,
+        "bidir_tpot_ms": 0.0,
+        "bidir_success": 0.0,
+        "bidir_samples": 0.0,
     }
+    assert table.format_version == 1
+    assert "bidir" not in table.header.provenance["cells"]
     assert table.measured(*SMALL_MID_PASTE_2)
     assert result.summary.filled == 1
     assert len(result.summary.missing) == 269
@@ -198,3 +206,58 @@ def test_artifact_build() -> None:
 def test_table_file_name() -> None:
     assert table_file_name("1P3D", "llama-3.1-8b") == "1P3D__llama-3.1-8b.ppdt"
     assert table_file_name("1P3D", "meta/llama") == "1P3D__meta_llama.ppdt"
+
+
+# --- the third mode (issue 17): records of mode bidir ----------------------------------------------
+
+
+def _bidir(**changes: Any) -> Record:
+    """A Turn-2 record of a static bidir run. Built as a pd record and relabelled: whether ``Record``
+    accepts mode ``bidir`` is the mode grammar's business (ppd/modes.py, the gateway path's side of
+    issue 17); the build reads whatever mode a record carries."""
+    rec = record(run_id="run-bidir", **changes)
+    object.__setattr__(rec, "mode", "bidir")
+    object.__setattr__(rec, "path", "bidir")
+    return rec
+
+
+def test_bidir_records_become_the_third_modes_figures() -> None:
+    records = [
+        *_pair(),
+        _bidir(ttft_ms=70.0, tpot_ms=10.5),
+        _bidir(ttft_ms=90.0, tpot_ms=10.5, conversation_id="c2"),
+        _bidir(ok=False, conversation_id="c3"),
+    ]
+    result = build_from_records(records, OPTIONS)
+    table = Table.from_bytes(result.encode())
+    assert table.format_version == 2
+    fig = _figures(table, SMALL_MID_PASTE_2)
+    assert (fig["bidir_ttft_ms"], fig["bidir_tpot_ms"], fig["bidir_samples"]) == (80.0, 10.5, 3.0)
+    assert fig["bidir_success"] == 2 / 3
+    assert (fig["pd_ttft_ms"], fig["local_ttft_ms"]) == (110.0, 50.0)  # the other modes as before
+    assert result.summary.bidir == 1
+    assert table.header.provenance["cells"]["bidir"] == 1
+    assert "run-bidir" in table.header.provenance["runs"]
+    assert "1 with bidir figures" in result.summary.format()
+
+
+def test_a_bidir_that_completed_nothing_is_censored() -> None:
+    result = build_from_records([*_pair(), _bidir(ok=False), _bidir(ok=False, conversation_id="c2")], OPTIONS)
+    fig = _figures(Table.from_bytes(result.encode()), SMALL_MID_PASTE_2)
+    assert (fig["bidir_ttft_ms"], fig["bidir_tpot_ms"], fig["bidir_success"]) == (30_000.0, 10.0, 0.0)
+    assert [n.detail for n in result.summary.censored] == ["bidir completed 0/2"]
+
+
+def test_bidir_alone_does_not_make_a_cell_measured() -> None:
+    records = [*_pair(), _bidir(target_qps=4.0)]
+    result = build_from_records(records, OPTIONS)
+    table = Table.from_bytes(result.encode())
+    assert table.format_version == 1  # the only bidir cell has no PD/LOCAL pair: nothing to compare with
+    assert {n.label(): n.detail for n in result.summary.missing}["small/mid_paste@4"] == "only bidir measured"
+
+
+def test_bidir_figures_are_order_free() -> None:
+    records = [*_pair(), _bidir(ttft_ms=70.0), _bidir(ttft_ms=91.0, conversation_id="c2")]
+    assert (
+        build_from_records(records, OPTIONS).encode() == build_from_records(records[::-1], OPTIONS).encode()
+    )

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eppd/decision/v1/decision.proto\x12\x0fppd.decision.v1\"\xbb\x01\n\x0bLiveSignals\x12 \n\x13prefill_queue_depth\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12$\n\x17\x64\x65\x63ode_running_requests\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x63ode_kv_usage\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x16\n\x14_prefill_queue_depthB\x1a\n\x18_decode_running_requestsB\x12\n\x10_decode_kv_usage\")\n\x07Weights\x12\x0e\n\x06w_ttft\x18\x01 \x01(\x01\x12\x0e\n\x06w_tpot\x18\x02 \x01(\x01\"\x92\x02\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\x05\x12\x18\n\x10new_input_tokens\x18\x03 \x01(\x03\x12\x1e\n\x16\x65xpected_output_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x05 \x01(\x03\x12\x0b\n\x03qps\x18\x06 \x01(\x01\x12*\n\x04live\x18\x07 \x01(\x0b\x32\x1c.ppd.decision.v1.LiveSignals\x12)\n\x07weights\x18\x08 \x01(\x0b\x32\x18.ppd.decision.v1.Weights\x12\x17\n\x0fweights_profile\x18\t \x01(\t\x12\x11\n\ttable_key\x18\n \x01(\t\"H\n\x04\x43\x65ll\x12\x15\n\rcontext_class\x18\x01 \x01(\t\x12\x16\n\x0eworkload_class\x18\x02 \x01(\t\x12\x11\n\tqps_level\x18\x03 \x01(\x01\"+\n\nRouteError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe5\x02\n\rRouteResponse\x12+\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.ppd.decision.v1.Reason\x12#\n\x04\x63\x65ll\x18\x03 \x01(\x0b\x32\x15.ppd.decision.v1.Cell\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x33\n\x10\x64\x65\x66\x61ult_decision\x18\x05 \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12\x15\n\rtable_version\x18\x06 \x01(\t\x12\x11\n\ttable_key\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\x12*\n\x05\x65rror\x18\n \x01(\x0b\x32\x1b.ppd.decision.v1.RouteError\x12\x1b\n\x13\x61lternative_allowed\x18\x0b \x01(\x08\"D\n\x11RouteBatchRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.ppd.decision.v1.RouteRequest\"G\n\x12RouteBatchResponse\x12\x31\n\tresponses\x18\x01 \x03(\x0b\x32\x1e.ppd.decision.v1.RouteResponse\")\n\x14\x44\x65scribeTableRequest\x12\x11\n\ttable_key\x18\x01 \x01(\t\"V\n\rWorkloadClass\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12\x62\x65nch_input_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13\x62\x65nch_output_tokens\x18\x03 \x01(\x03\"\xfe\x02\n\x0b\x43\x65llFigures\x12#\n\x04\x63\x65ll\x18\x01 \x01(\x0b\x32\x15.ppd.decision.v1.Cell\x12\x10\n\x08measured\x18\x02 \x01(\x08\x12\x12\n\npd_ttft_ms\x18\x03 \x01(\x01\x12\x12\n\npd_tpot_ms\x18\x04 \x01(\x01\x12\x15\n\rlocal_ttft_ms\x18\x05 \x01(\x01\x12\x15\n\rlocal_tpot_ms\x18\x06 \x01(\x01\x12\x12\n\npd_success\x18\x07 \x01(\x01\x12\x15\n\rlocal_success\x18\x08 \x01(\x01\x12\x12\n\npd_samples\x18\t \x01(\r\x12\x15\n\rlocal_samples\x18\n \x01(\r\x12\x12\n\ndelta_ttft\x18\x0b \x01(\x01\x12\x12\n\ndelta_tpot\x18\x0c \x01(\x01\x12\x33\n\x10\x64\x65\x66\x61ult_decision\x18\r \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12/\n\x0e\x64\x65\x66\x61ult_reason\x18\x0e \x01(\x0e\x32\x17.ppd.decision.v1.Reason\"\xee\x04\n\x15\x44\x65scribeTableResponse\x12\x11\n\ttable_key\x18\x01 \x01(\t\x12\x15\n\rtable_version\x18\x02 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x03 \x01(\r\x12\x15\n\rcontext_edges\x18\x04 \x03(\x03\x12\x17\n\x0f\x63ontext_classes\x18\x05 \x03(\t\x12\x38\n\x10workload_classes\x18\x06 \x03(\x0b\x32\x1e.ppd.decision.v1.WorkloadClass\x12\x12\n\nqps_levels\x18\x07 \x03(\x01\x12\x31\n\x0f\x64\x65\x66\x61ult_weights\x18\x08 \x01(\x0b\x32\x18.ppd.decision.v1.Weights\x12U\n\x10weights_profiles\x18\t \x03(\x0b\x32;.ppd.decision.v1.DescribeTableResponse.WeightsProfilesEntry\x12\x13\n\x0bsuccess_slo\x18\n \x01(\x01\x12\x33\n\x10\x64\x65\x66\x61ult_decision\x18\x0b \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12+\n\x05\x63\x65lls\x18\x0c \x03(\x0b\x32\x1c.ppd.decision.v1.CellFigures\x12\x13\n\x0bheader_json\x18\r \x01(\t\x12\x12\n\ntable_keys\x18\x0e \x03(\t\x12\x19\n\x11\x64\x65\x66\x61ult_table_key\x18\x0f \x01(\t\x1aP\n\x14WeightsProfilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.ppd.decision.v1.Weights:\x02\x38\x01*I\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44\x45\x43ISION_PD\x10\x01\x12\x12\n\x0e\x44\x45\x43ISION_LOCAL\x10\x02*\xdf\x01\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_TURN_ONE\x10\x01\x12\x10\n\x0cREASON_TABLE\x10\x02\x12\x12\n\x0eREASON_WEIGHTS\x10\x03\x12\x1c\n\x18REASON_PD_FAILED_IN_CELL\x10\x04\x12\x1f\n\x1bREASON_LOCAL_FAILED_IN_CELL\x10\x05\x12\x17\n\x13REASON_NEAREST_CELL\x10\x06\x12\x12\n\x0eREASON_DEFAULT\x10\x07\x12\x16\n\x12REASON_LIVE_SIGNAL\x10\x08\x32\xe2\x02\n\x0f\x44\x65\x63isionService\x12\x46\n\x05Route\x12\x1d.ppd.decision.v1.RouteRequest\x1a\x1e.ppd.decision.v1.RouteResponse\x12U\n\nRouteBatch\x12\".ppd.decision.v1.RouteBatchRequest\x1a#.ppd.decision.v1.RouteBatchResponse\x12P\n\x0bRouteStream\x12\x1d.ppd.decision.v1.RouteRequest\x1a\x1e.ppd.decision.v1.RouteResponse(\x01\x30\x01\x12^\n\rDescribeTable\x12%.ppd.decision.v1.DescribeTableRequest\x1a&.ppd.decision.v1.DescribeTableResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eppd/decision/v1/decision.proto\x12\x0fppd.decision.v1\"\xbb\x01\n\x0bLiveSignals\x12 \n\x13prefill_queue_depth\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12$\n\x17\x64\x65\x63ode_running_requests\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x63ode_kv_usage\x18\x03 \x01(\x01H\x02\x88\x01\x01\x42\x16\n\x14_prefill_queue_depthB\x1a\n\x18_decode_running_requestsB\x12\n\x10_decode_kv_usage\")\n\x07Weights\x12\x0e\n\x06w_ttft\x18\x01 \x01(\x01\x12\x0e\n\x06w_tpot\x18\x02 \x01(\x01\"\xc5\x02\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04turn\x18\x02 \x01(\x05\x12\x18\n\x10new_input_tokens\x18\x03 \x01(\x03\x12\x1e\n\x16\x65xpected_output_tokens\x18\x04 \x01(\x03\x12\x16\n\x0e\x63ontext_tokens\x18\x05 \x01(\x03\x12\x0b\n\x03qps\x18\x06 \x01(\x01\x12*\n\x04live\x18\x07 \x01(\x0b\x32\x1c.ppd.decision.v1.LiveSignals\x12)\n\x07weights\x18\x08 \x01(\x0b\x32\x18.ppd.decision.v1.Weights\x12\x17\n\x0fweights_profile\x18\t \x01(\t\x12\x11\n\ttable_key\x18\n \x01(\t\x12\x31\n\x0c\x63\x61pabilities\x18\x0b \x03(\x0e\x32\x1b.ppd.decision.v1.Capability\"H\n\x04\x43\x65ll\x12\x15\n\rcontext_class\x18\x01 \x01(\t\x12\x16\n\x0eworkload_class\x18\x02 \x01(\t\x12\x11\n\tqps_level\x18\x03 \x01(\x01\"+\n\nRouteError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xe5\x02\n\rRouteResponse\x12+\n\x08\x64\x65\x63ision\x18\x01 \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.ppd.decision.v1.Reason\x12#\n\x04\x63\x65ll\x18\x03 \x01(\x0b\x32\x15.ppd.decision.v1.Cell\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x33\n\x10\x64\x65\x66\x61ult_decision\x18\x05 \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12\x15\n\rtable_version\x18\x06 \x01(\t\x12\x11\n\ttable_key\x18\x07 \x01(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\t \x01(\t\x12*\n\x05\x65rror\x18\n \x01(\x0b\x32\x1b.ppd.decision.v1.RouteError\x12\x1b\n\x13\x61lternative_allowed\x18\x0b \x01(\x08\"D\n\x11RouteBatchRequest\x12/\n\x08requests\x18\x01 \x03(\x0b\x32\x1d.ppd.decision.v1.RouteRequest\"G\n\x12RouteBatchResponse\x12\x31\n\tresponses\x18\x01 \x03(\x0b\x32\x1e.ppd.decision.v1.RouteResponse\")\n\x14\x44\x65scribeTableRequest\x12\x11\n\ttable_key\x18\x01 \x01(\t\"V\n\rWorkloadClass\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1a\n\x12\x62\x65nch_input_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13\x62\x65nch_output_tokens\x18\x03 \x01(\x03\"\x80\x05\n\x0b\x43\x65llFigures\x12#\n\x04\x63\x65ll\x18\x01 \x01(\x0b\x32\x15.ppd.decision.v1.Cell\x12\x10\n\x08measured\x18\x02 \x01(\x08\x12\x12\n\npd_ttft_ms\x18\x03 \x01(\x01\x12\x12\n\npd_tpot_ms\x18\x04 \x01(\x01\x12\x15\n\rlocal_ttft_ms\x18\x05 \x01(\x01\x12\x15\n\rlocal_tpot_ms\x18\x06 \x01(\x01\x12\x12\n\npd_success\x18\x07 \x01(\x01\x12\x15\n\rlocal_success\x18\x08 \x01(\x01\x12\x12\n\npd_samples\x18\t \x01(\r\x12\x15\n\rlocal_samples\x18\n \x01(\r\x12\x12\n\ndelta_ttft\x18\x0b \x01(\x01\x12\x12\n\ndelta_tpot\x18\x0c \x01(\x01\x12\x33\n\x10\x64\x65\x66\x61ult_decision\x18\r \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12/\n\x0e\x64\x65\x66\x61ult_reason\x18\x0e \x01(\x0e\x32\x17.ppd.decision.v1.Reason\x12\x15\n\rbidir_ttft_ms\x18\x0f \x01(\x01\x12\x15\n\rbidir_tpot_ms\x18\x10 \x01(\x01\x12\x15\n\rbidir_success\x18\x11 \x01(\x01\x12\x15\n\rbidir_samples\x18\x12 \x01(\r\x12\x18\n\x10\x62idir_delta_ttft\x18\x13 \x01(\x01\x12\x18\n\x10\x62idir_delta_tpot\x18\x14 \x01(\x01\x12\x39\n\x16\x62idir_default_decision\x18\x15 \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12\x35\n\x14\x62idir_default_reason\x18\x16 \x01(\x0e\x32\x17.ppd.decision.v1.Reason\"\xee\x04\n\x15\x44\x65scribeTableResponse\x12\x11\n\ttable_key\x18\x01 \x01(\t\x12\x15\n\rtable_version\x18\x02 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x03 \x01(\r\x12\x15\n\rcontext_edges\x18\x04 \x03(\x03\x12\x17\n\x0f\x63ontext_classes\x18\x05 \x03(\t\x12\x38\n\x10workload_classes\x18\x06 \x03(\x0b\x32\x1e.ppd.decision.v1.WorkloadClass\x12\x12\n\nqps_levels\x18\x07 \x03(\x01\x12\x31\n\x0f\x64\x65\x66\x61ult_weights\x18\x08 \x01(\x0b\x32\x18.ppd.decision.v1.Weights\x12U\n\x10weights_profiles\x18\t \x03(\x0b\x32;.ppd.decision.v1.DescribeTableResponse.WeightsProfilesEntry\x12\x13\n\x0bsuccess_slo\x18\n \x01(\x01\x12\x33\n\x10\x64\x65\x66\x61ult_decision\x18\x0b \x01(\x0e\x32\x19.ppd.decision.v1.Decision\x12+\n\x05\x63\x65lls\x18\x0c \x03(\x0b\x32\x1c.ppd.decision.v1.CellFigures\x12\x13\n\x0bheader_json\x18\r \x01(\t\x12\x12\n\ntable_keys\x18\x0e \x03(\t\x12\x19\n\x11\x64\x65\x66\x61ult_table_key\x18\x0f \x01(\t\x1aP\n\x14WeightsProfilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\'\n\x05value\x18\x02 \x01(\x0b\x32\x18.ppd.decision.v1.Weights:\x02\x38\x01*]\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44\x45\x43ISION_PD\x10\x01\x12\x12\n\x0e\x44\x45\x43ISION_LOCAL\x10\x02\x12\x12\n\x0e\x44\x45\x43ISION_BIDIR\x10\x03*>\n\nCapability\x12\x1a\n\x16\x43\x41PABILITY_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41PABILITY_BIDIR\x10\x01*\x80\x02\n\x06Reason\x12\x16\n\x12REASON_UNSPECIFIED\x10\x00\x12\x13\n\x0fREASON_TURN_ONE\x10\x01\x12\x10\n\x0cREASON_TABLE\x10\x02\x12\x12\n\x0eREASON_WEIGHTS\x10\x03\x12\x1c\n\x18REASON_PD_FAILED_IN_CELL\x10\x04\x12\x1f\n\x1bREASON_LOCAL_FAILED_IN_CELL\x10\x05\x12\x17\n\x13REASON_NEAREST_CELL\x10\x06\x12\x12\n\x0eREASON_DEFAULT\x10\x07\x12\x16\n\x12REASON_LIVE_SIGNAL\x10\x08\x12\x1f\n\x1bREASON_BIDIR_FAILED_IN_CELL\x10\t2\xe2\x02\n\x0f\x44\x65\x63isionService\x12\x46\n\x05Route\x12\x1d.ppd.decision.v1.RouteRequest\x1a\x1e.ppd.decision.v1.RouteResponse\x12U\n\nRouteBatch\x12\".ppd.decision.v1.RouteBatchRequest\x1a#.ppd.decision.v1.RouteBatchResponse\x12P\n\x0bRouteStream\x12\x1d.ppd.decision.v1.RouteRequest\x1a\x1e.ppd.decision.v1.RouteResponse(\x01\x30\x01\x12^\n\rDescribeTable\x12%.ppd.decision.v1.DescribeTableRequest\x1a&.ppd.decision.v1.DescribeTableResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DESCRIBETABLERESPONSE_WEIGHTSPROFILESENTRY']._loaded_options = None
   _globals['_DESCRIBETABLERESPONSE_WEIGHTSPROFILESENTRY']._serialized_options = b'8\001'
-  _globals['_DECISION']._serialized_start=2324
-  _globals['_DECISION']._serialized_end=2397
-  _globals['_REASON']._serialized_start=2400
-  _globals['_REASON']._serialized_end=2623
+  _globals['_DECISION']._serialized_start=2633
+  _globals['_DECISION']._serialized_end=2726
+  _globals['_CAPABILITY']._serialized_start=2728
+  _globals['_CAPABILITY']._serialized_end=2790
+  _globals['_REASON']._serialized_start=2793
+  _globals['_REASON']._serialized_end=3049
   _globals['_LIVESIGNALS']._serialized_start=52
   _globals['_LIVESIGNALS']._serialized_end=239
   _globals['_WEIGHTS']._serialized_start=241
   _globals['_WEIGHTS']._serialized_end=282
   _globals['_ROUTEREQUEST']._serialized_start=285
-  _globals['_ROUTEREQUEST']._serialized_end=559
-  _globals['_CELL']._serialized_start=561
-  _globals['_CELL']._serialized_end=633
-  _globals['_ROUTEERROR']._serialized_start=635
-  _globals['_ROUTEERROR']._serialized_end=678
-  _globals['_ROUTERESPONSE']._serialized_start=681
-  _globals['_ROUTERESPONSE']._serialized_end=1038
-  _globals['_ROUTEBATCHREQUEST']._serialized_start=1040
-  _globals['_ROUTEBATCHREQUEST']._serialized_end=1108
-  _globals['_ROUTEBATCHRESPONSE']._serialized_start=1110
-  _globals['_ROUTEBATCHRESPONSE']._serialized_end=1181
-  _globals['_DESCRIBETABLEREQUEST']._serialized_start=1183
-  _globals['_DESCRIBETABLEREQUEST']._serialized_end=1224
-  _globals['_WORKLOADCLASS']._serialized_start=1226
-  _globals['_WORKLOADCLASS']._serialized_end=1312
-  _globals['_CELLFIGURES']._serialized_start=1315
-  _globals['_CELLFIGURES']._serialized_end=1697
-  _globals['_DESCRIBETABLERESPONSE']._serialized_start=1700
-  _globals['_DESCRIBETABLERESPONSE']._serialized_end=2322
-  _globals['_DESCRIBETABLERESPONSE_WEIGHTSPROFILESENTRY']._serialized_start=2242
-  _globals['_DESCRIBETABLERESPONSE_WEIGHTSPROFILESENTRY']._serialized_end=2322
-  _globals['_DECISIONSERVICE']._serialized_start=2626
-  _globals['_DECISIONSERVICE']._serialized_end=2980
+  _globals['_ROUTEREQUEST']._serialized_end=610
+  _globals['_CELL']._serialized_start=612
+  _globals['_CELL']._serialized_end=684
+  _globals['_ROUTEERROR']._serialized_start=686
+  _globals['_ROUTEERROR']._serialized_end=729
+  _globals['_ROUTERESPONSE']._serialized_start=732
+  _globals['_ROUTERESPONSE']._serialized_end=1089
+  _globals['_ROUTEBATCHREQUEST']._serialized_start=1091
+  _globals['_ROUTEBATCHREQUEST']._serialized_end=1159
+  _globals['_ROUTEBATCHRESPONSE']._serialized_start=1161
+  _globals['_ROUTEBATCHRESPONSE']._serialized_end=1232
+  _globals['_DESCRIBETABLEREQUEST']._serialized_start=1234
+  _globals['_DESCRIBETABLEREQUEST']._serialized_end=1275
+  _globals['_WORKLOADCLASS']._serialized_start=1277
+  _globals['_WORKLOADCLASS']._serialized_end=1363
+  _globals['_CELLFIGURES']._serialized_start=1366
+  _globals['_CELLFIGURES']._serialized_end=2006
+  _globals['_DESCRIBETABLERESPONSE']._serialized_start=2009
+  _globals['_DESCRIBETABLERESPONSE']._serialized_end=2631
+  _globals['_DESCRIBETABLERESPONSE_WEIGHTSPROFILESENTRY']._serialized_start=2551
+  _globals['_DESCRIBETABLERESPONSE_WEIGHTSPROFILESENTRY']._serialized_end=2631
+  _globals['_DECISIONSERVICE']._serialized_start=3052
+  _globals['_DECISIONSERVICE']._serialized_end=3406
 # @@protoc_insertion_point(module_scope)
