@@ -76,6 +76,8 @@ SESSION_HEADER = "X-Session-ID"
 WORKLOAD_HEADER = "X-PPD-Workload"
 _ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "replica", "bidir": "decode"}
 _THROUGH_P: Final = ("pd", "bidir")
+# What a gateway whose workers run vLLM's bidirectional mode tells the DecisionService it can serve.
+_BIDIR: Final = frozenset({"bidir"})
 # What the forwarder passes to plan() when the session's D is gone: plan() overrules any decision
 # then (reason decode_gone), so the DecisionService is not asked.
 _NOT_ASKED = Decision("pd", "not_asked")
@@ -233,6 +235,7 @@ class Forwarder:
             weights_profile=s.weights_profile,
             table_key=s.table_key,
             weights=d.slo.weights(s.table_key) if d.slo is not None else None,
+            capabilities=_BIDIR if self._s.routing.bidir else frozenset(),
         )
         return await d.decisions.route(query, Decision(s.fallback, "fallback"))
 

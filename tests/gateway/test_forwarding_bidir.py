@@ -9,10 +9,12 @@ from typing import Any
 
 from gateway.forwarding import Forwarder
 from gateway.ports import ClientRequest
+from gateway.routing import Decision
 from gateway.sessions import explicit_key
 from tests.gateway.fakes import (
     KV_PARAMS,
     FakeClient,
+    FakeDecisions,
     FakeUpstream,
     ManualClock,
     chunk,
@@ -157,3 +159,18 @@ async def test_turn_three_continues_bidirectionally_with_turn_twos_params() -> N
     third = await _turn(forwarder, _request(THIRD))
     assert (third.headers["X-PPD-Path"], third.headers["X-PPD-Turn"]) == ("bidir", "3")
     assert upstream.calls[0].body["kv_transfer_params"] == turn_two
+
+
+async def test_the_capability_is_sent_only_when_the_gateway_can_serve_bidir_and_its_answer_is_served() -> (
+    None
+):
+    for bidir in (False, True):
+        decisions = FakeDecisions(Decision("bidir", "table", table_version="v2"))
+        upstream = FakeUpstream(decode_kv_params=D_PARAMS)
+        config = {"mode": "ppd", "served_model": MODEL, "workers": WORKERS, "routing": {"bidir": bidir}}
+        forwarder, _ = forwarder_on_fakes(config, upstream=upstream, decisions=decisions)
+        await _turn(forwarder, _request(FIRST))
+        second = await _turn(forwarder, _request(SECOND))
+        (query,) = decisions.queries
+        assert query.capabilities == (frozenset({"bidir"}) if bidir else frozenset())
+        assert (second.headers["X-PPD-Path"], second.headers["X-PPD-Reason"]) == ("bidir", "table")
