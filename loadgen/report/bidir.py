@@ -8,7 +8,8 @@ one QPS level over one link preset, all modes of a cell on the same arrivals (co
 Rule 1: a cell's figures per mode are over its Turn 2 requests: mean TTFT and TPOT of the successful
         ones, the success rate of all sent, the sample count (what a table cell holds).
 Rule 2: the routed arms are per-cell picks from these figures with the decision rule's score against
-        PD, S = w_ttft * (TTFT_pd - TTFT_x) - w_tpot * (TPOT_x - TPOT_pd): ``ppd2`` picks among pd and
+        PD (decision_service/route.py, relative deltas), S = w_ttft * (TTFT_pd - TTFT_x) / TTFT_pd -
+        w_tpot * (TPOT_x - TPOT_pd) / TPOT_pd: ``ppd2`` picks among pd and
         local (the two-way table), ``ppd3`` among pd, local and bidir (the three-way one). A mode whose
         success rate is below ``min_success`` is not allowed; PD (S = 0) wins ties. These are in-sample
         picks, the answers of a table built from the very same runs, not a separate routed run.
@@ -126,9 +127,9 @@ def score(cell: Cell, mode: str, settings: BidirSettings) -> float | None:
     if pd is None or x is None or x.success < settings.min_success:
         return None
     pd_ttft, pd_tpot, x_ttft, x_tpot = pd.ttft_ms, pd.tpot_ms, x.ttft_ms, x.tpot_ms
-    if pd_ttft is None or pd_tpot is None or x_ttft is None or x_tpot is None:
+    if not pd_ttft or not pd_tpot or x_ttft is None or x_tpot is None:
         return None
-    return settings.w_ttft * (pd_ttft - x_ttft) - settings.w_tpot * (x_tpot - pd_tpot)
+    return settings.w_ttft * (pd_ttft - x_ttft) / pd_ttft - settings.w_tpot * (x_tpot - pd_tpot) / pd_tpot
 
 
 def pick(cell: Cell, allowed: Sequence[str], settings: BidirSettings) -> str:
@@ -275,14 +276,14 @@ def render(cells: Sequence[Cell], settings: BidirSettings) -> list[str]:
         gains.sort(key=lambda g: -g[0])
         lines += [
             f"The three-way table picks bidir in {len(gains)} of {len(cells)} cells "
-            f"(mean S gain {statistics.fmean(g[0] for g in gains):.1f} ms over the two-way pick). Largest:",
+            f"(mean S gain {statistics.fmean(g[0] for g in gains):.2f} over the two-way pick). Largest:",
             "",
         ]
         rows = [
-            [cell.workload, f"{cell.qps:g}", cell.link, two, three, f"{gain:.1f}"]
+            [cell.workload, f"{cell.qps:g}", cell.link, two, three, f"{gain:.2f}"]
             for gain, cell, two, three in gains[:15]
         ]
-        lines += md_table(["workload", "QPS", "link", "two-way pick", "three-way pick", "S gain ms"], rows)
+        lines += md_table(["workload", "QPS", "link", "two-way pick", "three-way pick", "S gain"], rows)
     return lines
 
 

@@ -25,6 +25,10 @@ Routing: turn 1 takes ``pd`` (``replica`` in replica mode) on the least-loaded P
 conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``bidir``, ``fraction:<x>`` (a fixed
 share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`LocalPolicy`,
 normally :class:`simulator.core.routing.TableRouter`: the decision service's pure rule over a table).
+With ``ClusterConfig.ppd_bidir`` (``ppd`` mode; a gateway with ``[routing] bidir``) the query says the
+caller can serve BIDIR when the conversation's last D leg pinned its blocks (its turn went through P),
+the D legs pin as in ``bidir`` mode, and a BIDIR verdict takes the ``bidir`` path (three-way PPD; no
+exploration then).
 With ``ClusterConfig.explore`` (``ppd`` mode), the gateway's exploration policy (``ppd/explore.py``)
 may send a Turn 2+ request down the path the table did not choose, within the same bounds (the
 verdict's ``alternative_allowed``; the decode-load guard, a ``LIVE_SIGNAL`` verdict; the cap per
@@ -133,6 +137,8 @@ class ClusterConfig:
     drift: tuple[DriftEvent, ...] = ()  # timed changes of links and workers (simulator.core.drift)
     # bidir mode: how long a finished D leg keeps its blocks for the next turn (vLLM decoder_kv_blocks_ttl)
     decoder_kv_blocks_ttl_s: float = 480.0
+    # ppd mode: the router may answer BIDIR (decision_service.route rule 7), served as in bidir mode.
+    ppd_bidir: bool = False
 
 
 @dataclass(slots=True)
@@ -286,11 +292,13 @@ class _Sim:
             for di in range(len(self.decodes)):
                 ls = _LinkState(Link(spec, config.transfer_mode, physical))
                 self.links[(pi, di)] = ls
-                if self.kind == "bidir":
+                if self.pins:
                     self.reverse_links[(pi, di)] = _LinkState(
                         Link(spec, config.transfer_mode, physical), reverse=True
                     )
-        self.d_ttl = config.decoder_kv_blocks_ttl_s if self.kind == "bidir" else None
+        self.d_ttl = config.decoder_kv_blocks_ttl_s if self.pins else None
+        # Conversations whose last D leg pinned its blocks (three-way ppd may send the next turn bidir).
+        self.pinned: set[str] = set()
         ov = profile.overheads
         self.o_pd = ov.pd_s if config.apply_overheads else 0.0
         self.o_local = ov.local_s if config.apply_overheads else 0.0
@@ -317,6 +325,12 @@ class _Sim:
             if self.verdict_of is None:
                 raise ValueError("exploration needs a router that gives verdicts (TableRouter)")
             self.explorer = ExplorationPolicy(config.explore)
+        self.three_way = self.kind == "ppd" and config.ppd_bidir
+        if self.three_way:
+            self.verdict_of = getattr(router, "verdict", None)
+            if self.verdict_of is None or config.explore is not None:
+                raise ValueError("ppd_bidir needs a router that gives verdicts (TableRouter), no exploration")
+        self.pins = self.kind == "bidir" or self.three_way  # D legs keep their blocks for the next turn
         self.slo: SloController | None = None
         self.slo_trace: list[tuple[float, SloState]] = []
         self.slo_weights = (0.0, 0.0)
@@ -393,8 +407,14 @@ class _Sim:
             req.d = self.sessions[conv.conversation_id]
             if self.kind == "bidir":
                 req.path = "bidir"
+            elif self.three_way:
+                req.path = self.choose_three_way(req)
             else:
                 req.path = "local" if self.choose_local(req) else "pd"
+        if self.pins:
+            self.pinned.discard(conv.conversation_id)
+            if req.path in ("pd", "bidir"):
+                self.pinned.add(conv.conversation_id)
         if req.path in ("pd", "bidir"):
             req.p = self.least_loaded(self.prefills)
             req.p.outstanding += 1
@@ -415,17 +435,7 @@ class _Sim:
             return fraction_goes_local(req.conv.conversation_id, self.fraction)
         assert self.router is not None
         assert req.d is not None
-        query = Query(
-            turn=req.idx + 1,
-            n_in=req.n_in,
-            n_out=req.n_out,
-            n_ctx=req.n_ctx,
-            qps=self.cfg.target_qps,
-            decode_running=req.d.engine.running_count(),
-            prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
-        )
-        if self.slo is not None:
-            query.weights = self.steer(req.arrival)
+        query = self.query(req)
         if self.explorer is None or self.verdict_of is None:
             return self.router.local(req.conv.conversation_id, query)
         verdict = self.verdict_of(req.conv.conversation_id, query)
@@ -441,6 +451,30 @@ class _Sim:
         )
         req.explored, req.propensity = e.explored, e.propensity
         return e.local
+
+    def query(self, req: _Req) -> Query:
+        """ψ of a Turn 2+ request, with the live signals a gateway scrapes (and the SLO's weights)."""
+        assert req.d is not None
+        query = Query(
+            turn=req.idx + 1,
+            n_in=req.n_in,
+            n_out=req.n_out,
+            n_ctx=req.n_ctx,
+            qps=self.cfg.target_qps,
+            decode_running=req.d.engine.running_count(),
+            prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
+        )
+        if self.slo is not None:
+            query.weights = self.steer(req.arrival)
+        return query
+
+    def choose_three_way(self, req: _Req) -> str:
+        """``ppd_bidir``: the verdict's path; BIDIR is offered only while D holds the last turn's pin."""
+        assert self.verdict_of is not None
+        query = self.query(req)
+        query.bidir = req.conv.conversation_id in self.pinned
+        verdict = self.verdict_of(req.conv.conversation_id, query)
+        return "pd" if verdict is None else verdict.path
 
     def steer(self, t: float) -> Weights:
         """The SLO controller's weights at ``t``; each change is kept in the trace."""
