@@ -3,17 +3,29 @@ transfers per Turn 2+, P computes only what it neither holds nor pulls from D, D
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from simulator.core.cluster import ClusterConfig, ClusterResult, simulate
+from decision_service.route import Query
+from decision_service.table import Table, Weights, write_table
+from ppd.catalog import parse_workload
+from simulator.core.cluster import ClusterConfig, ClusterResult, LocalPolicy, simulate
 from simulator.core.profile import Profile
+from simulator.core.routing import TableRouter
 from simulator.core.topology import Topology
 from simulator.core.workload import Conversation, Turn, synthetic_conversations
+from simulator.tools.sweep_engine import SimEngine
+from table_builder.build import BuildOptions, build_from_records, default_header
+from table_builder.records import read_records
+from table_builder.sweep import SweepPlan, run_sweep
 
 
-def _run(profile: Profile, mode: str, convs: list[Conversation], **kw: object) -> ClusterResult:
-    config = ClusterConfig(topology=Topology.parse("1P3D"), mode=mode, target_qps=4.0, **kw)  # type: ignore[arg-type]
-    return simulate(profile, config, convs)
+def _run(
+    profile: Profile, mode: str, convs: list[Conversation], router: LocalPolicy | None = None, **kw: object
+) -> ClusterResult:
+    config = ClusterConfig(topology=Topology.parse("1P3D"), mode=mode, **{"target_qps": 4.0, **kw})  # type: ignore[arg-type]
+    return simulate(profile, config, convs, router)
 
 
 def _turn2_ttft(result: ClusterResult) -> float:
@@ -83,3 +95,36 @@ def test_a_pull_below_the_recompute_threshold_is_computed_on_p_and_frees_ds_pin(
     assert result.engine_stats["P0"].prompt_tokens_external == 0
     # Only Turn 2's own pin ran out: P's finish released Turn 1's.
     assert sum(s.num_kv_expired for s in result.engine_stats.values()) == 1
+
+
+def _three_mode_table(tmp_path: Path) -> Table:
+    """A 1P3D table with pd, local and bidir figures for large_mid_paste at 8 QPS (a tiny sim sweep)."""
+    plan = SweepPlan(
+        ("1P3D",), "llama-3.1-8b", ("pd", "local", "bidir"), (parse_workload("large_mid_paste"),), (8.0,)
+    )
+    files = run_sweep(plan, SimEngine(duration_s=4.0, seed=1), tmp_path)
+    options = BuildOptions(header=default_header("1P3D", "llama-3.1-8b"), min_samples=1)
+    result = build_from_records(read_records(files["1P3D"]), options)
+    return Table.open(write_table(tmp_path / "t.ppdt", result.spec))
+
+
+def test_ppd_routes_three_ways_only_when_the_caller_can_serve_bidir(profile: Profile, tmp_path: Path) -> None:
+    table = _three_mode_table(tmp_path)
+    try:
+        convs = synthetic_conversations("large_mid_paste", qps=8, duration_s=4, seed=2)
+        # TPOT weighs so much that local loses; bidir saves TTFT at PD's TPOT.
+        router = TableRouter(table, Weights(1.0, 64.0))
+        three = _run(profile, "ppd", convs, ppd_bidir=True, target_qps=8.0, router=router)
+        two = _run(profile, "ppd", convs, target_qps=8.0, router=TableRouter(table, Weights(1.0, 64.0)))
+    finally:
+        table.close()
+    assert {r["path"] for r in three.records if r["turn"] == 2} == {"bidir"}
+    assert all(r["ok"] for r in three.records)
+    assert {r["path"] for r in two.records if r["turn"] == 2} <= {"pd", "local"}  # never asked for bidir
+    with pytest.raises(ValueError, match="ppd_bidir needs a router that gives verdicts"):
+        _run(profile, "ppd", convs, ppd_bidir=True, router=_LocalOnly())
+
+
+class _LocalOnly:
+    def local(self, conversation_id: str, query: Query) -> bool:
+        return True
