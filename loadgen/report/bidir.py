@@ -13,6 +13,10 @@ Rule 2: the routed arms are per-cell picks from these figures with the decision 
         local (the two-way table), ``ppd3`` among pd, local and bidir (the three-way one). A mode whose
         success rate is below ``min_success`` is not allowed; PD (S = 0) wins ties. These are in-sample
         picks, the answers of a table built from the very same runs, not a separate routed run.
+Rule 2b: the routed arms run too: per link, a table is built from that link's static records (the table
+        builder with its defaults, ``min_samples`` 1), and every cell runs again in mode ``ppd`` routed
+        by it (``TableRouter`` with the same weights): ``ppd2 routed`` without the bidir capability,
+        ``ppd3 routed`` with it (``ClusterConfig.ppd_bidir``). Same arrivals as the static runs.
 Rule 3: a metric's winner in a cell is the mode with the lowest mean; its margin is how much lower it is
         than the best of the other two modes, relative to that (a cell missing a mode has no winner).
 """
@@ -52,6 +56,8 @@ __all__ = [
 SECTION_NAME: Final = "bidir.md"
 MODES: Final = ("pd", "local", "bidir")
 ARMS: Final = (*MODES, "ppd2", "ppd3")
+#: The arms routed by a table built from the static runs (rule 2b): name -> whether BIDIR is offered.
+ROUTED: Final = {"ppd2 routed": False, "ppd3 routed": True}
 _TWO_WAY: Final = ("pd", "local")
 
 
@@ -251,13 +257,16 @@ def render(cells: Sequence[Cell], settings: BidirSettings) -> list[str]:
                 continue
             base = _arm_mean(group, "pd", "ttft_ms", settings)
             row = [link, band, ms(base)]
-            for arm in ARMS[1:]:
+            for arm in (*ARMS[1:], *ROUTED):
                 value = _arm_mean(group, arm, "ttft_ms", settings)
                 row.append(f"{ms(value)} ({_change(value, base)})")
-            tpot = [_arm_mean(group, arm, "tpot_ms", settings) for arm in ("pd", "ppd2", "ppd3")]
+            tpot = [_arm_mean(group, arm, "tpot_ms", settings) for arm in ("pd", *ROUTED)]
             row.append(" / ".join(ms(v) for v in tpot))
             rows.append(row)
-    header = ["link", "QPS band", "pd TTFT ms", *(f"{a} (vs pd)" for a in ARMS[1:]), "TPOT pd / ppd2 / ppd3"]
+    header = [
+        "link", "QPS band", "pd TTFT ms", *(f"{a} (vs pd)" for a in (*ARMS[1:], *ROUTED)),
+        "TPOT pd / ppd2 routed / ppd3 routed",
+    ]  # fmt: skip
     lines += md_table(header, rows)
     lines += ["### Where three-way routing beats the best two-way table", ""]
     gains = []
@@ -299,21 +308,26 @@ def _conversations(workload: str, qps: float, settings: BidirSettings) -> list[A
     return turn_list_conversations(turns, qps, settings.duration_s, workload=workload, seed=seed)
 
 
-def run_point(workload: str, qps: float, link: str, mode: str, settings: BidirSettings) -> list[Record]:
+def run_point(
+    workload: str, qps: float, link: str, mode: str, settings: BidirSettings, *, router: Any = None
+) -> list[Record]:
+    """One static mode, or (``router`` given) ``ppd`` routed three ways when ``mode`` is ppd3."""
     from simulator.core.cluster import ClusterConfig, simulate
     from simulator.core.profile import load_profile
     from simulator.core.topology import Topology
 
     config = ClusterConfig(
         topology=Topology.parse(settings.shape),
-        mode=mode,
+        mode="ppd" if router is not None else mode,
         link=link,
         timeout_s=settings.timeout_s,
         target_qps=qps,
-        run_id=f"bidir-{link}-{mode}-{workload}-{qps:g}",
+        run_id=f"bidir-{link}-{mode.replace(' ', '-')}-{workload}-{qps:g}",
         model=settings.model,
+        ppd_bidir=ROUTED.get(mode, False),
     )
-    result = simulate(load_profile(settings.profile), config, _conversations(workload, qps, settings))
+    conversations = _conversations(workload, qps, settings)
+    result = simulate(load_profile(settings.profile), config, conversations, router)
     return [Record.from_dict(r) for r in result.records]
 
 
@@ -325,17 +339,28 @@ def run_bidir(
     cells: list[Cell] = []
     total = len(settings.links) * len(settings.workloads) * len(settings.qps)
     for link in settings.links:
+        runs: dict[tuple[str, float], dict[str, list[Record]]] = {}
         for workload in settings.workloads:
             for qps in settings.qps:
-                by_mode = {}
+                by_mode = runs.setdefault((workload, qps), {})
                 for mode in MODES:
-                    records = run_point(workload, qps, link, mode, settings)
-                    folder = out / "records" / link / mode
-                    folder.mkdir(parents=True, exist_ok=True)
-                    write_records(folder / f"{workload}_{qps:g}.jsonl", records)
-                    by_mode[mode] = records
+                    by_mode[mode] = _keep(
+                        out, (link, mode, workload, qps), run_point(workload, qps, link, mode, settings)
+                    )
+                progress(f"bidir: {link} {workload} {qps:g} QPS, static runs")
+        table = _table(
+            out, link, [r for by_mode in runs.values() for rs in by_mode.values() for r in rs], settings
+        )
+        try:
+            for (workload, qps), by_mode in runs.items():
+                for arm in ROUTED:
+                    router = _router(table, settings)
+                    records = run_point(workload, qps, link, arm, settings, router=router)
+                    by_mode[arm] = _keep(out, (link, arm, workload, qps), records)
                 cells.append(cell_of(workload, qps, link, by_mode))
                 progress(f"bidir: {len(cells)}/{total} cells ({link} {workload} {qps:g} QPS)")
+        finally:
+            table.close()
     figures_json = [{**asdict(c), "modes": {m: asdict(f) for m, f in c.modes.items()}} for c in cells]
     (out / "bidir.json").write_text(
         json.dumps({"settings": asdict(settings), "cells": figures_json}, indent=1)
@@ -343,6 +368,37 @@ def run_bidir(
     path = out / SECTION_NAME
     path.write_text("\n".join(render(cells, settings)) + "\n", "utf-8")
     return cells, path
+
+
+def _keep(out: Path, point: tuple[str, str, str, float], records: list[Record]) -> list[Record]:
+    """Write one point's records (``point``: link, mode, workload, QPS) under ``out/records``."""
+    link, mode, workload, qps = point
+    folder = out / "records" / link / mode.replace(" ", "-")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_records(folder / f"{workload}_{qps:g}.jsonl", records)
+    return records
+
+
+def _table(out: Path, link: str, records: Sequence[Record], settings: BidirSettings) -> Any:
+    """Rule 2b: the table of one link's static runs, written to ``out/tables/<link>.ppdt`` and opened."""
+    from decision_service.table import Table, write_table
+    from table_builder.build import BuildOptions, build_from_records, default_header
+
+    options = BuildOptions(
+        header=default_header(settings.shape, settings.model),
+        min_samples=1,
+        labels={"engine": "sim", "link": link, "seed": str(settings.seed)},
+    )
+    result = build_from_records(records, options)
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    return Table.open(write_table(out / "tables" / f"{link}.ppdt", result.spec))
+
+
+def _router(table: Any, settings: BidirSettings) -> Any:
+    from decision_service.table import Weights
+    from simulator.core.routing import TableRouter
+
+    return TableRouter(table, Weights(settings.w_ttft, settings.w_tpot))
 
 
 # ---------------------------------------------------------------------------------------- the command

@@ -85,5 +85,11 @@ def test_one_command_builds_the_section_on_the_simulator(tmp_path: Path) -> None
     assert "### Per-metric winners (the paper's Table 3, three ways)" in text
     assert "| nvlink | low |" in text
     assert "| nvlink | high |" in text
-    assert sorted(p.name for p in (out / "records" / "nvlink").iterdir()) == ["bidir", "local", "pd"]
+    assert sorted(p.name for p in (out / "records" / "nvlink").iterdir()) == [
+        "bidir", "local", "pd", "ppd2-routed", "ppd3-routed",
+    ]  # fmt: skip
+    assert (
+        out / "tables" / "nvlink.ppdt"
+    ).is_file()  # the table the routed arms used (built from the static runs)
+    assert "ppd3 routed (vs pd)" in text
     assert (out / "bidir.json").is_file()
