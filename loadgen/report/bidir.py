@@ -19,6 +19,8 @@ Rule 2b: the routed arms run too: per link, a table is built from that link's st
         ``ppd3 routed`` with it (``ClusterConfig.ppd_bidir``). Same arrivals as the static runs.
 Rule 3: a metric's winner in a cell is the mode with the lowest mean; its margin is how much lower it is
         than the best of the other two modes, relative to that (a cell missing a mode has no winner).
+The module stays whole (about 460 lines): the figures, the rendering, the runs and the command share one
+grid's settings and cells, in the order the section needs them, as ``slo.py`` does.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ __all__ = [
     "Cell",
     "ModeFigures",
     "add_parser",
+    "arm_figures",
     "cell_of",
+    "figures",
     "pick",
     "render",
     "run_bidir",
+    "run_point",
     "score",
     "winners",
 ]
@@ -334,7 +339,7 @@ def run_point(
 def run_bidir(
     settings: BidirSettings, out: Path, *, progress: Callable[[str], None]
 ) -> tuple[list[Cell], Path]:
-    """Every point of the grid, its records under ``out/records``, the section ``out/bidir.md``."""
+    """Every point of the grid, its records under ``out/records``, the section (``bidir.md``) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     cells: list[Cell] = []
     total = len(settings.links) * len(settings.workloads) * len(settings.qps)
