@@ -50,7 +50,7 @@ from decision_service.route import Query, Router, check_query
 from decision_service.servicer import DecisionServicer
 from decision_service.settings import Settings
 from decision_service.table import (
-    FIGURES,
+    FIGURES_OF_VERSION,
     SUFFIX,
     Table,
     TableHeader,
@@ -147,7 +147,7 @@ def bench_spec(seed: int = 0, *, shape: str = "1P3D", model: str = "bench") -> T
     axes = paper_axes()
     nc, nw, nq = axes.shape
     rng = np.random.default_rng(seed)
-    figures = np.zeros((nc, nw, nq, len(FIGURES)))
+    figures = np.zeros((nc, nw, nq, len(FIGURES_OF_VERSION[1])))  # PD and LOCAL: a format-1 table
     for c in range(nc):
         for w in range(nw):
             for q, level in enumerate(axes.qps_levels):

@@ -33,8 +33,13 @@ Rule 7 (the third path, BIDIR: vLLM's bidirectional KV mode): considered only wh
         the better of PD and BIDIR takes its place. A BIDIR answer has ``alternative_allowed`` False
         (exploration flips PD and LOCAL only).
 
-``Router`` precomputes, once per table, every cell's default-weight verdict, so the common call
-(no explicit weights) is a classification plus one tuple index and allocates nothing.
+``Router`` precomputes, once per table, every cell's default-weight verdict (and, where rule 7 applies,
+the three-path one), so the common call (no explicit weights) is a classification plus one tuple index
+and allocates nothing.
+
+It stays whole (about 460 lines): the seven rules are one decision over one compiled cell, and rule 7
+is the two-path verdict extended, read next to rules 2-6 it changes nothing for; apart, its half would
+only import this half's types back.
 """
 
 from __future__ import annotations

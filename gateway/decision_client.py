@@ -21,6 +21,9 @@ every waiter and is reopened by the next call, at most once a second.
 Rule 5 (no table): the service answers UNAVAILABLE until its first table loads, with trailing
 metadata `ppd-unavailable: no-table` (ppd/decision/v1/status.py); that answer is `fallback_not_serving`,
 any other UNAVAILABLE `fallback_unavailable`. The message text is never read.
+Rule 6 (the third path): `RouteQuery.capabilities` containing "bidir" goes out as CAPABILITY_BIDIR, and
+only then may the answer be DECISION_BIDIR, read back as path "bidir"; a query without it sends the
+request it sent before capabilities existed.
 Every time it measures (availability, RPC latency, stream retries) comes from the injected clock.
 Talks gRPC only; never imports decision_service.
 """

@@ -27,6 +27,9 @@ Rules:
    ``bidir`` record landed the cell has no BIDIR figures (samples 0), and a table without any is written
    as format version 1, the same bytes as before the mode existed. The summary counts the cells with
    BIDIR figures.
+
+It stays whole (about 460 lines): the rules above are one pass over the cells, and the summary and
+provenance it writes are that pass's own account of what each cell got.
 """
 
 from __future__ import annotations

@@ -78,8 +78,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
             continue
         try:
             nc, nw, nq = table.header.axes.shape
-            measured = sum(table.measured(c, w, q) for c in range(nc) for w in range(nw) for q in range(nq))
+            every = [(c, w, q) for c in range(nc) for w in range(nw) for q in range(nq)]
+            measured = sum(table.measured(*cell) for cell in every)
             cells = f"{measured}/{nc * nw * nq} cells measured"
+            if table.format_version >= 2:
+                # The reader checked the BIDIR figures; say how many cells have them, and how many of
+                # those the router cannot use (no PD/LOCAL pair to compare with).
+                bidir = [cell for cell in every if table.has_bidir(*cell)]
+                unused = sum(not table.measured(*cell) for cell in bidir)
+                cells += f", {len(bidir)} with bidir figures (format {table.format_version})"
+                if unused:
+                    cells += f", {unused} of them unused (no pd/local pair)"
             print(f"ok   {path}: key {table.key}, version {table.version}, {cells}")
         finally:
             table.close()
@@ -103,7 +112,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
             known = ", ".join(sorted(profiles)) or "none"
             print(f"unknown profile {args.profile!r}; table {table.key} has: {known}")
             return 1
-        grid = decision_grid(table, weights=args.weights, profile=args.profile)
+        grid = decision_grid(table, weights=args.weights, profile=args.profile, bidir=not args.no_bidir)
         print(format_grid(grid, scores=args.scores))
         if args.provenance:
             print(json.dumps(table.header.provenance, indent=2, sort_keys=True))
@@ -134,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         "build",
         parents=[common],
         help="benchmark records or paper-artifact folders -> a table file (atomic publish)",
-        description="Compare static pd runs with static local runs per cell and publish a table atomically. "
+        description="Compare static pd runs with static local runs per cell (and, where records of mode "
+        "bidir exist, the bidirectional KV mode as a third) and publish a table atomically. "
         "Same inputs, same bytes.",
     )
     source = build.add_mutually_exclusive_group(required=True)
@@ -180,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     who.add_argument("--weights", type=weights_arg, help="W_TTFT,W_TPOT instead of the table's default")
     who.add_argument("--profile", help="one of the table's named weights profiles")
     show.add_argument("--scores", action="store_true", help="print the score S next to each decision")
+    show.add_argument(
+        "--no-bidir",
+        action="store_true",
+        help="ask as a caller without CAPABILITY_BIDIR (a table with bidir figures is otherwise asked as "
+        "one that can serve the bidirectional path, and shows it as B)",
+    )
     show.add_argument("--provenance", action="store_true", help="print the table's provenance as JSON")
     show.add_argument("--png", type=Path, metavar="OUT", help="also write a heatmap PNG (needs matplotlib)")
     show.set_defaults(run=_cmd_show)

@@ -4,6 +4,10 @@ The grid asks the decision service's own ``Router`` (never a re-implementation o
 representative Turn-2 query per cell: an n_ctx inside the context class, an (n_in, n_out) that the
 table's classifier maps to the workload class, the QPS level itself. A workload class that no
 (n_in, n_out) reaches is shown as unreachable.
+
+A table with the bidirectional mode's figures (format version 2) is asked as a caller with
+CAPABILITY_BIDIR by default, so the grid shows the third path (``B``); ``bidir=False`` asks as a caller
+without it. A table without the figures gives the same grid either way, printed as before.
 """
 
 from __future__ import annotations
@@ -14,11 +18,21 @@ from typing import Final
 
 from decision_service.axes import Axes
 from decision_service.classify import CompiledClassifier
-from decision_service.header import TableHeader, Weights
+from decision_service.header import Figure, TableHeader, Weights
 from decision_service.route import Query, Reason, Router
 from decision_service.table import Table
 
-__all__ = ["LEGEND", "Grid", "GridCell", "decision_grid", "format_grid", "live_limits", "probe_shapes"]
+__all__ = [
+    "BIDIR_LEGEND",
+    "LEGEND",
+    "Grid",
+    "GridCell",
+    "decision_grid",
+    "format_grid",
+    "has_bidir",
+    "live_limits",
+    "probe_shapes",
+]
 
 _MARK: Final = {
     Reason.TABLE: "",
@@ -29,12 +43,18 @@ _MARK: Final = {
     Reason.DEFAULT: "?",
     Reason.LIVE_SIGNAL: "*",
     Reason.TURN_ONE: "",
+    Reason.BIDIR_FAILED_IN_CELL: "!",
 }
 
 LEGEND: Final = (
     "L = local (append-prefill on the decode worker), P = pd; "
     "! = the other mode missed the success SLO in this cell, ~ = answered from the nearest measured "
     "QPS level, ? = no data for this context and workload: the table's default, - = no request maps here"
+)
+#: Printed after LEGEND when the grid was asked as a caller that can serve BIDIR.
+BIDIR_LEGEND: Final = (
+    "B = bidir (vLLM's bidirectional KV mode: P pulls the history's KV from D and appends), asked as a "
+    "caller with CAPABILITY_BIDIR; ! also marks a cell where bidir missed the success SLO"
 )
 
 _POWERS: Final = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -45,9 +65,10 @@ class GridCell:
     local: bool
     reason: Reason
     score: float
+    bidir: bool = False
 
     def symbol(self, *, scores: bool = False) -> str:
-        text = ("L" if self.local else "P") + _MARK[self.reason]
+        text = ("B" if self.bidir else "L" if self.local else "P") + _MARK[self.reason]
         if scores and self.reason in (Reason.TABLE, Reason.WEIGHTS, Reason.NEAREST_CELL):
             text += f"{self.score:+.2f}"
         return text
@@ -65,6 +86,8 @@ class Grid:
     cells: tuple[tuple[tuple[GridCell | None, ...], ...], ...]
     #: The live-signal limits of the header, as a sentence (they override the cells at run time).
     live: str | None = None
+    #: Asked as a caller with CAPABILITY_BIDIR, of a table with BIDIR figures.
+    bidir: bool = False
 
 
 def live_limits(header: TableHeader) -> str:
@@ -114,9 +137,18 @@ def probe_shapes(axes: Axes) -> tuple[tuple[int, int] | None, ...]:
     return tuple(found)
 
 
-def decision_grid(table: Table, *, weights: Weights | None = None, profile: str | None = None) -> Grid:
-    """Ask the router every cell of ``table`` under the default weights, a profile, or given weights."""
+def has_bidir(table: Table) -> bool:
+    """Whether any cell of ``table`` has the bidirectional mode's figures."""
+    return bool((table.figures[..., Figure.BIDIR_SAMPLES] > 0).any())
+
+
+def decision_grid(
+    table: Table, *, weights: Weights | None = None, profile: str | None = None, bidir: bool = True
+) -> Grid:
+    """Ask the router every cell of ``table`` under the default weights, a profile, or given weights;
+    with ``bidir`` (and BIDIR figures in the table) as a caller that can serve BIDIR."""
     router = Router(table)
+    bidir = bidir and has_bidir(table)
     header = table.header
     axes = header.axes
     if weights is not None:
@@ -137,11 +169,16 @@ def decision_grid(table: Table, *, weights: Weights | None = None, profile: str 
             n_in, n_out = shape
             cells: list[GridCell | None] = []
             for level in axes.qps_levels:
-                v = router.route(Query(turn=2, n_in=n_in, n_out=n_out, n_ctx=n_ctx, qps=level, weights=used))
-                cells.append(GridCell(v.local, v.reason, v.score))
+                v = router.route(
+                    Query(turn=2, n_in=n_in, n_out=n_out, n_ctx=n_ctx, qps=level, weights=used, bidir=bidir)
+                )
+                cells.append(GridCell(v.local, v.reason, v.score, v.bidir))
             per_workload.append(tuple(cells))
         rows.append(tuple(per_workload))
-    return Grid(table.key, table.version, used, label, axes, tuple(rows), live_limits(header))
+    live = live_limits(header)
+    if bidir:
+        live = live.replace("turn local into pd:", "turn local into pd or bidir (the better):")
+    return Grid(table.key, table.version, used, label, axes, tuple(rows), live, bidir)
 
 
 def _context_range(axes: Axes, c: int) -> str:
@@ -182,8 +219,16 @@ def format_grid(grid: Grid, *, scores: bool = False) -> str:
     local = sum(1 for plane in grid.cells for row in plane for cell in row if cell is not None and cell.local)
     asked = sum(1 for plane in grid.cells for row in plane for cell in row if cell is not None)
     lines.append("")
-    lines.append(f"local in {local} of {asked} cells")
+    if grid.bidir:
+        bidir = sum(
+            1 for plane in grid.cells for row in plane for cell in row if cell is not None and cell.bidir
+        )
+        lines.append(f"local in {local} of {asked} cells, bidir in {bidir}")
+    else:
+        lines.append(f"local in {local} of {asked} cells")
     if grid.live is not None:
         lines.append(grid.live)
     lines.append(LEGEND)
+    if grid.bidir:
+        lines.append(BIDIR_LEGEND)
     return "\n".join(lines)

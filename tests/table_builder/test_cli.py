@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from decision_service.table import Table
+from decision_service.table import Figure, Table
 from table_builder.cli import main
 from table_builder.records import write_records
 from tests.support.records import ARTIFACT
@@ -312,3 +313,71 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["show", "x", "--weights", "0,0"])
     assert "not both zero" in capsys.readouterr().err
+
+
+# --- the third mode (issue 17) ----------------------------------------------------------------------
+
+
+def _bidir_table(tmp_path: Path, *, unused: bool = False) -> Path:
+    """good.ppdt's figures plus BIDIR figures that win in (large, mid_bal) at every QPS level."""
+    import dataclasses
+
+    from decision_service.table import Figure, write_table
+    from tests.support.tables import synthetic_spec
+
+    spec = synthetic_spec()
+    fig = spec.figures.copy()
+    fig[1, 5, :, Figure.BIDIR_TTFT_MS] = fig[1, 5, :, Figure.LOCAL_TTFT_MS] / 2
+    fig[1, 5, :, Figure.BIDIR_TPOT_MS] = fig[1, 5, :, Figure.PD_TPOT_MS]
+    fig[1, 5, :, Figure.BIDIR_SUCCESS] = 1.0
+    fig[1, 5, :, Figure.BIDIR_SAMPLES] = 40
+    if unused:
+        fig[2, 0, 0, [Figure.BIDIR_TTFT_MS, Figure.BIDIR_TPOT_MS, Figure.BIDIR_SAMPLES]] = (9.0, 9.0, 5)
+    return write_table(tmp_path / "bidir.ppdt", dataclasses.replace(spec, figures=fig))
+
+
+def test_check_counts_the_bidir_cells(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(_bidir_table(tmp_path, unused=True))]) == 0
+    out = capsys.readouterr().out
+    assert "11 with bidir figures (format 2), 1 of them unused (no pd/local pair)" in out
+    assert main(["check", str(TABLES / "good.ppdt")]) == 0
+    assert capsys.readouterr().out.endswith("169/270 cells measured\n")  # a format-1 line, as it was
+
+
+def test_check_rejects_bad_bidir_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.support.tables import _resign
+
+    blob = _bidir_table(tmp_path).read_bytes()
+    table = Table.from_bytes(blob)
+    offset = table.raw_header["arrays"][0]["offset"]
+    fig = np.array(table.figures)
+    fig[1, 5, 3, Figure.BIDIR_SUCCESS] = 1.5
+    bad = tmp_path / "bad.ppdt"
+    bad.write_bytes(_resign(blob[:offset] + fig.astype("<f8").tobytes()))
+    assert main(["check", str(bad)]) == 1
+    assert "figures: success rates must be within 0..1" in capsys.readouterr().out
+
+
+def test_show_shows_the_third_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _bidir_table(tmp_path)
+    assert main(["show", str(path), "--scores"]) == 0
+    out = capsys.readouterr().out
+    assert " B+" in out
+    assert "bidir in 10" in out
+    assert "B = bidir" in out
+    assert "turn local into pd or bidir" in out
+    assert main(["show", str(path), "--no-bidir"]) == 0
+    plain = capsys.readouterr().out
+    assert " B" not in plain
+    assert "B = bidir" not in plain
+    main(["show", str(TABLES / "good.ppdt")])
+    assert "B = bidir" not in capsys.readouterr().out
+
+
+def test_show_png_draws_the_third_path(tmp_path: Path) -> None:
+    path = _bidir_table(tmp_path)
+    with_bidir, without = tmp_path / "b.png", tmp_path / "p.png"
+    assert main(["show", str(path), "--png", str(with_bidir)]) == 0
+    assert main(["show", str(path), "--no-bidir", "--png", str(without)]) == 0
+    assert with_bidir.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert with_bidir.read_bytes() != without.read_bytes()

@@ -258,7 +258,11 @@ class RouteRequest(_message.Message):
     @_builtins.property
     def capabilities(self) -> _containers.RepeatedScalarFieldContainer[Global___Capability.ValueType]:
         """The paths this caller can serve besides PD and LOCAL. Without
-        CAPABILITY_BIDIR the answer is never DECISION_BIDIR.
+        CAPABILITY_BIDIR the answer is never DECISION_BIDIR, and is exactly the
+        answer a caller got before capabilities existed. With it, BIDIR is
+        considered where the table (format version 2) has the mode's figures:
+        each allowed path is scored against PD by the same S, and BIDIR must
+        meet the success SLO like LOCAL (else REASON_BIDIR_FAILED_IN_CELL).
         """
 
     def __init__(
@@ -370,8 +374,8 @@ class RouteResponse(_message.Message):
     the path not chosen: that path met the success SLO in the cell that
     answered and, when it is LOCAL, no live signal forbids it. False for
     turn 1, a cell without measurements, and an answer carrying `error`.
-    For a BIDIR answer the path not chosen is PD (BIDIR replaces a PD
-    prefill); for a PD or LOCAL answer it is the other of the two.
+    Exploration flips PD and LOCAL only: for a PD or LOCAL answer the path
+    not chosen is the other of the two; a BIDIR answer is always false.
     """
     @_builtins.property
     def cell(self) -> Global___Cell: ...
