@@ -33,7 +33,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--port", type=int, default=8000, help="HTTP port; 0 picks a free one (default 8000)")
     serve.add_argument("--host", help="bind address (default: the config's host, 127.0.0.1)")
-    serve.add_argument("--mode", help="routing mode, overrides the config: pd|local|ppd|replica|fraction:<x>")
+    serve.add_argument(
+        "--mode", help="routing mode, overrides the config: pd|local|ppd|replica|bidir|fraction:<x>"
+    )
+    serve.add_argument(
+        "--bidir",
+        action="store_true",
+        help="the workers run vLLM's bidirectional KV mode, so the gateway may serve the bidir path "
+        "(sets [routing] bidir; the DecisionService is told so)",
+    )
     serve.add_argument(
         "--explore",
         type=float,
@@ -88,6 +96,8 @@ def _load(
     host: str | None,
     explore: dict[str, float | int] | None = None,
     slo: Mapping[str, Any] | None = None,
+    *,
+    bidir: bool = False,
 ) -> Settings:
     from dataclasses import asdict, replace
 
@@ -106,6 +116,8 @@ def _load(
             raise SettingsError(str(exc)) from None
     if host:
         settings = replace(settings, host=host)
+    if bidir:
+        settings = replace(settings, routing=replace(settings.routing, bidir=True))
     if explore:
         settings = replace(settings, explore=explore_settings({**asdict(settings.explore), **explore}))
     return settings
@@ -173,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.host,
             {k: v for k, v in flags.items() if v is not None},
             _slo_overrides(args),
+            bidir=args.bidir,
         )
     except SettingsError as exc:
         sys.stderr.write(f"ppd-gateway: {exc}\n")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any, Final, Literal
@@ -47,6 +48,7 @@ from gateway.plan import (
     Plan,
     PlanRequest,
     UpstreamCall,
+    bidir_retry,
     decode_after_prefill,
     decode_gone,
     local_fallback,
@@ -55,7 +57,7 @@ from gateway.plan import (
 from gateway.pool import PoolView, WorkerView
 from gateway.ports import ClientConnection, ClientRequest, LiveSignals, RouteQuery, UpstreamStream
 from gateway.psi import WorkerCount, estimate_tokens, measure
-from gateway.relay import StreamRelay, Usage, answer_from_body, error_event
+from gateway.relay import StreamRelay, Usage, answer_from_body, error_event, kv_params_from_body
 from gateway.routing import Decision, static_decision
 from gateway.sessions import Session, SessionMatch, explicit_key, find_session
 from gateway.turn import TurnInputs, TurnOutcome
@@ -72,7 +74,10 @@ MODE_HEADER = "X-PPD-Mode"
 OUTPUT_HINT_HEADER = "X-PPD-Expected-Output-Tokens"
 SESSION_HEADER = "X-Session-ID"
 WORKLOAD_HEADER = "X-PPD-Workload"
-_ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "replica"}
+_ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "replica", "bidir": "decode"}
+_THROUGH_P: Final = ("pd", "bidir")
+# What a gateway whose workers run vLLM's bidirectional mode tells the DecisionService it can serve.
+_BIDIR: Final = frozenset({"bidir"})
 # What the forwarder passes to plan() when the session's D is gone: plan() overrules any decision
 # then (reason decode_gone), so the DecisionService is not asked.
 _NOT_ASKED = Decision("pd", "not_asked")
@@ -230,6 +235,7 @@ class Forwarder:
             weights_profile=s.weights_profile,
             table_key=s.table_key,
             weights=d.slo.weights(s.table_key) if d.slo is not None else None,
+            capabilities=_BIDIR if self._s.routing.bidir else frozenset(),
         )
         return await d.decisions.route(query, Decision(s.fallback, "fallback"))
 
@@ -265,6 +271,7 @@ class Forwarder:
             headers=forwarded,
             inject_usage=self._s.policy.inject_usage,
             prefill_attempts=self._s.policy.prefill_attempts,
+            now=self._d.wall_clock(),
         )
 
     # ------------------------------------------------------------------ execute
@@ -283,9 +290,9 @@ class Forwarder:
         p = plan(preq, turn.session, outcome.decision, view)
         for attempt in range(2):
             kv: Mapping[str, Any] | None = None
-            if p.path == "pd":
+            if p.path in _THROUGH_P:
                 p, kv = await self._prefill(turn, outcome, p)
-            call = decode_after_prefill(p, kv) if p.path == "pd" else p.decode
+            call = decode_after_prefill(p, kv) if p.path in _THROUGH_P else p.decode
             outcome.path, outcome.reason, outcome.rebound = p.path, p.reason, p.rebound
             outcome.decode_worker = call.worker
             d.pool.note_pick(call.worker)
@@ -339,6 +346,8 @@ class Forwarder:
                 d.pool.release(call.worker)
                 outcome.prefill_wait += d.timer() - sent
             outcome.prefill_worker = call.worker
+            if i:  # a bidirectional first leg failed; the retries are plain P legs (plan.py rule 6)
+                p = bidir_retry(p)
             d.pool.note_success(call.worker)
             d.pool.note_pick(call.worker)
             params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
@@ -373,7 +382,9 @@ class Forwarder:
             self._upstream_error(call.worker, role, "bad_body")
             raise UpstreamError(f"worker {call.worker} sent a malformed answer", worker=call.worker) from None
         answer, usage = answer_from_body(body)
-        await self._remember(turn, outcome, answer, usage, completion_chunks=None)
+        await self._remember(
+            turn, outcome, answer, usage, completion_chunks=None, kv_params=kv_params_from_body(body)
+        )
         outcome.ok = True
         await client.reply(reply.body, provenance_headers(turn, outcome))
 
@@ -489,7 +500,14 @@ class Forwarder:
     async def _complete(self, turn: TurnInputs, outcome: TurnOutcome, relay: StreamRelay) -> None:
         if not outcome.ok:
             outcome.ok = True
-            await self._remember(turn, outcome, relay.answer, relay.usage, completion_chunks=relay.chunks)
+            await self._remember(
+                turn,
+                outcome,
+                relay.answer,
+                relay.usage,
+                completion_chunks=relay.chunks,
+                kv_params=relay.kv_params,
+            )
 
     async def _remember(
         self,
@@ -499,9 +517,10 @@ class Forwarder:
         usage: Usage | None,
         *,
         completion_chunks: int | None,
+        kv_params: Mapping[str, Any] | None = None,
     ) -> None:
         """The session after this turn, under its explicit id and under the content key of the
-        history + this answer."""
+        history + this answer; with D's returned params (bidirectional mode) and their expiry."""
         d = self._d
         if usage is not None:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
@@ -519,6 +538,8 @@ class Forwarder:
             completion_tokens=completion,
             history_key=chain.key() if chain is not None else "",
             history_messages=len(turn.req.messages) if chain is not None else 0,
+            decode_kv_params=json.dumps(kv_params, separators=(",", ":")) if kv_params else "",
+            decode_kv_expires_at=d.wall_clock() + self._s.routing.bidir_params_ttl_s if kv_params else 0.0,
         )
         if turn.explicit_id:
             await d.sessions.put(explicit_key(turn.explicit_id), after)

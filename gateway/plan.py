@@ -12,6 +12,15 @@ Rule 4: upstream addresses come only from the pool; a client-sent `kv_transfer_p
 (it would point a worker at an arbitrary KV source).
 Rule 5: the session keeps its D (or R) while it is live; if it is gone the turn goes through P to the
 least-loaded live D and the session is rebound (reason `decode_gone`, whatever the decision said).
+Rule 6 (bidirectional, docs/vllm-protocol.md 3.4): a "bidir" decision on a session whose D is live and
+whose last D leg returned `kv_transfer_params` that have not expired (`PlanRequest.now` before
+`Session.decode_kv_expires_at`): the first P leg is rule 1's body with `kv_transfer_params` = D's
+returned params, unmodified (they say `do_remote_decode: true`, so P pulls the history from D and
+computes only the new tokens); the D leg then carries P's params as in rule 2, so D pulls the result
+back. The P retries after it are plain rule-1 legs (full PD): once a P has tried to read D's blocks they
+may be gone, so a retry recomputes (`bidir_retry`: path pd, reason `bidir_prefill_failed`). Without
+params the turn is full PD with reason `bidir_no_params`, with expired ones `bidir_expired`; a gone D is
+rule 5 (`decode_gone`).
 Turn 1 picks the least-loaded P and D. `decode_gone` is that test, the only one: the forwarder asks
 it only to spare the DecisionService a question whose answer `plan` would overrule.
 Deliberate addition: a streaming D leg gets `stream_options.include_usage` when the client did not ask
@@ -22,6 +31,7 @@ Every function returns new dicts; inputs are never mutated.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,6 +47,8 @@ __all__ = [
     "Plan",
     "PlanRequest",
     "UpstreamCall",
+    "bidir_params",
+    "bidir_retry",
     "decode_after_prefill",
     "decode_gone",
     "local_fallback",
@@ -67,6 +79,8 @@ class PlanRequest:
     headers: Headers = ()
     inject_usage: bool = True
     prefill_attempts: int = 2
+    # Wall-clock seconds (since the epoch) when the request arrived: rule 6's expiry is read against it.
+    now: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +96,8 @@ class UpstreamCall:
 class Plan:
     path: Path
     reason: str
-    # P candidates in order: the first, then the ones to retry on. Empty unless path == "pd".
+    # P candidates in order: the first, then the ones to retry on. Empty unless path is "pd" or "bidir"
+    # (for "bidir" the first carries D's params and the retries are plain P legs: rule 6).
     prefill: tuple[UpstreamCall, ...]
     # The D (or R) leg. For "pd" its body still lacks P's params; see decode_after_prefill.
     decode: UpstreamCall
@@ -133,6 +148,21 @@ def decode_gone(session: Session | None, pool: PoolView) -> bool:
     return session is not None and session.worker is not None and _bound_decode(session, pool) is None
 
 
+def bidir_params(session: Session | None, now: float) -> tuple[dict[str, Any] | None, str]:
+    """Rule 6: D's returned params if the session holds live ones, else None and the fallback reason."""
+    if session is None or not session.decode_kv_params:
+        return None, "bidir_no_params"
+    try:
+        params = json.loads(session.decode_kv_params)
+    except ValueError:
+        return None, "bidir_no_params"
+    if not isinstance(params, dict) or not params.get("do_remote_decode"):
+        return None, "bidir_no_params"
+    if now >= session.decode_kv_expires_at:
+        return None, "bidir_expired"
+    return params, ""
+
+
 def plan(request: PlanRequest, session: Session | None, decision: Decision, pool: PoolView) -> Plan:
     """Raises NoWorkerError naming the missing role."""
     body, strip = _decode_body(request.body, inject_usage=request.inject_usage)
@@ -168,14 +198,14 @@ def plan(request: PlanRequest, session: Session | None, decision: Decision, pool
     if not prefills:
         raise NoWorkerError("prefill")
     p_body = prefill_body(request.body)
-    return Plan(
-        "pd",
-        reason,
-        tuple(_call(p, request, p_body, stream=False) for p in prefills),
-        _call(decode, request, body, stream=stream),
-        strip,
-        rebound,
-    )
+    calls = tuple(_call(p, request, p_body, stream=False) for p in prefills)
+    if path == "bidir":
+        params, why = bidir_params(session, request.now)
+        if params is None:
+            path, reason = "pd", why
+        else:
+            calls = (_call(prefills[0], request, p_body | {KV_FIELD: params}, stream=False), *calls)
+    return Plan(path, reason, calls, _call(decode, request, body, stream=stream), strip, rebound)
 
 
 def decode_after_prefill(p: Plan, kv_params: Mapping[str, Any] | None) -> UpstreamCall:
@@ -185,6 +215,11 @@ def decode_after_prefill(p: Plan, kv_params: Mapping[str, Any] | None) -> Upstre
     body = dict(p.decode.body)
     body[KV_FIELD] = dict(kv_params)
     return replace(p.decode, body=body)
+
+
+def bidir_retry(p: Plan) -> Plan:
+    """Rule 6: the bidirectional P leg failed and a plain P leg answered; the turn was full PD."""
+    return replace(p, path="pd", reason="bidir_prefill_failed") if p.path == "bidir" else p
 
 
 def local_fallback(p: Plan, reason: str) -> Plan:

@@ -1,9 +1,11 @@
 """What the gateway learns from an answer while passing it on, without I/O.
 
 `StreamRelay.feed(bytes)` returns the bytes to send to the client (whole SSE events only) and
-records the answer text, `usage`, errors and the end marker. Rule: the client gets every event the
-worker sent, in order, except the usage-only chunk the gateway itself asked for (`strip_usage`).
-`answer_from_body` does the same for a non-streaming answer.
+records the answer text, `usage`, the worker's `kv_transfer_params` (a decode worker's, on its final
+chunk, in vLLM's bidirectional mode: docs/vllm-protocol.md 3.4), errors and the end marker. Rule: the
+client gets every event the worker sent, in order, except the usage-only chunk the gateway itself
+asked for (`strip_usage`).
+`answer_from_body` and `kv_params_from_body` do the same for a non-streaming answer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import orjson
 
 from gateway.sse import DONE, SSEEvent, SSEParser, encode_data, encode_event
 
-__all__ = ["StreamRelay", "Usage", "answer_from_body", "error_event"]
+__all__ = ["StreamRelay", "Usage", "answer_from_body", "error_event", "kv_params_from_body"]
+
+_KV_FIELD = "kv_transfer_params"
 
 _DONE_BYTES = b"data: [DONE]\n\n"
 
@@ -64,6 +68,12 @@ def answer_from_body(body: Any) -> tuple[str, Usage | None]:
     return _choice_text(_first_choice(body.get("choices"))), Usage.parse(body.get("usage"))
 
 
+def kv_params_from_body(body: Any) -> dict[str, Any] | None:
+    """The answer's top-level `kv_transfer_params` when it is an object (vLLM sends null otherwise)."""
+    params = body.get(_KV_FIELD) if isinstance(body, Mapping) else None
+    return dict(params) if isinstance(params, Mapping) else None
+
+
 def _loads(data: str) -> Any:
     try:
         return orjson.loads(data)
@@ -80,7 +90,7 @@ def error_event(message: str, *, error_type: str = "BadGatewayError", code: int 
 
 
 class StreamRelay:
-    __slots__ = ("_parser", "_parts", "_strip_usage", "chunks", "done", "error", "usage")
+    __slots__ = ("_parser", "_parts", "_strip_usage", "chunks", "done", "error", "kv_params", "usage")
 
     def __init__(self, *, strip_usage: bool) -> None:
         self._parser = SSEParser()
@@ -90,6 +100,7 @@ class StreamRelay:
         self.done = False
         self.error: str | None = None
         self.usage: Usage | None = None
+        self.kv_params: dict[str, Any] | None = None
 
     @property
     def answer(self) -> str:
@@ -128,6 +139,9 @@ class StreamRelay:
                     err = obj["error"]
                     msg = err.get("message") if isinstance(err, Mapping) else err
                     self.error = str(msg)
+                params = kv_params_from_body(obj)
+                if params is not None:
+                    self.kv_params = params
                 usage = obj.get("usage")
                 if usage is not None:
                     parsed = Usage.parse(usage)

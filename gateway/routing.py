@@ -5,12 +5,16 @@ the session's replica.
 Rule 2: `fraction:<x>` sends a fixed share x of conversations local, chosen by a hash of the session
 id, so one conversation never flips between turns (the grammar and the hash: `ppd/modes.py`, shared
 with the simulator).
+Rule 2b: `bidir` sends every turn 2+ down vLLM's bidirectional path; plan.py falls back to PD when the
+session holds no live params from its D.
 Rule 3: only `ppd` mode on turn 2+ needs the DecisionService; `static_decision` returns None then.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from gateway.types import Path
 from ppd.modes import Mode, fraction_goes_local
@@ -36,15 +40,22 @@ class Decision:
     propensity: float = 1.0
 
 
+# The modes that send every turn 2+ down one path.
+_FIXED: Final[Mapping[str, Decision]] = {
+    "pd": Decision("pd", "mode_pd"),
+    "local": Decision("local", "mode_local"),
+    "bidir": Decision("bidir", "mode_bidir"),
+}
+
+
 def static_decision(mode: Mode, *, turn: int, session_id: str) -> Decision | None:
     if mode.kind == "replica":
         return Decision("replica", "mode_replica")
     if turn <= 1:
         return Decision("pd", "turn_one")
-    if mode.kind == "pd":
-        return Decision("pd", "mode_pd")
-    if mode.kind == "local":
-        return Decision("local", "mode_local")
+    fixed = _FIXED.get(mode.kind)
+    if fixed is not None:
+        return fixed
     if mode.kind == "fraction":
         local = fraction_goes_local(session_id, mode.fraction)
         return Decision("local" if local else "pd", "mode_fraction")

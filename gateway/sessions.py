@@ -64,6 +64,12 @@ class Session:
     # continues this session only if its history starts with them (rule 2). "" / 0: not known.
     history_key: str = ""
     history_messages: int = 0
+    # vLLM bidirectional mode (docs/vllm-protocol.md 3.4): the `kv_transfer_params` that `worker` returned
+    # on the last turn's final chunk, as JSON text ("" when it returned none), and the wall-clock time
+    # (seconds since the epoch, so replicas sharing a store agree) after which the gateway no longer
+    # sends them to P. Single use: every turn replaces them with what its own D leg returned.
+    decode_kv_params: str = ""
+    decode_kv_expires_at: float = 0.0
 
     def mean_output(self) -> float | None:
         if not self.output_lengths:
@@ -78,6 +84,8 @@ class Session:
         completion_tokens: int,
         history_key: str = "",
         history_messages: int = 0,
+        decode_kv_params: str = "",
+        decode_kv_expires_at: float = 0.0,
     ) -> Session:
         outputs = (*self.output_lengths, completion_tokens)[-MAX_OUTPUT_HISTORY:]
         return replace(
@@ -88,6 +96,8 @@ class Session:
             output_lengths=outputs,
             history_key=history_key,
             history_messages=history_messages,
+            decode_kv_params=decode_kv_params,
+            decode_kv_expires_at=decode_kv_expires_at,
         )
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "LogSettings",
     "PolicySettings",
     "PoolSettings",
+    "RoutingSettings",
     "Secret",
     "SessionSettings",
     "Settings",
@@ -91,6 +92,21 @@ class PolicySettings:
     inject_usage: bool = True
     # Count new input tokens with a worker's /tokenize when no exact tokenizer is bundled.
     worker_tokenize: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingSettings:
+    # The workers run vLLM's bidirectional mode (kv_connector_extra_config bidirectional_kv_xfer on P
+    # and D, docs/vllm-protocol.md 3.4), so this gateway can serve the "bidir" path: it says so to the
+    # DecisionService (capability "bidir"); without it a DecisionService never answers bidir.
+    bidir: bool = False
+    # How long after D's final chunk the gateway still sends D's params to P: vLLM's multi-turn proxy
+    # keeps them 450 s, below D's decoder_kv_blocks_ttl (480 s) less P's 5 s safety margin.
+    bidir_params_ttl_s: float = 450.0
+
+    def validate(self) -> None:
+        if not 0 < self.bidir_params_ttl_s < float("inf"):
+            raise SettingsError("routing.bidir_params_ttl_s must be a positive number of seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +202,7 @@ class Settings:
     # (ppd/explore.py: seed, cap per decode worker and second); epsilon 0 (the default) is off.
     explore: ExploreSettings = field(default_factory=ExploreSettings)
     slo: SloConfig = field(default_factory=SloConfig)
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -209,6 +226,7 @@ class Settings:
             "limits": LimitSettings(**_section(LimitSettings, data.pop("limits", {}), "limits")),
             "explore": explore_settings(_section(ExploreSettings, data.pop("explore", {}), "explore")),
             "slo": _slo_section(data.pop("slo", {})),
+            "routing": RoutingSettings(**_section(RoutingSettings, data.pop("routing", {}), "routing")),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -253,6 +271,7 @@ class Settings:
         _check_shared_sessions(self.sessions)
         if self.max_body_bytes <= 0:
             raise SettingsError("max_body_bytes must be positive")
+        self.routing.validate()
         slo = self.slo
         try:
             slo.controller.validate()

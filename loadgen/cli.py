@@ -97,9 +97,10 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from loadgen.report import command, drift, slo
+    from loadgen.report import bidir, command, drift, slo
 
     command.add_parser(sub)
+    bidir.add_parser(sub)
     drift.add_parser(sub)
     slo.add_parser(sub)
 

@@ -106,7 +106,7 @@ class LoadSettings:
 def path_taken(headers: Mapping[str, str], mode: str, turn: int) -> str:
     """The path a request took: the gateway's header when present, else what the mode implies."""
     reported = headers.get(PATH_HEADER, "").strip().lower()
-    if reported in ("pd", "local", "replica"):
+    if reported in ("pd", "local", "replica", "bidir"):
         return reported
     if mode == "replica":
         return "replica"

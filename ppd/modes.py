@@ -1,7 +1,9 @@
 """Routing modes: the one grammar and the one `fraction:<x>` split, shared by the gateway, the
 simulator and the benchmark records.
 
-Rule 1 (grammar): a mode is `pd`, `local`, `ppd`, `replica` or `fraction:<x>` with 0 <= x <= 1.
+Rule 1 (grammar): a mode is `pd`, `local`, `ppd`, `replica`, `bidir` or `fraction:<x>` with
+0 <= x <= 1. `bidir` sends every turn 2+ down vLLM's bidirectional path (docs/vllm-protocol.md 3.4: P
+pulls the history's KV from D, appends, and D pulls the result back).
 `parse_mode` reads exactly that text; `loose=True` also ignores case and surrounding spaces (what a
 config file, a command line or an HTTP header may carry). Anything else is a `ModeError`.
 Rule 2 (the split): `fraction:<x>` sends a conversation local on turns 2+ when the BLAKE2b-64 hash
@@ -25,7 +27,7 @@ __all__ = [
     "unit_interval",
 ]
 
-ModeKind = Literal["pd", "local", "fraction", "ppd", "replica"]
+ModeKind = Literal["pd", "local", "fraction", "ppd", "replica", "bidir"]
 #: The modes without a parameter; `fraction:<x>` is the one parametrised mode.
 NAMED_MODES: Final = frozenset(k for k in get_args(ModeKind) if k != "fraction")
 
@@ -44,9 +46,9 @@ class Mode:
 
     @property
     def local_share(self) -> float | None:
-        """The share of turns 2+ sent local: 0 for `pd`, 1 for `local`, x for `fraction:x`; None for
-        the modes without a fixed share (`ppd`, `replica`)."""
-        if self.kind == "pd":
+        """The share of turns 2+ sent local: 0 for `pd` and `bidir`, 1 for `local`, x for
+        `fraction:x`; None for the modes without a fixed share (`ppd`, `replica`)."""
+        if self.kind in ("pd", "bidir"):
             return 0.0
         if self.kind == "local":
             return 1.0
@@ -68,7 +70,7 @@ def parse_mode(text: str, *, loose: bool = False) -> Mode:
         if not 0.0 <= x <= 1.0:
             raise ModeError(f"routing mode {text!r}: fraction must lie in [0, 1]")
         return Mode("fraction", x)
-    raise ModeError(f"routing mode {text!r} is not one of pd, local, ppd, replica, fraction:<x>")
+    raise ModeError(f"routing mode {text!r} is not one of pd, local, ppd, replica, bidir, fraction:<x>")
 
 
 def unit_interval(conversation_id: str) -> float:

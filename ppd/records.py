@@ -31,7 +31,7 @@ from ppd.modes import ModeError, parse_mode
 __all__ = ["FIELDS", "OPTIONAL_FIELDS", "PATHS", "Record", "RecordError", "UncheckedRecord"]
 
 #: The path a single request actually took.
-PATHS: Final = frozenset({"pd", "local", "replica"})
+PATHS: Final = frozenset({"pd", "local", "replica", "bidir"})
 
 _STR = "str"
 _INT = "int"

@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Final
 
 from table_builder.build import build_from_records
 from table_builder.flags import add_build_options, options_from_args, positive_int
@@ -18,14 +19,17 @@ from table_builder.sweep import Engine
 __all__ = ["add_parser"]
 
 logger = logging.getLogger("table_builder")
+#: The static modes a sweep may run; the simulator runs all three, an engine says which it runs (``modes``).
+SWEEP_MODES: Final = ("pd", "local", "bidir")
 
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _engine(args: argparse.Namespace) -> Engine | None:
-    """The sweep's engine, or None (logged) when it cannot run with these arguments."""
+def _engine(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[Engine, tuple[str, ...]] | None:
+    """The sweep's engine and the modes it runs (`modes`, or every one it can when empty), or None
+    (logged) when it cannot run with these arguments."""
     from table_builder.engines import EngineOptions, make_engine
 
     engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
@@ -34,7 +38,17 @@ def _engine(args: argparse.Namespace) -> Engine | None:
     if max_jobs is not None and args.jobs > max_jobs:
         logger.error("the %s engine runs one point at a time; got --jobs %d", engine.name, args.jobs)
         return None
-    return engine
+    # An engine says which static modes it runs (the simulator: all three); the others run pd and local.
+    supported: tuple[str, ...] = tuple(getattr(engine, "modes", ("pd", "local")))
+    if any(m not in supported for m in modes):
+        logger.error(
+            "the %s engine runs the static modes %s; got --modes %s",
+            engine.name,
+            ",".join(supported),
+            args.modes,
+        )
+        return None
+    return engine, modes or supported
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -49,10 +63,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         shapes = tuple(_csv(args.shape))
         for shape in shapes:
             parse_shape(shape)
-        modes = tuple(_csv(args.modes))
-        if not modes or any(m not in ("pd", "local") for m in modes):
+        modes = tuple(_csv(args.modes)) if args.modes is not None else ()
+        if args.modes is not None and (not modes or any(m not in SWEEP_MODES for m in modes)):
             raise ValueError(
-                f"--modes takes pd and/or local (the table compares static runs), got {args.modes!r}"
+                f"--modes takes pd, local and/or bidir (the table compares static runs), got {args.modes!r}"
             )
         workloads = select_workloads(args.workloads)
         levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
@@ -61,9 +75,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    engine = _engine(args)
-    if engine is None:
+    chosen = _engine(args, modes)
+    if chosen is None:
         return 2
+    engine, modes = chosen
     plan = SweepPlan(shapes, args.model, modes, workloads, levels)
     interactive = sys.stderr.isatty()
     bar = tqdm(
@@ -127,7 +142,11 @@ def add_parser(
     )
     sweep.add_argument("--shape", required=True, help="deployment shape(s), comma-separated: 1P3D,2P2D,3P1D")
     sweep.add_argument("--model", default="llama-3.1-8b", help="model label (default llama-3.1-8b)")
-    sweep.add_argument("--modes", default="pd,local", help="static modes to run (default pd,local)")
+    sweep.add_argument(
+        "--modes",
+        help="static modes to run, from pd, local, bidir (default: every mode the engine runs: "
+        "pd,local,bidir on sim, pd,local on the others)",
+    )
     sweep.add_argument(
         "--workloads", default="all", help="'all' (the 18 synthetic workloads) or a comma list"
     )

@@ -33,7 +33,9 @@ _MD_REF = re.compile(r"(?<![\w./-])((?:\.{1,2}/)*[\w-][\w./-]*\.md)\b")
 _URL_BEFORE = re.compile(r"(?:https?://|github\.com/|www\.)\S*$")
 
 #: Names of files the code writes at run time, not documents in the tree.
-GENERATED_MD = frozenset({"report.md", "drift.md", "slo.md"})  # loadgen/report/: report.py, drift.py, slo.py
+GENERATED_MD = frozenset(
+    {"report.md", "drift.md", "slo.md", "bidir.md"}
+)  # loadgen/report/: report.py, drift.py, slo.py, bidir.py
 
 _TEXT_SUFFIXES = frozenset(
     {".py", ".pyi", ".md", ".toml", ".yaml", ".yml", ".sh", ".json", ".txt", ".cfg", ".ini", ".proto"}

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from simulator.core.kv_load_policy import PolicySpecError, parse_policy_spec
+from simulator.core.kv_load_policy import PolicySpecError, parse_policy_spec, parse_worker_ids
 from simulator.core.topology import Topology, TopologyError
 from vllm_harness.cluster import ClusterSettings, run_cluster
 from vllm_harness.prepare import PrepareError, prepare
@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="what D does when it cannot pull P's KV: fail (500, vLLM's default) or recompute; one "
         "policy for every worker, or ID=POLICY,... for chosen workers (e.g. D1=recompute)",
     )
+    c.add_argument(
+        "--bidir-workers",
+        default="",
+        metavar="IDS",
+        help="comma list of workers started with kv_connector_extra_config bidirectional_kv_xfer, e.g. "
+        "P0,D1 (vLLM's bidirectional mode, docs/vllm-protocol.md 3.4; default none)",
+    )
     c.add_argument("--max-model-len", type=int, default=4096, help="context length (default 4096)")
     c.add_argument("--kv-cache-mib", type=int, default=128, help="KV cache per worker in MiB (default 128)")
     c.add_argument(
@@ -115,6 +122,7 @@ def _cluster(args: argparse.Namespace) -> int:
         return 2
     try:
         policies = parse_policy_spec(args.kv_load_failure_policy, [w.id for w in topology.workers])
+        bidir = parse_worker_ids(args.bidir_workers, [w.id for w in topology.workers])
     except PolicySpecError as exc:
         print(f"ppd-vllm cluster: {exc}", file=sys.stderr)
         return 2
@@ -129,6 +137,7 @@ def _cluster(args: argparse.Namespace) -> int:
         pin=not args.no_pin,
         cpu_nixl_fixes=not args.no_cpu_nixl_fixes,
         failure_policies=policies,
+        bidir_workers=bidir,
         max_model_len=args.max_model_len,
         kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
         block_size=args.block_size,

@@ -67,12 +67,16 @@ class ClusterSettings:
     block_size: int = 32
     #: ``kv_load_failure_policy`` per worker id; a worker not named gets vLLM's default, "fail".
     failure_policies: Mapping[str, KvLoadFailurePolicy] = field(default_factory=dict)
+    #: Worker ids started with ``bidirectional_kv_xfer`` (vLLM's bidirectional mode); the others without.
+    bidir_workers: frozenset[str] = frozenset()
     ready_timeout_s: float = 240.0
     grace_s: float = 15.0
     extra_args: tuple[str, ...] = ()
 
 
-def kv_transfer_config(role: str, *, failure_policy: KvLoadFailurePolicy, cpu_buffer: bool) -> str | None:
+def kv_transfer_config(
+    role: str, *, failure_policy: KvLoadFailurePolicy, cpu_buffer: bool, bidirectional: bool = False
+) -> str | None:
     """The ``--kv-transfer-config`` JSON for a role (None for a replica: no P/D)."""
     kv_role = _KV_ROLE.get(role)
     if kv_role is None:
@@ -84,6 +88,8 @@ def kv_transfer_config(role: str, *, failure_policy: KvLoadFailurePolicy, cpu_bu
     }
     if cpu_buffer:
         config["kv_buffer_device"] = "cpu"
+    if bidirectional:
+        config["kv_connector_extra_config"] = {"bidirectional_kv_xfer": True}
     return json.dumps(config, separators=(",", ":"))
 
 
@@ -131,7 +137,9 @@ def worker_command(
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
     policy = settings.failure_policies.get(worker.id, "fail")
-    kv = kv_transfer_config(worker.role, failure_policy=policy, cpu_buffer=True)
+    kv = kv_transfer_config(
+        worker.role, failure_policy=policy, cpu_buffer=True, bidirectional=worker.id in settings.bidir_workers
+    )
     if kv is not None:
         serve += ["--kv-transfer-config", kv]
     serve += list(settings.extra_args)

@@ -12,11 +12,23 @@ Paths of one request (turn *k* of a conversation, prompt = the ``n_ctx`` tokens 
 - ``local``: after ``o_local`` it goes straight to the session's decode engine, whose prefix cache
   holds the earlier turns (append-prefill).
 - ``replica``: every worker does everything; session-affine, like ``local`` without P.
+- ``bidir`` (vLLM's bidirectional mode, docs/vllm-protocol.md 3.4; mode ``bidir``, turns 2+): in that
+  mode every D leg keeps its blocks pinned for ``decoder_kv_blocks_ttl_s`` when it finishes. The next
+  turn's P leg (``remote_prefix_tokens`` = the previous turn's prompt + output - 1) pulls the history
+  it does not hold from the session's D over the D->P direction of the pair's link (a link of its own:
+  the fabric is full duplex), computes only the rest, and then D pulls the result back as on ``pd``.
+  The read releases D's pin; a P that pulls nothing (below ``kv_recompute_threshold``) releases it when
+  it finishes, as vLLM's notification does. A pin found expired fails the request
+  (``kv_lease_expired``); the gateway would retry it as full PD.
 
 Routing: turn 1 takes ``pd`` (``replica`` in replica mode) on the least-loaded P and D, and the
-conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``fraction:<x>`` (a fixed
+conversation keeps that D. Turns 2+ follow the mode: ``pd``, ``local``, ``bidir``, ``fraction:<x>`` (a fixed
 share of conversations, chosen by a hash of the conversation id), ``ppd`` (a :class:`LocalPolicy`,
 normally :class:`simulator.core.routing.TableRouter`: the decision service's pure rule over a table).
+With ``ClusterConfig.ppd_bidir`` (``ppd`` mode; a gateway with ``[routing] bidir``) the query says the
+caller can serve BIDIR when the conversation's last D leg pinned its blocks (its turn went through P),
+the D legs pin as in ``bidir`` mode, and a BIDIR verdict takes the ``bidir`` path (three-way PPD; no
+exploration then).
 With ``ClusterConfig.explore`` (``ppd`` mode), the gateway's exploration policy (``ppd/explore.py``)
 may send a Turn 2+ request down the path the table did not choose, within the same bounds (the
 verdict's ``alternative_allowed``; the decode-load guard, a ``LIVE_SIGNAL`` verdict; the cap per
@@ -123,6 +135,10 @@ class ClusterConfig:
     # modes: unused.
     slo: SloSettings | None = None
     drift: tuple[DriftEvent, ...] = ()  # timed changes of links and workers (simulator.core.drift)
+    # bidir mode: how long a finished D leg keeps its blocks for the next turn (vLLM decoder_kv_blocks_ttl)
+    decoder_kv_blocks_ttl_s: float = 480.0
+    # ppd mode: the router may answer BIDIR (decision_service.route rule 7), served as in bidir mode.
+    ppd_bidir: bool = False
 
 
 @dataclass(slots=True)
@@ -166,12 +182,13 @@ class _Node:
 
 
 class _LinkState:
-    __slots__ = ("link", "owners", "version")
+    __slots__ = ("link", "owners", "reverse", "version")
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, *, reverse: bool = False) -> None:
         self.link = link
         self.version = 0
         self.owners: dict[int, _Req] = {}
+        self.reverse = reverse  # D->P: a bidirectional P leg reading the session's D
 
 
 class _Req:
@@ -270,10 +287,18 @@ class _Sim:
         physical = profile.link("nvlink") if config.transfer_mode is TransferMode.BLOCKING_ON_DECODE else None
         spec = profile.link(config.link)
         self.links: dict[tuple[int, int], _LinkState] = {}
+        self.reverse_links: dict[tuple[int, int], _LinkState] = {}
         for pi in range(len(self.prefills)):
             for di in range(len(self.decodes)):
                 ls = _LinkState(Link(spec, config.transfer_mode, physical))
                 self.links[(pi, di)] = ls
+                if self.pins:
+                    self.reverse_links[(pi, di)] = _LinkState(
+                        Link(spec, config.transfer_mode, physical), reverse=True
+                    )
+        self.d_ttl = config.decoder_kv_blocks_ttl_s if self.pins else None
+        # Conversations whose last D leg pinned its blocks (three-way ppd may send the next turn bidir).
+        self.pinned: set[str] = set()
         ov = profile.overheads
         self.o_pd = ov.pd_s if config.apply_overheads else 0.0
         self.o_local = ov.local_s if config.apply_overheads else 0.0
@@ -300,6 +325,12 @@ class _Sim:
             if self.verdict_of is None:
                 raise ValueError("exploration needs a router that gives verdicts (TableRouter)")
             self.explorer = ExplorationPolicy(config.explore)
+        self.three_way = self.kind == "ppd" and config.ppd_bidir
+        if self.three_way:
+            self.verdict_of = getattr(router, "verdict", None)
+            if self.verdict_of is None or config.explore is not None:
+                raise ValueError("ppd_bidir needs a router that gives verdicts (TableRouter), no exploration")
+        self.pins = self.kind == "bidir" or self.three_way  # D legs keep their blocks for the next turn
         self.slo: SloController | None = None
         self.slo_trace: list[tuple[float, SloState]] = []
         self.slo_weights = (0.0, 0.0)
@@ -374,12 +405,21 @@ class _Sim:
             self.sessions[conv.conversation_id] = req.d
         else:
             req.d = self.sessions[conv.conversation_id]
-            req.path = "local" if self.choose_local(req) else "pd"
-        if req.path == "pd":
+            if self.kind == "bidir":
+                req.path = "bidir"
+            elif self.three_way:
+                req.path = self.choose_three_way(req)
+            else:
+                req.path = "local" if self.choose_local(req) else "pd"
+        if self.pins:
+            self.pinned.discard(conv.conversation_id)
+            if req.path in ("pd", "bidir"):
+                self.pinned.add(conv.conversation_id)
+        if req.path in ("pd", "bidir"):
             req.p = self.least_loaded(self.prefills)
             req.p.outstanding += 1
         req.d.outstanding += 1
-        delay = self.o_pd if req.path == "pd" else self.o_local
+        delay = self.o_pd if req.p is not None else self.o_local
         self.push(t + delay, _DISPATCH, req)
         req.deadline = t + self.cfg.timeout_s
         self.deadlines.append(req)
@@ -395,17 +435,7 @@ class _Sim:
             return fraction_goes_local(req.conv.conversation_id, self.fraction)
         assert self.router is not None
         assert req.d is not None
-        query = Query(
-            turn=req.idx + 1,
-            n_in=req.n_in,
-            n_out=req.n_out,
-            n_ctx=req.n_ctx,
-            qps=self.cfg.target_qps,
-            decode_running=req.d.engine.running_count(),
-            prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
-        )
-        if self.slo is not None:
-            query.weights = self.steer(req.arrival)
+        query = self.query(req)
         if self.explorer is None or self.verdict_of is None:
             return self.router.local(req.conv.conversation_id, query)
         verdict = self.verdict_of(req.conv.conversation_id, query)
@@ -422,6 +452,30 @@ class _Sim:
         req.explored, req.propensity = e.explored, e.propensity
         return e.local
 
+    def query(self, req: _Req) -> Query:
+        """ψ of a Turn 2+ request, with the live signals a gateway scrapes (and the SLO's weights)."""
+        assert req.d is not None
+        query = Query(
+            turn=req.idx + 1,
+            n_in=req.n_in,
+            n_out=req.n_out,
+            n_ctx=req.n_ctx,
+            qps=self.cfg.target_qps,
+            decode_running=req.d.engine.running_count(),
+            prefill_queue_depth=self.least_loaded(self.prefills).engine.queue_depth(),
+        )
+        if self.slo is not None:
+            query.weights = self.steer(req.arrival)
+        return query
+
+    def choose_three_way(self, req: _Req) -> str:
+        """``ppd_bidir``: the verdict's path; BIDIR is offered only while D holds the last turn's pin."""
+        assert self.verdict_of is not None
+        query = self.query(req)
+        query.bidir = req.conv.conversation_id in self.pinned
+        verdict = self.verdict_of(req.conv.conversation_id, query)
+        return "pd" if verdict is None else verdict.path
+
     def steer(self, t: float) -> Weights:
         """The SLO controller's weights at ``t``; each change is kept in the trace."""
         assert self.slo is not None
@@ -435,14 +489,15 @@ class _Sim:
         if req.done:
             return
         n_prompt = req.n_ctx + req.n_in
-        if req.path == "pd":
-            assert req.p is not None
+        if req.p is not None:
             r = EngineRequest(
                 request_id=req.rid,
                 n_prompt=n_prompt,
                 content=StreamBlocks(req.stream),
                 max_tokens=1,
                 remote_decode=True,
+                # bidir: the KV D computed last turn (its prompt + output but the last token)
+                remote_prefix_tokens=req.n_ctx - 1 if req.path == "bidir" else 0,
             )
             self.settle(req.p, t)
             req.p.engine.add_request(r, t)
@@ -534,8 +589,11 @@ class _Sim:
                     max_tokens=req.n_out,
                     ignore_eos=True,
                     remote_prefill=True,
+                    kv_ttl_s=self.d_ttl,
                 )
                 self.settle(req.d, t)
+                if req.path == "bidir":  # P pulled nothing from D: D's pin goes (vLLM notifies D)
+                    req.d.engine.release(_previous(req), t)
                 req.d.engine.add_request(r, t)
                 self.kick(req.d, t)
         else:
@@ -553,13 +611,13 @@ class _Sim:
                     self.complete(req, t)
         self.kick(node, t)
 
-    def start_pull(self, d_node: _Node, rid: str, n_tokens: int, t: float) -> None:
+    def start_pull(self, node: _Node, rid: str, n_tokens: int, t: float) -> None:
+        """``node`` pulls: D reads P's lease, or (bidir) P reads the session's D over the reverse link."""
         req = self._live.get(rid)
-        if req is None or req.p is None:
+        if req is None or req.p is None or req.d is None:
             return
-        pi = self.prefills.index(req.p)
-        di = self.decodes.index(d_node)
-        ls = self.links[(pi, di)]
+        key = (self.prefills.index(req.p), self.decodes.index(req.d))
+        ls = self.reverse_links[key] if node.is_prefill else self.links[key]
         tid = ls.link.start(t, n_tokens * self.profile.model.kv_bytes_per_token)
         ls.owners[tid] = req
         req.transfer = (ls, tid)
@@ -581,7 +639,9 @@ class _Sim:
             req.transfer = None
             assert req.p is not None
             assert req.d is not None
-            if req.p.engine.lease_alive(req.rid, t):
+            if ls.reverse:
+                self.reverse_done(req, done.stall_s, t)
+            elif req.p.engine.lease_alive(req.rid, t):
                 self.settle(req.p, t)
                 req.p.engine.release(req.rid, t)
                 self.settle(req.d, t)
@@ -594,11 +654,28 @@ class _Sim:
                 self.fail(req, "kv_lease_expired", t)
         self.schedule_link(ls)
 
+    def reverse_done(self, req: _Req, stall_s: float, t: float) -> None:
+        """A bidirectional P leg has D's blocks: D's pin goes, P computes the rest (or D's pin expired)."""
+        assert req.p is not None
+        assert req.d is not None
+        previous = _previous(req)
+        if req.d.engine.lease_alive(previous, t):
+            self.settle(req.d, t)
+            req.d.engine.release(previous, t)
+            self.settle(req.p, t)
+            req.p.engine.kv_loaded(req.rid, t, stall_s)
+            self.kick(req.p, t)
+            self.kick(req.d, t)
+        else:
+            self.settle(req.p, t)
+            req.p.engine.kv_failed(req.rid, t)
+            self.fail(req, "kv_lease_expired", t)
+
     def on_drift(self, event: DriftEvent, t: float) -> None:
         """The links and workers change at ``t``; each factor is relative to the configured cluster."""
         if event.link is not None:
             bandwidth = self.profile.link(self.cfg.link).bandwidth_bytes_per_s * event.link
-            for ls in self.links.values():
+            for ls in (*self.links.values(), *self.reverse_links.values()):
                 ls.link.set_bandwidth(t, bandwidth)
                 self.schedule_link(ls)
         for nodes, factor in ((self.decodes, event.decode), (self.prefills, event.prefill)):
@@ -704,6 +781,11 @@ class _Sim:
         if req.explored or req.propensity != 1.0:  # ppd/records.py: left out at their defaults
             record.update(explored=req.explored, propensity=req.propensity)
         return record
+
+
+def _previous(req: _Req) -> str:
+    """The id of the conversation's previous turn: what its D leg pinned in bidir mode."""
+    return f"{req.conv.conversation_id}#{req.idx}"
 
 
 def simulate(

@@ -6,6 +6,9 @@ A failed KV load (dead or unreachable remote, expired lease, declined read) eith
 `ppd-sim cluster --kv-load-failure-policy SPEC`: SPEC is one policy for every worker (`recompute`) or a
 comma list of `WORKER_ID=POLICY` for chosen workers (`D1=recompute,D2=recompute`; the others keep the
 default).
+
+`--bidir-workers IDS` (both cluster launchers): the comma list of worker ids that run vLLM's
+`bidirectional_kv_xfer` (`parse_worker_ids`), so one cluster can hold workers with and without it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Literal, get_args
 
-__all__ = ["KV_LOAD_FAILURE_POLICIES", "KvLoadFailurePolicy", "PolicySpecError", "parse_policy_spec"]
+__all__ = [
+    "KV_LOAD_FAILURE_POLICIES",
+    "KvLoadFailurePolicy",
+    "PolicySpecError",
+    "parse_policy_spec",
+    "parse_worker_ids",
+]
 
 KvLoadFailurePolicy = Literal["fail", "recompute"]
 KV_LOAD_FAILURE_POLICIES: tuple[KvLoadFailurePolicy, ...] = get_args(KvLoadFailurePolicy)
@@ -57,3 +66,17 @@ def parse_policy_spec(
         seen.add(worker_id)
         policies[worker_id] = _policy(raw, spec)
     return policies
+
+
+def parse_worker_ids(spec: str, worker_ids: Collection[str]) -> frozenset[str]:
+    """The ids of a comma list (`P0,D1`; "" = none); raises PolicySpecError for an unknown or repeated one."""
+    chosen: set[str] = set()
+    for item in (part.strip() for part in spec.split(",")) if spec.strip() else ():
+        if item not in worker_ids:
+            raise PolicySpecError(
+                f"bad worker list {spec!r}: no worker {item!r} (workers: {', '.join(worker_ids)})"
+            )
+        if item in chosen:
+            raise PolicySpecError(f"bad worker list {spec!r}: worker {item!r} given twice")
+        chosen.add(item)
+    return frozenset(chosen)

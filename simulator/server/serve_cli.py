@@ -10,7 +10,7 @@ import uvloop
 
 from simulator.core.api_error import ApiError
 from simulator.core.faults import Faults
-from simulator.core.kv_load_policy import KV_LOAD_FAILURE_POLICIES, parse_policy_spec
+from simulator.core.kv_load_policy import KV_LOAD_FAILURE_POLICIES, parse_policy_spec, parse_worker_ids
 from simulator.core.link import TransferMode
 from simulator.core.profile import ProfileError, load_profile
 from simulator.core.sampler import SamplerSettings
@@ -132,6 +132,7 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
             worker_id, _, raw = item.partition("=")
             worker_faults[worker_id] = worker.faults.updated(json.loads(raw))
         policies = parse_policy_spec(args.kv_load_failure_policy, [w.id for w in topology.workers])
+        bidir = parse_worker_ids(getattr(args, "bidir_workers", ""), [w.id for w in topology.workers])
         nodes: dict[str, str] = {}
         for item in getattr(args, "node", None) or []:
             worker_id, _, node = item.partition("=")
@@ -149,6 +150,7 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
         worker_faults=worker_faults,
         nodes=nodes,
         kv_load_failure_policies=policies,
+        bidir_workers=bidir,
         spin_s=args.spin_us / 1e6,
     )
 
@@ -220,6 +222,13 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="SPEC",
         help="what a failed KV load does (vLLM kv_load_failure_policy): fail (default) or recompute for "
         "every worker, or ID=POLICY[,ID=POLICY...] for chosen ones (the others fail), e.g. D1=recompute",
+    )
+    p.add_argument(
+        "--bidir-workers",
+        default="",
+        metavar="IDS",
+        help="comma list of workers that run vLLM's bidirectional_kv_xfer, e.g. P0,D1 (default none; "
+        "--bidirectional-kv-xfer turns it on for all)",
     )
     _common(p)
 

@@ -46,6 +46,8 @@ class GroupSettings:
     nodes: Mapping[str, str] = field(default_factory=dict)  # worker id -> node (default: its own)
     # worker id -> kv_load_failure_policy (default: the worker settings')
     kv_load_failure_policies: Mapping[str, KvLoadFailurePolicy] = field(default_factory=dict)
+    # worker ids that run bidirectional_kv_xfer whatever the worker settings say (--bidir-workers)
+    bidir_workers: frozenset[str] = frozenset()
     spin_s: float = DEFAULT_SPIN_S
 
 
@@ -77,6 +79,8 @@ class WorkerGroup:
                 kv_load_failure_policy=settings.kv_load_failure_policies.get(
                     spec.id, settings.worker.kv_load_failure_policy
                 ),
+                bidirectional_kv_xfer=settings.worker.bidirectional_kv_xfer
+                or spec.id in settings.bidir_workers,
             )
             self.workers.append(
                 Worker(

@@ -59,6 +59,11 @@ class SimEngine:
     def name(self) -> str:
         return "sim"
 
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The static modes this engine runs (``ppd-table sweep`` runs them all by default)."""
+        return ("pd", "local", "bidir")
+
     def settings(self) -> Mapping[str, Any]:
         out: dict[str, Any] = {
             "duration_s": self.duration_s,

@@ -7,8 +7,9 @@
 - ``PPD_TEST_CLUSTER=<ready line JSON>``: run the suite against workers already running elsewhere
   (GPU vLLM, say) instead; its ``engine`` is ``external``, and tests that crash a worker skip.
 
-D1 uses ``kv_load_failure_policy: recompute``, the others vLLM's default ``fail``. Tests that crash a
-worker carry the ``crashes_workers`` mark and run after every other test of their engine.
+D1 uses ``kv_load_failure_policy: recompute``, the others vLLM's default ``fail``. P0 and D1 run vLLM's
+``bidirectional_kv_xfer`` (test_bidirectional.py), D0 does not (it answers ``kv_transfer_params: null``).
+Tests that crash a worker carry the ``crashes_workers`` mark and run after every other test of their engine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ _COMMANDS = {
     "sim": ["simulator", "cluster", "--topology", "1P2D", "--base-port", "0"],
     "vllm-cpu": ["vllm_harness", "cluster", "--topology", "1P2D"],
 }
-_COMMON = ["--kv-load-failure-policy", "D1=recompute"]
+_COMMON = ["--kv-load-failure-policy", "D1=recompute", "--bidir-workers", "P0,D1"]
 #: Real vLLM: preparing (if the cache is cold) plus three workers loading on two cores.
 _READY_TIMEOUT_S = {"sim": 60.0, "vllm-cpu": 900.0}
 

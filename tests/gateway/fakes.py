@@ -100,6 +100,10 @@ class FakeUpstream:
     unreachable: set[str] = field(default_factory=set)
     failing: set[str] = field(default_factory=set)
     tokenize_count: int | None = None
+    # D's `kv_transfer_params` on its answer (vLLM's bidirectional mode), and whether a P leg given
+    # such params (do_remote_decode with remote blocks) fails with 500, as an expired read does.
+    decode_kv_params: Mapping[str, Any] | None = None
+    bidir_prefill_fails: bool = False
     calls: list[UpstreamCall] = field(default_factory=list)
     posts: list[tuple[str, Mapping[str, Any]]] = field(default_factory=list)
     closed: bool = False
@@ -110,10 +114,16 @@ class FakeUpstream:
             raise UpstreamUnreachableError(f"worker {call.worker} unreachable: fake", worker=call.worker)
         if call.worker in self.failing:
             raise UpstreamStatusError(500, b"{}", worker=call.worker)
+        params = call.body.get("kv_transfer_params")
+        params = params if isinstance(params, Mapping) else {}
+        if self.bidir_prefill_fails and params.get("do_remote_decode") and params.get("remote_block_ids"):
+            raise UpstreamStatusError(500, b"{}", worker=call.worker)
 
     async def call_json(self, call: UpstreamCall, *, prefill: bool) -> JsonReply:
         self._check(call)
         body = {"kv_transfer_params": KV_PARAMS} if prefill else chat_answer(self.answer)
+        if not prefill and self.decode_kv_params is not None:
+            body["kv_transfer_params"] = dict(self.decode_kv_params)
         return JsonReply(200, json.dumps(body).encode(), "application/json")
 
     async def open_stream(self, call: UpstreamCall) -> FakeStream:
@@ -201,6 +211,7 @@ def forwarder_on_fakes(
     decisions: FakeDecisions | None = None,
     clock: ManualClock | None = None,
     request_log: RequestLog | None = None,
+    wall_clock: ManualClock | None = None,
 ) -> tuple[Forwarder, Deps]:
     """A Forwarder over `Settings.from_mapping(config)` with fake workers and DecisionService."""
     settings = Settings.from_mapping(config)
@@ -219,7 +230,7 @@ def forwarder_on_fakes(
         request_log=request_log,
         clock=clock,
         timer=clock,
-        wall_clock=lambda: 1_700_000_000.0,
+        wall_clock=wall_clock or (lambda: 1_700_000_000.0),
         new_id=lambda: f"id{next(ids)}",
         slo=SloControl.from_config(settings.slo, metrics, clock),
     )

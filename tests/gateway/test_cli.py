@@ -122,3 +122,13 @@ def test_a_connection_trickling_its_headers_is_closed(tmp_path: Path) -> None:
     finally:
         assert proc.stop() == 0
     assert "Traceback" not in proc.stderr()
+
+
+def test_the_bidir_flag_sets_the_routing_section(tmp_path: Path) -> None:
+    from gateway.cli import _load
+
+    config = tmp_path / "g.toml"
+    config.write_text("[routing]\nbidir_params_ttl_s = 60.0\n")
+    assert _load(str(config), None, None).routing.bidir is False
+    on = _load(str(config), "bidir", None, bidir=True)
+    assert (on.routing.bidir, on.routing.bidir_params_ttl_s, str(on.mode)) == (True, 60.0, "bidir")

@@ -20,6 +20,8 @@ from gateway.errors import NoWorkerError
 from gateway.plan import (
     KV_FIELD,
     PlanRequest,
+    bidir_params,
+    bidir_retry,
     decode_after_prefill,
     local_fallback,
     plan,
@@ -52,6 +54,7 @@ def _run(case: dict[str, Any]) -> dict[str, Any]:
         headers=tuple(tuple(h) for h in req.get("headers", [])),
         inject_usage=req.get("inject_usage", True),
         prefill_attempts=req.get("prefill_attempts", 2),
+        now=req.get("now", 0.0),
     )
     session = Session(**case["session"]) if case.get("session") else None
     decision = Decision(**case["decision"])
@@ -168,3 +171,48 @@ def test_decode_gone_is_a_session_bound_to_no_live_decode_worker() -> None:
     request = PlanRequest(endpoint="chat", body={"model": "m", "messages": []}, request_id="r")
     gone = plan(request, Session("s", worker="D9"), Decision("local", "table"), pool)
     assert (gone.path, gone.reason, gone.rebound) == ("pd", "decode_gone", True)
+
+
+D_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[3]]}
+
+
+@pytest.mark.parametrize(
+    ("params", "expires_at", "now", "expected"),
+    [
+        (json.dumps(D_PARAMS), 100.0, 99.999, (D_PARAMS, "")),
+        (json.dumps(D_PARAMS), 100.0, 100.0, (None, "bidir_expired")),  # the expiry itself is too late
+        ("", 0.0, 0.0, (None, "bidir_no_params")),
+        ("{not json", 100.0, 0.0, (None, "bidir_no_params")),
+        ("[1, 2]", 100.0, 0.0, (None, "bidir_no_params")),
+        (
+            json.dumps({"do_remote_prefill": True, "remote_block_ids": [[3]]}),
+            100.0,
+            0.0,
+            (None, "bidir_no_params"),
+        ),
+    ],
+)
+def test_bidirectional_params_are_live_only_from_a_decode_leg_before_their_expiry(
+    params: str, expires_at: float, now: float, expected: tuple[dict[str, Any] | None, str]
+) -> None:
+    session = Session("s", worker="D0", decode_kv_params=params, decode_kv_expires_at=expires_at)
+    assert bidir_params(session, now) == expected
+    assert bidir_params(None, now) == (None, "bidir_no_params")
+
+
+def test_a_failed_bidirectional_p_leg_turns_the_plan_into_full_pd() -> None:
+    pool = _pool(
+        [
+            {"id": "P0", "role": "prefill", "url": "http://p0"},
+            {"id": "D0", "role": "decode", "url": "http://d0"},
+        ]
+    )
+    session = Session("s", worker="D0", decode_kv_params=json.dumps(D_PARAMS), decode_kv_expires_at=10.0)
+    p = plan(PlanRequest("chat", BODY, "rid", now=5.0), session, Decision("bidir", "table"), pool)
+    assert (p.path, [c.worker for c in p.prefill]) == ("bidir", ["P0", "P0"])
+    assert p.prefill[0].body[KV_FIELD] == D_PARAMS
+    assert p.prefill[1].body[KV_FIELD]["remote_block_ids"] is None
+    retried = bidir_retry(p)
+    assert (retried.path, retried.reason, retried.prefill) == ("pd", "bidir_prefill_failed", p.prefill)
+    pd = plan(PlanRequest("chat", BODY, "rid"), None, Decision("pd", "table"), pool)
+    assert bidir_retry(pd) == pd

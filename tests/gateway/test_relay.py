@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from gateway.errors import UpstreamStatusError, error_body
-from gateway.relay import StreamRelay, answer_from_body, error_event
+from gateway.relay import StreamRelay, answer_from_body, error_event, kv_params_from_body
 
 
 def _sse(*objs: Any) -> bytes:
@@ -97,3 +97,17 @@ def test_upstream_bodies_keep_big_integers_and_surrogates_exact() -> None:
     body = {"seed": 2**70, "text": "\ud800", "n": 1}
     assert json.loads(dumps(body)) == body
     assert json.loads(dumps({"a": "é"})) == {"a": "é"}
+
+
+def test_ds_kv_params_on_the_final_chunk_or_body_are_recorded() -> None:
+    params = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_engine_id": "d"}
+    relay = StreamRelay(strip_usage=False)
+    first = {"choices": [{"index": 0, "delta": {"content": "a"}}], "kv_transfer_params": None}
+    final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "kv_transfer_params": params}
+    out, _ = relay.feed(b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in (first, final)))
+    assert relay.kv_params == params
+    assert b"kv_transfer_params" in out  # passed on unchanged
+    assert StreamRelay(strip_usage=False).kv_params is None
+    assert kv_params_from_body({"kv_transfer_params": params}) == params
+    assert kv_params_from_body({"kv_transfer_params": None}) is None
+    assert kv_params_from_body([1]) is None

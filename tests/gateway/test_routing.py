@@ -21,6 +21,8 @@ from ppd.modes import parse_mode
         ("ppd", 2, None),
         ("fraction:0", 2, Decision("pd", "mode_fraction")),
         ("fraction:1", 2, Decision("local", "mode_fraction")),
+        ("bidir", 1, Decision("pd", "turn_one")),
+        ("bidir", 2, Decision("bidir", "mode_bidir")),
     ],
 )
 def test_static_decision(mode: str, turn: int, expected: Decision | None) -> None:

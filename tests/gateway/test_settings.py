@@ -70,6 +70,9 @@ max_entries = 10
         ({"workers": [{"id": "a", "role": "decode", "url": "http://a:1"}] * 2}, "duplicate"),
         ({"decision": 3}, "must be a table"),
         ({"allow_mode_header": "yes"}, "must be bool"),
+        ({"routing": {"bidir": 1}}, "must be bool"),
+        ({"routing": {"bidir_params_ttl_s": 0}}, "bidir_params_ttl_s"),
+        ({"routing": {"bidir_params_ttl_s": float("inf")}}, "bidir_params_ttl_s"),
     ],
 )
 def test_bad_configs_are_rejected(data: dict[str, object], match: str) -> None:
@@ -93,3 +96,9 @@ def test_limits_are_configurable_and_checked() -> None:
     for bad in ({"max_messages": 0}, {"max_id_length": 0}, {"header_timeout_s": 0}, {"max_bytes": 1}):
         with pytest.raises(SettingsError):
             Settings.from_mapping({"limits": bad})
+
+
+def test_the_routing_section_says_whether_the_gateway_can_serve_bidir() -> None:
+    assert (Settings().routing.bidir, Settings().routing.bidir_params_ttl_s) == (False, 450.0)
+    s = Settings.from_mapping({"mode": "bidir", "routing": {"bidir": True, "bidir_params_ttl_s": 30}})
+    assert (str(s.mode), s.routing.bidir, s.routing.bidir_params_ttl_s) == ("bidir", True, 30.0)

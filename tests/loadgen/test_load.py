@@ -40,6 +40,7 @@ def _settings(url: str, **kw: object) -> LoadSettings:
 
 def test_path_comes_from_the_gateway_header_else_from_the_mode() -> None:
     assert path_taken({"X-PPD-Path": "local"}, "ppd", 2) == "local"
+    assert path_taken({"X-PPD-Path": "bidir"}, "bidir", 2) == "bidir"
     assert path_taken({}, "local", 2) == "local"
     assert path_taken({}, "local", 1) == "pd"
     assert path_taken({}, "replica", 1) == "replica"

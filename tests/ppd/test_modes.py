@@ -20,6 +20,7 @@ from simulator.core.workload import synthetic_conversations
         ("local", Mode("local")),
         ("ppd", Mode("ppd")),
         ("replica", Mode("replica")),
+        ("bidir", Mode("bidir")),
         ("fraction:0.25", Mode("fraction", 0.25)),
         ("fraction:1", Mode("fraction", 1.0)),
         ("fraction:0", Mode("fraction", 0.0)),
@@ -65,7 +66,7 @@ def test_mode_prints_back() -> None:
 
 @pytest.mark.parametrize(
     ("mode", "share"),
-    [("pd", 0.0), ("local", 1.0), ("ppd", None), ("replica", None), ("fraction:0.5", 0.5)],
+    [("pd", 0.0), ("local", 1.0), ("bidir", 0.0), ("ppd", None), ("replica", None), ("fraction:0.5", 0.5)],
 )
 def test_local_share(mode: str, share: float | None) -> None:
     assert parse_mode(mode).local_share == share

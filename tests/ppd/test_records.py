@@ -58,9 +58,13 @@ def test_an_unchecked_record_keeps_what_a_record_refuses() -> None:
         Record(**values)
 
 
-@pytest.mark.parametrize("mode", ["pd", "local", "ppd", "replica", "fraction:0.25"])
+@pytest.mark.parametrize("mode", ["pd", "local", "ppd", "replica", "bidir", "fraction:0.25"])
 def test_every_mode_of_the_grammar_is_a_valid_record_mode(mode: str) -> None:
     assert make_record(mode=mode).mode == mode
+
+
+def test_the_bidirectional_path_is_a_valid_record_path() -> None:
+    assert make_record(mode="bidir", path="bidir").path == "bidir"
 
 
 @pytest.mark.parametrize(

@@ -114,3 +114,21 @@ def test_the_shared_memory_of_a_process_group_is_found(tmp_path: Path) -> None:
     (tmp_path / "43" / "status").write_text("VmRSS:\t  500 kB\n")
     (tmp_path / "41" / "status").write_text("VmRSS:\t  9999 kB\n")
     assert rss_of_group(40, proc=tmp_path) == 2500 * 1024
+
+
+def test_only_the_named_workers_get_bidirectional_kv_xfer() -> None:
+    topology = Topology.parse("1P2D")
+    settings = ClusterSettings(topology=topology, bidir_workers=frozenset({"P0", "D1"}))
+
+    def extra(index: int) -> object:
+        argv, _ = worker_command(
+            PREPARED, settings, topology.workers[index], http_port=1, side_channel_port=2
+        )
+        config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        return config.get("kv_connector_extra_config")
+
+    assert [extra(i) for i in range(3)] == [
+        {"bidirectional_kv_xfer": True},
+        None,
+        {"bidirectional_kv_xfer": True},
+    ]

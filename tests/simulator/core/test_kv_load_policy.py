@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from simulator.core.kv_load_policy import PolicySpecError, parse_policy_spec
+from simulator.core.kv_load_policy import PolicySpecError, parse_policy_spec, parse_worker_ids
 from simulator.core.worker_settings import WorkerSettings
 
 WORKERS = ("P0", "D0", "D1")
@@ -54,3 +54,14 @@ def test_worker_settings_refuse_an_unknown_policy() -> None:
     assert WorkerSettings(worker_id="D0", role="decode").kv_load_failure_policy == "fail"
     with pytest.raises(ValueError, match="kv_load_failure_policy must be one of fail, recompute"):
         WorkerSettings(worker_id="D0", role="decode", kv_load_failure_policy="retry")  # type: ignore[arg-type]
+
+
+def test_a_worker_list_names_known_workers_once() -> None:
+    assert parse_worker_ids("", WORKERS) == frozenset()
+    assert parse_worker_ids(" P0, D1 ", WORKERS) == frozenset({"P0", "D1"})
+    with pytest.raises(PolicySpecError, match="no worker 'D7'"):
+        parse_worker_ids("D7", WORKERS)
+    with pytest.raises(PolicySpecError, match="given twice"):
+        parse_worker_ids("D1,D1", WORKERS)
+    with pytest.raises(PolicySpecError, match="no worker ''"):
+        parse_worker_ids("D1,,", WORKERS)

@@ -91,3 +91,29 @@ def test_a_drifted_engine_measures_the_drifted_cluster_and_says_so(tmp_path: Pat
     run_sweep(empty, drifted, tmp_path)
     with pytest.raises(SweepError, match="other settings"):
         run_sweep(empty, ENGINE, tmp_path)
+
+
+def test_the_sim_engine_runs_the_bidir_static_mode() -> None:
+    records = ENGINE.run(_point("bidir"))
+    assert {(r.mode, r.turn, r.path) for r in records} == {("bidir", 1, "pd"), ("bidir", 2, "bidir")}
+    assert all(r.ok for r in records)
+    assert ENGINE.modes == ("pd", "local", "bidir")
+
+
+def test_a_sweep_runs_every_mode_the_engine_runs_unless_told(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    args = ["sweep", "--shape", "1P3D", "--workloads", "large_mid_paste", "--qps", "2", "--duration", "2"]
+    args += ["--min-samples", "2", "--quiet", "--no-build"]
+    assert main([*args, "--engine", "sim", "--out", str(tmp_path / "sim")]) == 0
+    assert sorted(p.name for p in (tmp_path / "sim" / "records" / "1P3D").iterdir()) == [
+        "bidir",
+        "local",
+        "pd",
+    ]
+    assert main([*args, "--engine", "analytic", "--out", str(tmp_path / "a")]) == 0
+    assert sorted(p.name for p in (tmp_path / "a" / "records" / "1P3D").iterdir()) == ["local", "pd"]
+    assert main([*args, "--engine", "analytic", "--modes", "bidir", "--out", str(tmp_path / "b")]) == 2
+    assert "the analytic engine runs the static modes pd,local; got --modes bidir" in caplog.text
+    assert main([*args, "--engine", "sim", "--modes", "pd,bidir", "--out", str(tmp_path / "c")]) == 0
+    assert sorted(p.name for p in (tmp_path / "c" / "records" / "1P3D").iterdir()) == ["bidir", "pd"]

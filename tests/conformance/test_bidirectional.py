@@ -1,0 +1,113 @@
+"""vLLM's bidirectional KV mode (docs/vllm-protocol.md 3.4) through the gateway, on each engine's workers.
+
+The shared cluster starts P0 and D1 with ``bidirectional_kv_xfer`` (``--bidir-workers P0,D1``; D0
+without it, so the other tests see what they always saw: D0 still answers ``kv_transfer_params: null``).
+This test runs its own gateway over P0 and D1 only, in static mode ``bidir``: Turn 1 is P/D and D1
+returns its blocks' params on the final chunk; Turn 2 sends them to P0, which pulls the history from D1
+(P0's ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` grows) and computes only
+the rest; D1 pulls the result back; Turn 3 continues the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conformance.workers import Cluster
+from tests.gateway.processes import Process, start
+
+pytestmark = pytest.mark.integration
+BIDIR_WORKERS = ("P0", "D1")
+#: Turn 1's answer, long enough that P's pull from D is above vLLM's kv_recompute_threshold (64).
+ANSWER_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def bidir_gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    if cluster.process is None:
+        pytest.skip("an external cluster may not run bidirectional_kv_xfer on P0 and D1")
+    tmp: Path = tmp_path_factory.mktemp(f"gateway-bidir-{cluster.engine}")
+    lines = ['mode = "bidir"', "", "[routing]", "bidir = true", "", "[pool]", "health_interval_s = 0.5", ""]
+    for w in cluster.workers:
+        if w["id"] in BIDIR_WORKERS:
+            lines += ["[[workers]]", f'id = "{w["id"]}"', f'role = "{w["role"]}"', f'url = "{w["url"]}"', ""]
+    config = tmp / "gateway.toml"
+    config.write_text("\n".join(lines))
+    proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway-bidir")
+    yield proc
+    assert proc.stop() == 0, proc.stderr()[-2000:]
+
+
+def _turn(
+    gateway: Process, model: str, session: str, messages: list[dict[str, Any]], max_tokens: int
+) -> tuple[Any, Any]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{gateway.ready['http']}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Session-ID": session},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return resp.headers, json.loads(resp.read())
+
+
+def test_turn_two_takes_the_bidirectional_path_and_p_pulls_the_history_from_d(
+    cluster: Cluster, bidir_gateway: Process
+) -> None:
+    session = f"bidir-{uuid.uuid4().hex}"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"{session} Tell me a long story."}]
+
+    def turn(text: str | None, max_tokens: int) -> tuple[Any, Any]:
+        if text is not None:
+            messages.append({"role": "user", "content": text})
+        headers, answer = _turn(bidir_gateway, cluster.model, session, list(messages), max_tokens)
+        messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+        return headers, answer
+
+    # Turn 1: P/D; D1 keeps its blocks and returns their params on the final answer.
+    first, answer = turn(None, ANSWER_TOKENS)
+    assert (first["X-PPD-Path"], first["X-PPD-Decode-Worker"]) == ("pd", "D1")
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_decode"] is True
+    assert params["do_remote_prefill"] is False
+    assert params["remote_blocks_expiry_time"] is not None
+    assert params["remote_block_ids"]
+    assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"] + ANSWER_TOKENS - 1
+
+    # Turn 2: P0 gets D1's params, pulls the history from D1, appends; D1 pulls the result back.
+    p_before, d_before = cluster.by_source("P0"), cluster.by_source("D1")
+    second, answer2 = turn("And then?", 8)
+    assert (second["X-PPD-Path"], second["X-PPD-Reason"], second["X-PPD-Turn"]) == (
+        "bidir",
+        "mode_bidir",
+        "2",
+    )
+    assert (second["X-PPD-Prefill-Worker"], second["X-PPD-Decode-Worker"]) == ("P0", "D1")
+    assert answer2["choices"][0]["message"]["content"] is not None
+    p_after, d_after = cluster.by_source("P0"), cluster.by_source("D1")
+    p_delta = {s: p_after[s] - p_before[s] for s in p_after}
+    d_delta = {s: d_after[s] - d_before[s] for s in d_after}
+    prompt2 = answer2["usage"]["prompt_tokens"]
+    assert sum(p_delta.values()) == prompt2, p_delta  # P saw the whole history ...
+    # ... and got the part its own prefix cache lacked (Turn 1's answer, at least) from D1.
+    assert p_delta["external_kv_transfer"] >= ANSWER_TOKENS - 64, p_delta
+    assert p_delta["local_compute"] < prompt2 - ANSWER_TOKENS, p_delta
+    assert d_delta["local_compute"] == 0, d_delta  # D computed nothing: cached or pulled back from P
+    assert d_delta["external_kv_transfer"] > 0, d_delta
+
+    # Turn 3 continues on the same path with the params D1 returned after Turn 2.
+    third, answer3 = turn("And the end?", 4)
+    assert (third["X-PPD-Path"], third["X-PPD-Turn"], third["X-PPD-Decode-Worker"]) == ("bidir", "3", "D1")
+    assert answer3["choices"][0]["finish_reason"] == "length"
