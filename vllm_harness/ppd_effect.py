@@ -335,6 +335,10 @@ def run_effect(settings: EffectSettings, say: Callable[[str], None] = print) -> 
             probe=tuple(probe),
             table=f"{table_note}; version {version}",
             runs=tuple(experiment.runs),
+            turns=settings.turns,
+            max_output_tokens=settings.max_output_tokens,
+            max_context_tokens=settings.max_context_tokens,
+            conversations=settings.conversations,
         )
     finally:
         stack.stop()

@@ -98,6 +98,12 @@ class RealVllmManifest:
     probe: tuple[tuple[float, float | None, float | None], ...]
     table: str
     runs: tuple[RealRun, ...]
+    #: The ShareGPT pool the runs drew from (``loadgen.sharegpt.sharegpt_pool``), so that the very same
+    #: conversations can be sent elsewhere (``ppd-bench sim-vs-real``).
+    turns: int | None = 4
+    max_output_tokens: int = 128
+    max_context_tokens: int = 3000
+    conversations: int = 400
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -121,6 +127,10 @@ class RealVllmManifest:
                 probe=tuple((float(q), s, t) for q, s, t in raw["probe"]),
                 table=str(raw["table"]),
                 runs=tuple(RealRun(**run) for run in raw["runs"]),
+                turns=None if raw.get("turns", 4) is None else int(raw.get("turns", 4)),
+                max_output_tokens=int(raw.get("max_output_tokens", 128)),
+                max_context_tokens=int(raw.get("max_context_tokens", 3000)),
+                conversations=int(raw.get("conversations", 400)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{MANIFEST_NAME}: {exc}") from None

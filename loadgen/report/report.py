@@ -35,6 +35,7 @@ from loadgen.report.comparison import (
 from loadgen.report.paper import BANDS, HIGH_QPS, PAPER_FIGURE6_LOCAL, PAPER_TABLE1, PAPER_TABLE5
 from loadgen.report.real_vllm import real_vllm_section
 from loadgen.report.section import md_table, ms
+from loadgen.report.sim_vs_real import sim_vs_real_section
 from table_builder.records import Record, read_records
 
 __all__ = ["REPORT_NAME", "ReportInputs", "load_inputs", "write_report"]
@@ -416,6 +417,7 @@ def write_report(
     lines += _section_links(links, plots)
     if real_vllm is not None:
         lines += real_vllm_section(real_vllm, out)
+        lines += sim_vs_real_section(real_vllm, out)
     path = out / REPORT_NAME
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loadgen.report.real_vllm import MANIFEST_NAME, RealVllmManifest, real_vllm_section
+from loadgen.report.sim_vs_real import sim_vs_real_section, simulate_runs
 from table_builder.records import read_records
 from vllm_harness.cli import main
 from vllm_harness.ppd_effect import EffectSettings, capacity_from_ramp, levels, load_average, run_effect
@@ -97,4 +97,17 @@ def test_the_pipeline_runs_every_mode_on_one_stack_and_renders(tmp_path: Path) -
     lines = real_vllm_section(out, tmp_path / "report")
     assert any("ppd vs pd" in line for line in lines)
     assert (tmp_path / "report" / "real_vllm.png").exists()
-    json.loads((out / MANIFEST_NAME).read_text("utf-8"))
+    assert sim_vs_real_section(out, tmp_path / "report") == []  # nothing simulated yet
+    # Item 4 on the same folder: every run again on the virtual-time simulator, then the side by side.
+    simulated = simulate_runs(out, "llama-3.1-8b-h100", link="nvlink")
+    assert set(simulated) == {run.run_id for run in manifest.runs}
+    for run in manifest.runs:
+        real_ids = {
+            r.conversation_id.rsplit("-r", 1)[0] for r in read_records([out / "runs" / f"{run.run_id}.jsonl"])
+        }
+        # The same conversations arrive: as many as the real run started.
+        assert len({r.conversation_id for r in simulated[run.run_id]}) == len(real_ids)
+    section = sim_vs_real_section(out, tmp_path / "report")
+    assert section[0] == "## The simulator against real vLLM"
+    assert any(line.startswith("Within +-25%:") for line in section)
+    assert (tmp_path / "report" / "sim_vs_real.png").exists()
