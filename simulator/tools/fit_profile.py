@@ -5,14 +5,15 @@ runs them against vLLM over HTTP); this module is pure arithmetic from them to a
 format of ``simulator/core/profiles/*.json``, and back to predictions for a check.
 
 Rule 1: the cost model's formulas stay as they are; the fit chooses its hardware numbers so that its
-        terms match the measured lines, with gemm and weights efficiency 1:
+        terms match the measured lines (weights efficiency 1):
         - decode step(B, c) = alpha + beta*B + gamma*B*c (least squares): gamma is KV streaming
           (kv_bytes_per_token / gamma = hbm_bytes_per_s * efficiency.kv); alpha is the per-step floor:
           the weights stream in at most half of it (at the KV rate if faster), the rest is cpu.step_s;
           beta the per-request cost (cpu.per_sampled_request_s, less one token's GEMM and elementwise work);
         - prefill(n) = a + b*n + q*n^2 (one request, nothing cached, one token out): b is the GEMMs
-          (flops_per_s = 2 * layers * params_per_layer / (b - elementwise per token)), q the attention
-          (its efficiency from 2q = 4 * layers * q_heads * head_dim / (flops_per_s * efficiency));
+          (their rate 2 * layers * params_per_layer / (b - elementwise per token)), q the attention
+          (its rate 4 * layers * q_heads * head_dim / 2q); flops_per_s is the faster of the two and each
+          efficiency its rate over it;
         - KV pull(n) = latency + n * kv_bytes_per_token / bandwidth (least squares): the link ``measured``;
         - the proxy overheads: local_s = the round trip of a one-token request (``request_floor_s``),
           pd_s = two of them (P then D).
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from simulator.core.cost import CostModel
-from simulator.core.profile import ModelSpec, Profile, load_profile
+from simulator.core.profile import ModelSpec, Profile, load_profile, profile_from_dict
 
 __all__ = ["MEASURED_LINK", "Measurements", "Prediction", "fit_profile", "predictions"]
 
@@ -109,14 +110,17 @@ def fit_profile(
     if b_lin <= 0:
         fallbacks.append("prefill time did not grow with tokens: GEMMs costed at the elementwise rate")
         b_lin = max(b, _NEGLIGIBLE_S)
-    flops = 2.0 * model.layers * model.params_per_layer / b_lin
-    attn_coef = 4.0 * model.layers * model.q_heads * model.head_dim / flops
-    attention = 1.0 if q <= 0 else min(1.0, attn_coef / (2.0 * q))
+    gemm_rate = 2.0 * model.layers * model.params_per_layer / b_lin
     if q <= 0:
         fallbacks.append("no quadratic prefill term: attention at the GEMM rate")
+        attn_rate = gemm_rate
+    else:
+        attn_rate = 4.0 * model.layers * model.q_heads * model.head_dim / (2.0 * q)
+    # Efficiencies are at most 1: the faster of the two rates is the peak.
+    flops = max(gemm_rate, attn_rate)
     layer_floor = 1e-6
     step_s = max(alpha - weight_bytes_step / hbm - model.layers * layer_floor, 1e-6)
-    per_token_model = 2.0 * (model.layers * model.params_per_layer + model.params_lm_head) / flops
+    per_token_model = 2.0 * (model.layers * model.params_per_layer + model.params_lm_head) / gemm_rate
     per_sampled = max(beta - per_token_model - elem_per_token, 0.0)
     latency, slope = _lstsq([(1.0, n) for n, _ in measured.transfer], [t for _, t in measured.transfer])
     if slope <= 0:
@@ -127,7 +131,7 @@ def fit_profile(
     weight_bytes = model.weight_bytes
     base_profile = load_profile(base)
     notes = "; ".join([*(f"{k}: {v}" for k, v in sorted(measured.notes.items())), *fallbacks])
-    return {
+    raw: dict[str, Any] = {
         "name": name,
         "description": f"{description} (fitted by ppd-vllm fit-profile; {notes})" if notes else description,
         "model": {
@@ -150,7 +154,12 @@ def fit_profile(
             "gpu_memory_utilization": 1.0,
             "activation_reserve_bytes": 1.0,
         },
-        "efficiency": {"gemm": 1.0, "weights": 1.0, "attention": attention, "kv": kv_bw / hbm},
+        "efficiency": {
+            "gemm": gemm_rate / flops,
+            "weights": 1.0,
+            "attention": attn_rate / flops,
+            "kv": kv_bw / hbm,
+        },
         "cpu": {
             "step_s": step_s,
             "per_sampled_request_s": per_sampled,
@@ -172,6 +181,17 @@ def fit_profile(
         "overheads": {"pd_s": 2.0 * measured.request_floor_s, "local_s": measured.request_floor_s},
         "lease_s": base_profile.lease_s,
     }
+    # The cost model's roofline hides part of the per-request compute under weight streaming, so the
+    # CPU terms are refitted against the model itself: measured - model = step + per_request * B.
+    cost = CostModel(profile_from_dict(raw, source=name))
+    rows, residuals = [], []
+    for batch, context, seconds in measured.decode:
+        rows.append((1.0, float(batch)))
+        residuals.append(seconds - (cost.decode_only(batch, float(batch * context)) - cost.cpu(batch)))
+    step, per_request = _lstsq(rows, residuals)
+    raw["cpu"]["step_s"] = max(step, 1e-6)
+    raw["cpu"]["per_sampled_request_s"] = max(per_request, 0.0)
+    return raw
 
 
 @dataclass(frozen=True, slots=True)
