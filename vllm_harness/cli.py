@@ -123,22 +123,12 @@ def _add_fit_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     f.set_defaults(func=_fit_profile)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "this CPU"
-
-
 def _fit_profile(args: argparse.Namespace) -> int:
     import os
 
     from devstack.ready import start_ready
     from simulator.core.profile import load_profile
-    from vllm_harness.microbench import BenchSettings, run_fit, tiny_model_spec
+    from vllm_harness.microbench import BenchSettings, cpu_name, run_fit, tiny_model_spec
 
     settings = BenchSettings(repeats=args.repeats)
     if args.quick:
@@ -147,7 +137,7 @@ def _fit_profile(args: argparse.Namespace) -> int:
             transfer_sizes=(64, 256), repeats=1,
         )  # fmt: skip
     model = tiny_model_spec() if args.model_from is None else load_profile(args.model_from).model
-    hardware = args.hardware or f"{_cpu_name()}, one core per worker ({os.cpu_count()} cores)"
+    hardware = args.hardware or f"{cpu_name()}, one core per worker ({os.cpu_count()} cores)"
     process = None
     if args.cluster is None:
         argv = [sys.executable, "-m", "vllm_harness", "cluster", "--topology", "1P1D",
@@ -241,11 +231,28 @@ def _add_ppd_effect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--model-label", default="tiny-llama-cpu", help="model part of the table key (default tiny-llama-cpu)"
     )
     e.add_argument("--progress", action="store_true", help="a progress bar per run")
+    e.add_argument(
+        "--fit-profile", type=Path, default=None,
+        help="after the runs, also fit a simulator profile to the same workers (as ppd-vllm fit-profile)",
+    )  # fmt: skip
+    attach = e.add_argument_group(
+        "attach", "use a stack already running (e.g. ppd-up --engine vllm-cpu --tables DIR --model-label "
+        "tiny-llama-cpu) instead of starting one; all three together"
+    )  # fmt: skip
+    attach.add_argument("--gateway", default=None, help="its gateway URL (mode ppd)")
+    attach.add_argument("--decision-port", type=int, default=None, help="its decision service's gRPC port")
+    attach.add_argument("--tables", type=Path, default=None, help="the table folder that service serves")
     e.set_defaults(func=_ppd_effect)
 
 
 def _ppd_effect(args: argparse.Namespace) -> int:
-    from vllm_harness.ppd_effect import EffectSettings, run_effect
+    from vllm_harness.ppd_effect import Attach, EffectSettings, run_effect
+
+    given = [args.gateway is not None, args.decision_port is not None, args.tables is not None]
+    if any(given) and not all(given):
+        print("ppd-vllm ppd-effect: --gateway, --decision-port and --tables go together", file=sys.stderr)
+        return 2
+    attach = Attach(args.gateway, args.decision_port, args.tables) if all(given) else None
 
     settings = EffectSettings(
         out=args.out,
@@ -261,6 +268,8 @@ def _ppd_effect(args: argparse.Namespace) -> int:
         turns=args.turns,
         max_output_tokens=args.max_output_tokens,
         table=args.table,
+        attach=attach,
+        fit_profile=args.fit_profile,
         model_label=args.model_label,
         progress=args.progress,
     )

@@ -34,7 +34,7 @@ import aiohttp
 from simulator.core.profile import ModelSpec, load_profile
 from simulator.tools.fit_profile import Measurements, fit_profile, predictions
 
-__all__ = ["BenchSettings", "measure", "pick_workers", "run_fit", "tiny_model_spec"]
+__all__ = ["BenchSettings", "cpu_name", "measure", "pick_workers", "run_fit", "tiny_model_spec"]
 
 #: Token ids drawn for prompts: ordinary Llama-3 vocabulary, clear of the special tokens at the top.
 _TOKEN_RANGE = (1_000, 120_000)
@@ -50,6 +50,17 @@ class BenchSettings:
     repeats: int = 3
     seed: int = 0
     timeout_s: float = 120.0
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for profiles' hardware names."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "this CPU"
 
 
 def tiny_model_spec() -> ModelSpec:

