@@ -111,3 +111,10 @@ def test_the_pipeline_runs_every_mode_on_one_stack_and_renders(tmp_path: Path) -
     assert section[0] == "## The simulator against real vLLM"
     assert any(line.startswith("Within +-25%:") for line in section)
     assert (tmp_path / "report" / "sim_vs_real.png").exists()
+
+
+def test_attaching_needs_the_gateway_the_decision_port_and_the_tables(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["ppd-effect", "--out", "x", "--gateway", "http://127.0.0.1:1"]) == 2
+    assert "go together" in capsys.readouterr().err
