@@ -30,6 +30,7 @@ __all__ = [
     "ModeFigures",
     "RealRun",
     "RealVllmManifest",
+    "load_real_vllm",
     "mode_figures",
     "real_vllm_section",
     "verdict",

@@ -34,7 +34,15 @@ from loadgen.tokens import llama3_counter
 from ppd.arrivals import poisson_arrivals
 from table_builder.records import Record, read_records, write_records
 
-__all__ = ["GOAL", "METRICS", "add_parser", "ratio", "sim_vs_real_section", "simulate_runs"]
+__all__ = [
+    "GOAL",
+    "METRICS",
+    "add_parser",
+    "comparison_rows",
+    "ratio",
+    "sim_vs_real_section",
+    "simulate_runs",
+]
 
 GOAL: Final = 0.25
 SIM_FOLDER: Final = "sim"
