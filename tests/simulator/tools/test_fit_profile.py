@@ -96,5 +96,5 @@ def test_too_few_points_are_refused() -> None:
 def test_the_shipped_cpu_profile_is_a_fitted_one() -> None:
     profile = load_profile("tiny-llama-cpu")
     assert profile.model.layers == 2
-    assert "fitted by ppd-vllm fit-profile" in profile.description
+    assert "measured by ppd-vllm fit-profile" in profile.description
     profile.link(MEASURED_LINK)
