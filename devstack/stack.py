@@ -43,6 +43,8 @@ logger = logging.getLogger("ppd-up")
 #: What ``--engine`` accepts: the simulator, or real vLLM on this machine's CPU (vllm_harness).
 ENGINES = ("sim", "vllm-cpu")
 _CLUSTER_NAMES = {"sim": "simulator cluster", "vllm-cpu": "vLLM (CPU) cluster"}
+#: ``ppd-vllm cluster``'s own per-worker start-up limit (its --ready-timeout default).
+_VLLM_WORKER_READY_S = 240.0
 #: The simulated cluster's model; a real cluster names its own in its ready line.
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -77,7 +79,11 @@ class StackCommands:
     def real(cls, python: str = sys.executable) -> StackCommands:
         def cluster(s: StackSettings) -> tuple[str, ...]:
             if s.engine == "vllm-cpu":
-                return (python, "-m", "vllm_harness", "cluster", "--topology", s.topology)
+                argv: tuple[str, ...] = (python, "-m", "vllm_harness", "cluster", "--topology", s.topology)
+                # A --ready-timeout above the cluster's own per-worker default (240 s) reaches it too.
+                if s.ready_timeout_s > _VLLM_WORKER_READY_S:
+                    argv += ("--ready-timeout", f"{s.ready_timeout_s:g}")
+                return argv
             return (
                 python,
                 "-m",

