@@ -18,10 +18,11 @@ subscribes to them and recomputes the hashes of a prompt). The facts this follow
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import msgpack
@@ -36,12 +37,14 @@ __all__ = [
     "EventBatch",
     "KvEvent",
     "KvEventError",
+    "KvEventsConfig",
     "decode_batch",
     "decode_seq",
     "encode_batch",
     "encode_seq",
     "external_hash",
     "none_hash_seed",
+    "parse_kv_events_config",
 ]
 
 #: The seed of NONE_HASH when PYTHONHASHSEED is not set and the hash is sha256 (vLLM's default).
@@ -194,6 +197,69 @@ def decode_seq(frame: bytes) -> int:
     if len(frame) != 8:
         raise KvEventError("a sequence number is 8 bytes")
     return int.from_bytes(frame, "big", signed=True)
+
+
+# ---------------------------------------------------------------------------------- the flag
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """vLLM's KVEventsConfig (the fields and defaults of vllm/config/kv_events.py)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    def offset(self, index: int) -> KvEventsConfig:
+        """The config of the ``index``-th worker of a cluster: tcp ports + index (vLLM's rule for data
+        parallel ranks; port 0 stays 0)."""
+
+        def shift(endpoint: str | None) -> str | None:
+            if not endpoint or index == 0 or not endpoint.startswith("tcp://"):
+                return endpoint
+            base, _, port = endpoint.rpartition(":")
+            return endpoint if int(port) == 0 else f"{base}:{int(port) + index}"
+
+        ep = shift(self.endpoint)
+        return KvEventsConfig(
+            self.enable_kv_cache_events,
+            self.publisher,
+            ep if ep is not None else self.endpoint,
+            shift(self.replay_endpoint),
+            self.buffer_steps,
+            self.hwm,
+            self.max_queue_size,
+            self.topic,
+        )
+
+
+def parse_kv_events_config(raw: str) -> KvEventsConfig:
+    """``--kv-events-config`` JSON; raises ValueError naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--kv-events-config: not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("--kv-events-config: expected a JSON object")
+    known = {f.name for f in fields(KvEventsConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"--kv-events-config: unknown field(s) {', '.join(unknown)}")
+    config = KvEventsConfig(**data)
+    if config.publisher not in (None, "zmq", "null"):
+        raise ValueError("--kv-events-config: publisher must be zmq or null")
+    if config.buffer_steps <= 0 or config.hwm < 0:
+        raise ValueError("--kv-events-config: buffer_steps must be positive, hwm non-negative")
+    return config
 
 
 # ---------------------------------------------------------------------------------- the hash chain

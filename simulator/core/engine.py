@@ -1025,12 +1025,16 @@ class Engine:
         full = n_tokens // self._bs
         if r.scan >= full:
             return
-        hashes = r.content.block_hashes(r.scan, full)
+        start = r.scan
+        hashes = r.content.block_hashes(start, full)
         r.scan = full
         if r.private > 0:
             new = self.pool.register_many(hashes, r.private)
             r.hashes.extend(new)
             r.private -= len(new)
+            sink = self.pool.sink
+            if sink is not None:  # vLLM announces every newly full block of the request
+                sink.stored(r.content, start, full)
 
     def _start_decode(self, r: _Req) -> None:
         r.state = _S.DECODE

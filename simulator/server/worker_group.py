@@ -77,6 +77,7 @@ class WorkerGroup:
                 kv_load_failure_policy=settings.kv_load_failure_policies.get(
                     spec.id, settings.worker.kv_load_failure_policy
                 ),
+                kv_events=settings.worker.kv_events.offset(i) if settings.worker.kv_events else None,
             )
             self.workers.append(
                 Worker(
