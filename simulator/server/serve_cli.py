@@ -58,6 +58,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         "event loop's ~1.5 ms timer error (0 = sleep only: least CPU, ms timing)",
     )
     g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size in tokens (default: the profile's, 16; real vLLM on CPU uses 32)",
+    )
+    g.add_argument(
         "--kv-capacity-tokens",
         type=int,
         default=None,
@@ -134,6 +140,7 @@ def _worker_settings(args: argparse.Namespace, worker_id: str, role: Role) -> Wo
         sampler=SamplerSettings(mean_natural_tokens=args.mean_natural_tokens),
         faults=faults,
         fault_seed=args.fault_seed,
+        block_size=args.block_size,
         kv_capacity_tokens=args.kv_capacity_tokens,
         kv_events=parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None,
     )

@@ -92,7 +92,6 @@ VLLM_VERSION = "0.33.0"
 _MODEL_ROUTES = ("/v1/", "/tokenize", "/detokenize")
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 _SHUTTING_DOWN = "The server is shutting down"
-_BLOCK_SIZE = 16  # the KV block size the workers report (vllm:cache_config_info) and hash with
 _SHUTDOWN_GRACE_S = 3.0  # how long stop() lets requests in flight finish before cancelling them
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
@@ -121,7 +120,8 @@ class Worker:
         self.tokenizer = tokenizer
         self.fabric = fabric
         self.limits = ServingLimits(model=settings.model, max_model_len=settings.max_model_len)
-        self.metrics = WorkerMetrics(settings.model)
+        self._block_size = settings.block_size or fabric.profile.scheduler.block_size
+        self.metrics = WorkerMetrics(settings.model, block_size=self._block_size)
         self.faults = settings.faults
         self._fault_rng = random.Random(settings.fault_seed)  # noqa: S311 - fault injection, not crypto
         self._spin = spin_s
@@ -142,8 +142,8 @@ class Worker:
         self.kv_events: KvEventPublisher | None = None
         self._hasher: BlockHasher | None = None
         if kv_events is not None and kv_events.enabled:  # vLLM's chain, seeded from PYTHONHASHSEED
-            self._hasher = BlockHasher.from_environ(os.environ, block_size=_BLOCK_SIZE)
-            self.kv_events = KvEventPublisher(kv_events, block_size=_BLOCK_SIZE)
+            self._hasher = BlockHasher.from_environ(os.environ, block_size=self._block_size)
+            self.kv_events = KvEventPublisher(kv_events, block_size=self._block_size)
         self.engine, self.driver = self._new_engine()
         self._side_channel_server = SideChannelServer(self, now=self._now, read_json=self._read_json)
         self.app = self._build_app()
@@ -184,6 +184,7 @@ class Worker:
             lease_s=self.settings.kv_lease_duration_s,
             kv_recompute_threshold=self.settings.kv_recompute_threshold,
             kv_capacity_tokens=self.settings.kv_capacity_tokens,
+            block_size=self._block_size,
         )
         engine = Engine(self.fabric.profile, config)
         if self.kv_events is not None:
@@ -693,7 +694,7 @@ class Worker:
         engine_request = EngineRequest(
             request_id=internal_id,
             n_prompt=len(req.prompt_ids),
-            content=GeneratedBlocks(req.prompt_ids, sampled, hasher=self._hasher),
+            content=GeneratedBlocks(req.prompt_ids, sampled, self._block_size, hasher=self._hasher),
             max_tokens=sampled.length,
             ignore_eos=sampled.finish_reason == "length",
             eos_at=sampled.length if sampled.finish_reason == "stop" else None,
