@@ -32,16 +32,20 @@ _COMMANDS = {
 }
 _COMMON = ["--kv-load-failure-policy", "D1=recompute"]
 #: KV cache events on every worker (test_kv_events.py), with one PYTHONHASHSEED for both engines; the
-#: simulator takes real vLLM's CPU block size (32) so their events compare block for block.
+#: simulator takes real vLLM's CPU block size (32) so their events compare block for block. Both keep
+#: a small KV cache (32k tokens of the tiny model on vLLM, 32k in the simulator), so that
+#: test_kv_eviction.py can make D evict a conversation with a few long prompts.
 KV_EVENTS_SEED = "20261201"
 _KV_EVENTS = {
     "sim": [
         "--block-size",
         "32",
+        "--kv-capacity-tokens",
+        "32768",
         "--kv-events-config",
         '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}',
     ],
-    "vllm-cpu": ["--kv-events"],
+    "vllm-cpu": ["--kv-events", "--kv-cache-mib", "32"],
 }
 #: Real vLLM: preparing (if the cache is cold) plus three workers loading on two cores.
 _READY_TIMEOUT_S = {"sim": 60.0, "vllm-cpu": 900.0}

@@ -152,6 +152,36 @@ async def test_d_evicts_the_prefix_and_the_next_turn_is_routed_cold(
     assert sample(text, "ppd_gateway_kv_events_synced", {"worker": "D0"}) == 1
 
 
+async def test_a_partly_evicted_context_is_scored_on_its_resident_part(
+    workers: WorkerGroup, gateway: Gateway, decision: FakeDecision
+) -> None:
+    d0 = next(w for w in workers.workers if w.settings.worker_id == "D0")
+    kv = gateway.deps.kv
+    assert kv is not None
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Explain tides and the moon " * 8}]
+    _, body = await gateway.chat(messages)
+    first = BlockHasher.from_environ(os.environ).chain(await _tokens(gateway.http, d0.url, messages))
+    await eventually(
+        lambda: _true(kv.residency.resident_blocks("D0", first) == len(first)),
+        what="the gateway seeing D0 hold turn 1",
+    )
+    messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}]
+    messages += [{"role": "user", "content": "and spring tides?"}]
+    headers, body = await gateway.chat(messages)
+    full = decision.seen[-1]
+    assert headers["X-PPD-Reason"] == "table"
+    # As if D0 had announced BlockRemoved for turn 1's blocks from block 2 on (the stream stays synced).
+    for h in first[2:]:
+        del kv.residency.state("D0").blocks[h]
+    messages += [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}]
+    messages += [{"role": "user", "content": "and neap tides?"}]
+    headers, _ = await gateway.chat(messages)
+    part = decision.seen[-1]
+    assert headers["X-PPD-Reason"] == "table"  # still asked: part of the context is resident
+    assert part.context_tokens == 2 * 16
+    assert part.new_input_tokens > full.new_input_tokens + full.context_tokens - 2 * 16
+
+
 async def _true(value: bool) -> bool:
     return value
 
