@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from gateway.residency import Residency
 from ppd.kv_events import BlockHasher, BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 
-__all__ = ["BenchConfig", "main"]
+__all__ = ["BenchConfig", "cpu_per_1k_events", "hash_prompt", "main", "memory_per_100k_blocks"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ __all__ = [
     "ClusterSettings",
     "core_plan",
     "held_shared_memory",
+    "kv_events_config",
     "kv_transfer_config",
     "rss_of_group",
     "run_cluster",
