@@ -74,7 +74,13 @@ class KvEventPublisher:
                 parent_block_hash=content.block_hash(start - 1) if start else None,
                 token_ids=tokens,
                 block_size=self._block_size,
-                extra=_GROUP,
+                # As vLLM 0.32 writes them (seen in tests/conformance/test_kv_events.py): one (empty)
+                # extra-keys entry per block, the group, and the kind of its KV cache spec.
+                extra={
+                    "extra_keys": [None] * (stop - start),
+                    **_GROUP,
+                    "kv_cache_spec_kind": "full_attention",
+                },
             )
         )
 

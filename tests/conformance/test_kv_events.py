@@ -64,7 +64,12 @@ def _check_events(events: list[BlockStored], tokens: list[int], chain: list[int]
     for e in events:
         assert e.block_size == BLOCK
         assert (e.medium, e.lora_id, e.lora_name) == ("GPU", None, None)
-        assert dict(e.extra) == {"group_idx": 0}
+        n = len(e.block_hashes)
+        assert dict(e.extra) == {
+            "extra_keys": [None] * n,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
         first = 0 if e.parent_block_hash is None else chain.index(e.parent_block_hash) + 1  # type: ignore[arg-type]
         assert list(e.block_hashes) == chain[first : first + len(e.block_hashes)]
         assert list(e.token_ids) == tokens[first * BLOCK : (first + len(e.block_hashes)) * BLOCK]

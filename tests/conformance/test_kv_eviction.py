@@ -113,14 +113,11 @@ def test_d_evicts_the_prefix_and_the_next_turn_is_routed_cold(cluster: Cluster, 
         filler = [rng.randrange(1000, 100_000) for _ in range(FILLER_TOKENS)]
         reply = http(d_url + "/v1/completions", {"model": cluster.model, "prompt": filler, "max_tokens": 1})
         assert reply.status == 200, reply.body
-        removed = {
-            h
-            for _, b in replay(d_replay)
-            for e in b.events
-            if isinstance(e, BlockRemoved)
-            for h in e.block_hashes
-        }
-        if first in removed:
+        evictions = [e for _, b in replay(d_replay) for e in b.events if isinstance(e, BlockRemoved)]
+        if first in {h for e in evictions for h in e.block_hashes}:
+            # vLLM's shape: one block per event, the GPU tier, group 0.
+            assert all(len(e.block_hashes) == 1 for e in evictions)
+            assert all((e.medium, dict(e.extra)) == ("GPU", {"group_idx": 0}) for e in evictions)
             break
     else:
         pytest.fail(f"{d} did not evict the conversation's first block after {MAX_FILLERS} fillers")
