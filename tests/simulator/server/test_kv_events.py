@@ -62,7 +62,8 @@ async def _replay(endpoint: str, start: int = 0) -> list[tuple[int, EventBatch]]
 
 
 async def _tokens(http: aiohttp.ClientSession, url: str, text: str) -> list[int]:
-    status, body = await post(http, f"{url}/tokenize", {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": text})
+    body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "prompt": text}
+    status, body = await post(http, f"{url}/tokenize", body)
     assert status == 200
     tokens: list[int] = body["tokens"]
     return tokens
@@ -93,9 +94,11 @@ async def test_stores_carry_vllms_hash_chain_and_a_small_budget_evicts(
     first_chain = hasher.chain(await _tokens(http, worker.url, first))
     second_chain = hasher.chain(await _tokens(http, worker.url, second))
     assert [h for e in stored for h in e.block_hashes] == first_chain + second_chain
-    assert stored[0].parent_block_hash is None and stored[0].block_size == 16
+    assert stored[0].parent_block_hash is None
+    assert stored[0].block_size == 16
     assert list(stored[0].token_ids) == (await _tokens(http, worker.url, first))[: 16 * len(first_chain)]
-    assert removed and set(removed) <= set(first_chain)  # the first prompt was evicted for the second
+    assert removed  # the first prompt was evicted for the second
+    assert set(removed) <= set(first_chain)
 
 
 async def test_a_live_subscriber_gets_the_batches_in_sequence(
@@ -121,7 +124,8 @@ async def test_a_live_subscriber_gets_the_batches_in_sequence(
             assert topic == b""
             decode_batch(payload)
             seen.append(decode_seq(seq))
-        assert len(seen) >= 2 and seen == list(range(seen[0], seen[0] + len(seen)))
+        assert len(seen) >= 2
+        assert seen == list(range(seen[0], seen[0] + len(seen)))
     finally:
         sub.close(linger=0)
         ctx.term()
@@ -129,7 +133,8 @@ async def test_a_live_subscriber_gets_the_batches_in_sequence(
 
 def test_config_parses_vllms_fields_and_refuses_others() -> None:
     config = parse_kv_events_config('{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}')
-    assert config.enabled and config.offset(2).endpoint == "tcp://*:5559"
+    assert config.enabled
+    assert config.offset(2).endpoint == "tcp://*:5559"
     assert config.offset(2).replay_endpoint is None
     assert KvEventsConfig(True, endpoint="tcp://*:0").offset(3).endpoint == "tcp://*:0"
     assert not parse_kv_events_config("{}").enabled
