@@ -173,12 +173,10 @@ class Worker:
         return out
 
     def _new_engine(self) -> tuple[Engine, RealtimeDriver]:
-        first_id = ""
+        restarted = bool(self.engine_id)
         if self.engine_id:
             self.fabric.unregister(self.engine_id)
-        else:
-            first_id = f"{self.settings.worker_id}-{uuid.uuid4()}"
-        self.engine_id = first_id or f"{self.settings.worker_id}-{uuid.uuid4()}"
+        self.engine_id = f"{self.settings.worker_id}-{uuid.uuid4()}"
         self.fabric.register(self.engine_id, self)
         config = EngineConfig(
             lease_s=self.settings.kv_lease_duration_s,
@@ -188,8 +186,9 @@ class Worker:
         )
         engine = Engine(self.fabric.profile, config)
         if self.kv_events is not None:
-            if self.engine_id != first_id:  # a restarted engine starts with an empty cache
+            if restarted:  # a restarted engine starts with an empty cache: say so at once
                 self.kv_events.cleared()
+                self.kv_events.flush()
             engine.pool.sink = self.kv_events
         driver = RealtimeDriver(
             engine,

@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from ppd.kv_events import (
     END_SEQ,
+    AllBlocksCleared,
     BlockHasher,
     BlockRemoved,
     BlockStored,
@@ -26,6 +27,7 @@ from ppd.kv_events import (
 )
 from simulator.server.worker_group import WorkerGroup
 from tests.simulator.client import post, start_group
+from tests.support.polling import eventually
 
 CONFIG = KvEventsConfig(
     enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"
@@ -141,3 +143,20 @@ def test_config_parses_vllms_fields_and_refuses_others() -> None:
     for bad in ("[]", "{", '{"nope": 1}', '{"publisher": "kafka"}', '{"buffer_steps": 0}'):
         with pytest.raises(ValueError, match="--kv-events-config"):
             parse_kv_events_config(bad)
+
+
+async def test_a_restarted_engine_announces_an_empty_cache(
+    replica: WorkerGroup, http: aiohttp.ClientSession
+) -> None:
+    """A crash (the `down` fault) loses the engine and its prefix cache; the fresh engine's first
+    event says so, so a subscriber does not keep believing in the lost blocks."""
+    worker = replica.workers[0]
+    await _complete(http, worker.url, "remember me " * 20)
+    status, _ = await post(http, f"{worker.url}/admin/faults", {"down": True, "down_for_s": 0.1})
+    assert status == 200
+
+    async def cleared() -> bool:
+        events = [e for _, b in await _replay(worker.describe()["kv_events_replay"]) for e in b.events]
+        return isinstance(events[-1], AllBlocksCleared)
+
+    await eventually(cleared, what="AllBlocksCleared after the restart")
