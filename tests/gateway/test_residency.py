@@ -3,11 +3,13 @@ the budget per worker; and psi.with_resident (ψ scored on the resident context)
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.psi import Psi, TokenCount, with_resident
 from gateway.residency import Applied, KvTracking, Residency
+from gateway.settings import Settings, SettingsError
 from ppd.kv_events import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, EventBatch
 
 
@@ -103,3 +105,23 @@ def test_tracked_blocks_never_exceed_the_budget(ops: list[tuple[bool, int]], bud
     for seq, (store, h) in enumerate(ops):
         r.apply("D0", seq, stored(h) if store else removed(h))
         assert r.tracked_blocks("D0") <= budget
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"block_size": 0}, "must be positive"),
+        ({"endpoints": "tcp://x:1"}, "must be tables"),
+        ({"endpoints": {"D0": ""}}, "ZMQ endpoints"),
+        ({"endpoints": {"D0": "tcp://x:1"}, "replay_endpoints": {"D1": "tcp://x:2"}}, "needs an entry"),
+        ({"nope": 1}, "unknown setting"),
+    ],
+)
+def test_kv_events_settings_are_checked(section: dict[str, object], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_mapping({"kv_events": section})
+
+
+def test_kv_events_are_off_by_default() -> None:
+    kv = Settings.from_mapping({}).kv_events
+    assert (kv.endpoints, kv.hash_seed, kv.block_size) == ({}, "", 16)
