@@ -36,6 +36,7 @@ from gateway.errors import (
     error_body,
 )
 from gateway.forwarding import Forwarder
+from gateway.kv_subscriber import KvSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool, WorkerSpec, names_address
 from gateway.ports import ClientRequest, DecisionClient, Upstream
@@ -43,11 +44,13 @@ from gateway.probe import PoolMonitor
 from gateway.psi import QpsMeter, Tokenizers
 from gateway.redis_sessions import RedisSessionStore
 from gateway.request_log import RequestLog
+from gateway.residency import KvTracking, Residency
 from gateway.sessions import InMemorySessionStore, SessionStore
 from gateway.settings import Settings
 from gateway.slo import SloControl
 from gateway.types import Clock, Endpoint, Role
 from gateway.upstream import HttpUpstream
+from ppd.kv_events import DEFAULT_NONE_HASH_SEED, BlockHasher
 
 __all__ = ["DEPS", "create_app", "server_options"]
 
@@ -60,6 +63,18 @@ _PASSTHROUGH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
 
 def _new_id() -> str:
     return uuid.uuid4().hex
+
+
+def _kv_tracking(
+    settings: Settings, metrics: GatewayMetrics
+) -> tuple[KvTracking | None, KvSubscriber | None]:
+    """KV residency and its subscriber when [kv_events] names endpoints; (None, None) otherwise."""
+    kv = settings.kv_events
+    if not kv.endpoints:
+        return None, None
+    residency = Residency(kv.endpoints, max_blocks=kv.max_blocks_per_worker)
+    hasher = BlockHasher(kv.hash_seed or DEFAULT_NONE_HASH_SEED, kv.block_size)
+    return KvTracking(residency, hasher), KvSubscriber(residency, kv.endpoints, kv.replay_endpoints, metrics)
 
 
 def create_app(
@@ -88,6 +103,7 @@ def create_app(
             window_s=settings.policy.qps_window_s, hysteresis=settings.policy.qps_hysteresis, clock=clock
         )
         request_log = RequestLog(settings.log.request_log) if settings.log.request_log else None
+        kv, subscriber = _kv_tracking(settings, app_metrics)
         deps = Deps(
             settings=settings,
             pool=pool,
@@ -103,6 +119,7 @@ def create_app(
             wall_clock=wall_clock,
             new_id=new_id,
             slo=SloControl.from_config(settings.slo, app_metrics, clock),
+            kv=kv,
         )
         app_metrics.bind_sessions(store.__len__)
         app_metrics.bind_qps(qps.measured)
@@ -119,9 +136,13 @@ def create_app(
         ]
         if shared is not None:
             tasks.append(asyncio.create_task(shared.watch(), name="session-store-watch"))
+        if subscriber is not None:
+            subscriber.start()
         try:
             yield
         finally:
+            if subscriber is not None:
+                await subscriber.close()
             for task in tasks:
                 task.cancel()
             for task in tasks:

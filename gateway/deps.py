@@ -11,6 +11,7 @@ from gateway.pool import WorkerPool
 from gateway.ports import DecisionClient, Upstream
 from gateway.psi import QpsMeter, Tokenizers
 from gateway.request_log import RequestLog
+from gateway.residency import KvTracking
 from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.slo import SloControl
@@ -38,3 +39,5 @@ class Deps:
     new_id: Callable[[], str]
     # The SLO controllers on the weights; None when no SLO target is set.
     slo: SloControl | None = None
+    # KV residency from the workers' KV events ([kv_events]); None when not configured.
+    kv: KvTracking | None = None

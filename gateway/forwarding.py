@@ -56,8 +56,9 @@ from gateway.plan import (
 )
 from gateway.pool import PoolView, WorkerView
 from gateway.ports import ClientConnection, ClientRequest, LiveSignals, RouteQuery, UpstreamStream
-from gateway.psi import WorkerCount, estimate_tokens, measure
+from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
 from gateway.relay import StreamRelay, Usage, answer_from_body, error_event, kv_params_from_body
+from gateway.residency import KvTracking
 from gateway.routing import Decision, static_decision
 from gateway.sessions import Session, SessionMatch, explicit_key, find_session
 from gateway.turn import TurnInputs, TurnOutcome
@@ -81,6 +82,9 @@ _BIDIR: Final = frozenset({"bidir"})
 # What the forwarder passes to plan() when the session's D is gone: plan() overrules any decision
 # then (reason decode_gone), so the DecisionService is not asked.
 _NOT_ASKED = Decision("pd", "not_asked")
+# ppd mode, turn 2+: the decode worker's KV events say none of the context is resident any more, so
+# the turn is a cold one (a full prefill either way): P/D, as turn 1, without asking (gateway/residency.py).
+_KV_EVICTED = Decision("pd", "kv_evicted")
 
 
 class Forwarder:
@@ -135,6 +139,9 @@ class Forwarder:
             default_output=self._s.policy.default_output_tokens,
             worker_count=self._worker_count(req, match, view) if ask else None,
         )
+        evicted = False
+        if ask and d.kv is not None:
+            psi, evicted = await self._resident(d.kv, req, match, view, psi)
         turn = TurnInputs(
             request_id=d.new_id(),
             start=start,
@@ -156,6 +163,8 @@ class Forwarder:
             d.qps.record()
             if static is not None:
                 outcome.decision = static
+            elif ask and evicted:
+                outcome.decision = _KV_EVICTED
             elif ask:
                 outcome.decision = self._explore(turn, await self._ask(turn, view))
             else:
@@ -211,6 +220,51 @@ class Forwarder:
         except (UpstreamError, ValueError, AttributeError):
             count = None
         return count if isinstance(count, int) else None
+
+    async def _resident(
+        self, kv: KvTracking, req: CompletionRequest, match: SessionMatch, view: PoolView, psi: Psi
+    ) -> tuple[Psi, bool]:
+        """ψ on the context the session's decode worker still holds, by its KV events (psi.with_resident),
+        and whether none of it is (evicted: routed as a cold turn). ψ unchanged while the worker's
+        event stream is not synced, the context is under one block, or its token ids cannot be had."""
+        worker_id = match.session.worker if match.session is not None else None
+        worker = view.get(worker_id)
+        if worker is None or not kv.residency.synced(worker.id) or psi.n_ctx < kv.hasher.block_size:
+            return psi, False
+        tokens = await self._token_ids(worker, req)
+        resident = kv.resident_tokens(worker.id, tokens) if tokens is not None else None
+        if resident is None:
+            return psi, False
+        return with_resident(psi, resident), resident == 0
+
+    async def _token_ids(self, worker: WorkerView, req: CompletionRequest) -> list[int] | None:
+        """The prompt's token ids as the worker computes them (its /tokenize, chat template applied)."""
+        body: dict[str, Any] = {"model": req.model}
+        if req.endpoint == "chat":
+            body["messages"] = list(req.messages)
+            for key in (
+                "add_generation_prompt",
+                "continue_final_message",
+                "chat_template",
+                "chat_template_kwargs",
+            ):
+                if key in req.body:
+                    body[key] = req.body[key]
+        else:
+            prompt = req.body.get("prompt")
+            if isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            ):
+                return list(prompt)
+            body["prompt"] = prompt if isinstance(prompt, str) else ""
+        try:
+            reply = await self._d.upstream.post(worker.url + "/tokenize", body, dict(self._worker_headers))
+            tokens = reply.json().get("tokens") if reply.status == 200 else None
+        except (UpstreamError, ValueError, AttributeError):
+            tokens = None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return None
+        return tokens
 
     # ------------------------------------------------------------------ decide and plan
 

@@ -33,6 +33,28 @@ class GatewayMetrics:
             ["path", "reason"],
             registry=r,
         )
+        # KV residency from the workers' events (gateway/residency.py); only with [kv_events] set.
+        self.kv_tracked_blocks = Gauge(
+            "ppd_gateway_kv_tracked_blocks",
+            "KV blocks the gateway believes resident on a worker, from its KV events (bounded per worker)",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_events_synced = Gauge(
+            "ppd_gateway_kv_events_synced",
+            "1 while a worker's KV event stream is complete (residency used), 0 while awaiting a resync",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_events = Counter(
+            "ppd_gateway_kv_events", "KV events received, by worker", ["worker"], registry=r
+        )
+        self.kv_event_gaps = Counter(
+            "ppd_gateway_kv_event_gaps",
+            "Times a worker's KV event stream broke (sequence gap, bad message, lost connection)",
+            ["worker"],
+            registry=r,
+        )
         self.explorations = Counter(
             "ppd_gateway_explorations",
             "ppd-mode Turn 2+ requests sent down the path the table did not choose, by that path",

@@ -35,6 +35,7 @@ __all__ = [
     "measure",
     "message_text",
     "request_limit",
+    "with_resident",
 ]
 
 CHARS_PER_TOKEN = 4.0
@@ -60,6 +61,9 @@ class Psi:
     n_in: TokenCount
     n_out: int
     n_ctx: int
+    # Context tokens the decode worker's KV events say it no longer holds (gateway/residency.py):
+    # moved from n_ctx into n_in by `with_resident`; 0 when nothing was evicted or events are off.
+    n_evicted: int = 0
 
 
 class _Encoding(Protocol):
@@ -213,3 +217,15 @@ async def measure(
             n_in = TokenCount(counted, "worker")
     n_out, _ = expected_output(body, hint=hint, session=session, default=default_output)
     return Psi(n_in, n_out, session.context_tokens if session is not None else 0)
+
+
+def with_resident(psi: Psi, resident_tokens: int) -> Psi:
+    """ψ scored on the resident part of the context: the context the decode worker still holds
+    (from its KV events) stays context, the evicted rest must be prefilled again, so it counts as new
+    input. Unchanged when the whole context is resident."""
+    resident = max(0, min(resident_tokens, psi.n_ctx))
+    evicted = psi.n_ctx - resident
+    if evicted == 0:
+        return psi
+    n_in = TokenCount(psi.n_in.tokens + evicted, psi.n_in.source)
+    return Psi(n_in, psi.n_out, resident, evicted)

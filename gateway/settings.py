@@ -23,6 +23,7 @@ from ppd.slo import SloSettings
 __all__ = [
     "DecisionSettings",
     "ExploreSettings",
+    "KvEventSettings",
     "LimitSettings",
     "LogSettings",
     "PolicySettings",
@@ -151,6 +152,38 @@ class PoolSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventSettings:
+    """[kv_events]: KV residency from the workers' own KV cache events (gateway/residency.py)."""
+
+    # Worker id -> its KV event publisher as the gateway reaches it (vLLM's --kv-events-config
+    # endpoint, e.g. "tcp://10.0.0.5:5557"); empty = off, routing on belief alone as before.
+    endpoints: dict[str, str] = field(default_factory=dict)
+    # Worker id -> its replay socket (--kv-events-config replay_endpoint), for full resyncs.
+    replay_endpoints: dict[str, str] = field(default_factory=dict)
+    # The workers' PYTHONHASHSEED (seeds vLLM's block hashes); "" = not set (vLLM's fixed seed).
+    hash_seed: str = ""
+    # The workers' --block-size (16 on GPU by default, 32 for vLLM on CPU).
+    block_size: int = 16
+    # Blocks tracked per worker; past it the oldest stored is forgotten (residency under-estimated).
+    max_blocks_per_worker: int = 1_000_000
+
+    def validate(self) -> None:
+        kv = self
+        if kv.block_size <= 0 or kv.max_blocks_per_worker <= 0:
+            raise SettingsError("kv_events.block_size and kv_events.max_blocks_per_worker must be positive")
+        if not isinstance(kv.endpoints, dict) or not isinstance(kv.replay_endpoints, dict):
+            raise SettingsError(
+                "kv_events.endpoints and replay_endpoints must be tables (worker id = endpoint)"
+            )
+        if not all(isinstance(v, str) and v for v in [*kv.endpoints.values(), *kv.replay_endpoints.values()]):
+            raise SettingsError("kv_events.endpoints and replay_endpoints map worker ids to ZMQ endpoints")
+        if not set(kv.replay_endpoints) <= set(kv.endpoints):
+            raise SettingsError(
+                "kv_events.replay_endpoints: every worker needs an entry in kv_events.endpoints"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class LogSettings:
     # JSONL request log in the benchmark record schema; empty = off.
     request_log: str = ""
@@ -203,6 +236,7 @@ class Settings:
     explore: ExploreSettings = field(default_factory=ExploreSettings)
     slo: SloConfig = field(default_factory=SloConfig)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
+    kv_events: KvEventSettings = field(default_factory=KvEventSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -227,6 +261,7 @@ class Settings:
             "explore": explore_settings(_section(ExploreSettings, data.pop("explore", {}), "explore")),
             "slo": _slo_section(data.pop("slo", {})),
             "routing": RoutingSettings(**_section(RoutingSettings, data.pop("routing", {}), "routing")),
+            "kv_events": KvEventSettings(**_section(KvEventSettings, data.pop("kv_events", {}), "kv_events")),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -284,6 +319,7 @@ class Settings:
             )
         if not (0 <= slo.base_w_ttft < float("inf") and 0 < slo.base_w_tpot < float("inf")):
             raise SettingsError("slo.base_w_ttft must be >= 0 and slo.base_w_tpot positive")
+        self.kv_events.validate()
         limits = self.limits
         if limits.max_messages < 1 or limits.max_id_length < 1 or limits.header_timeout_s <= 0:
             raise SettingsError(

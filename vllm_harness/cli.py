@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=32,
         help="KV block size in tokens, a multiple of 32 on CPU (default 32)",
     )
+    c.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="every worker publishes vLLM's KV cache events (--kv-events-config on free ports); the ready "
+        "line adds each worker's kv_events and kv_events_replay endpoints",
+    )
     c.add_argument("--ready-timeout", type=float, default=240.0, help="seconds each worker may take to start")
     c.add_argument("vllm_args", nargs="*", help="extra `vllm serve` arguments, after --")
     c.set_defaults(func=_cluster)
@@ -338,6 +344,7 @@ def _cluster(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         ready_timeout_s=args.ready_timeout,
         extra_args=tuple(args.vllm_args),
+        kv_events=args.kv_events,
     )
 
     async def serve() -> int:

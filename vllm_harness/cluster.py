@@ -39,6 +39,7 @@ __all__ = [
     "ClusterSettings",
     "core_plan",
     "held_shared_memory",
+    "kv_events_config",
     "kv_transfer_config",
     "rss_of_group",
     "run_cluster",
@@ -72,6 +73,21 @@ class ClusterSettings:
     ready_timeout_s: float = 240.0
     grace_s: float = 15.0
     extra_args: tuple[str, ...] = ()
+    #: vLLM's KV cache events on every worker (a PUB and a replay port each, in the ready line).
+    kv_events: bool = False
+
+
+def kv_events_config(pub_port: int, replay_port: int) -> str:
+    """``--kv-events-config`` of one worker: bound on every interface (vLLM connects to, rather than
+    binds, an endpoint without ``*``), subscribers use 127.0.0.1 (docs/vllm-protocol.md 10.1)."""
+    return json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{pub_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+        }
+    )
 
 
 def kv_transfer_config(
@@ -128,6 +144,7 @@ def worker_command(
     http_port: int,
     side_channel_port: int,
     cores: Sequence[int] = (),
+    kv_event_ports: tuple[int, int] | None = None,
 ) -> tuple[tuple[str, ...], dict[str, str]]:
     """argv and environment of one worker."""
     serve = [
@@ -142,6 +159,8 @@ def worker_command(
     )
     if kv is not None:
         serve += ["--kv-transfer-config", kv]
+    if kv_event_ports is not None:
+        serve += ["--kv-events-config", kv_events_config(*kv_event_ports)]
     serve += list(settings.extra_args)
     argv: list[str] = []
     if cores:
@@ -298,6 +317,12 @@ async def _serve(supervisor: Supervisor, stop: asyncio.Event, shm: Mapping[int, 
             task.cancel()
 
 
+def _event_endpoints(ports: tuple[int, int] | None) -> dict[str, str]:
+    if ports is None:
+        return {}
+    return {"kv_events": f"tcp://127.0.0.1:{ports[0]}", "kv_events_replay": f"tcp://127.0.0.1:{ports[1]}"}
+
+
 async def run_cluster(
     prepared: Prepared,
     settings: ClusterSettings,
@@ -311,7 +336,10 @@ async def run_cluster(
     cores = core_plan(workers, sorted(os.sched_getaffinity(0))) if settings.pin else {}
     supervisor = Supervisor(relay=relay, grace_s=settings.grace_s)
     specs = []
+    event_ports: dict[str, tuple[int, int]] = {}
     for worker in workers:
+        if settings.kv_events:
+            event_ports[worker.id] = (_free_port(settings.host), _free_port(settings.host))
         argv, env = worker_command(
             prepared,
             settings,
@@ -319,6 +347,7 @@ async def run_cluster(
             http_port=_free_port(settings.host),
             side_channel_port=_free_port(settings.host),
             cores=cores.get(worker.id, ()),
+            kv_event_ports=event_ports.get(worker.id),
         )
         specs.append(ChildSpec(f"vllm {worker.id}", argv, settings.ready_timeout_s, env))
     began = time.monotonic()
@@ -347,6 +376,7 @@ async def run_cluster(
                     # The cores the worker is pinned to, "all" when unpinned (rule 3).
                     "cores": ",".join(str(c) for c in cores[w.id]) if cores.get(w.id) else "all",
                 }
+                | _event_endpoints(event_ports.get(w.id))
                 for w, child in zip(workers, started, strict=True)
             ],
         }

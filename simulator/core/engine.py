@@ -230,6 +230,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     kv_capacity_tokens: int | None = None
+    block_size: int | None = None  # None: the profile's
     lease_s: float | None = None
     kv_pull: KvPullMode = KvPullMode.UNCACHED
     kv_recompute_threshold: int = 64  # bidirectional pulls of fewer tokens are recomputed instead
@@ -389,7 +390,7 @@ class Engine:
         self.config = cfg
         self.cost = CostModel(profile)
         sched = profile.scheduler
-        self._bs = sched.block_size
+        self._bs = cfg.block_size or sched.block_size
         self._budget = cfg.max_num_batched_tokens or sched.max_num_batched_tokens
         self._max_seqs = cfg.max_num_seqs or sched.max_num_seqs
         if self._budget < self._max_seqs:
@@ -1025,12 +1026,16 @@ class Engine:
         full = n_tokens // self._bs
         if r.scan >= full:
             return
-        hashes = r.content.block_hashes(r.scan, full)
+        start = r.scan
+        hashes = r.content.block_hashes(start, full)
         r.scan = full
         if r.private > 0:
             new = self.pool.register_many(hashes, r.private)
             r.hashes.extend(new)
             r.private -= len(new)
+            sink = self.pool.sink
+            if sink is not None:  # vLLM announces every newly full block of the request
+                sink.stored(r.content, start, full)
 
     def _start_decode(self, r: _Req) -> None:
         r.state = _S.DECODE

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol, cast
 
-__all__ = ["BlockContent", "BlockPool", "PrefixedBlocks", "StreamBlocks", "TokenBlocks"]
+__all__ = ["BlockContent", "BlockEventSink", "BlockPool", "PrefixedBlocks", "StreamBlocks", "TokenBlocks"]
 
 _is_cached = functools.partial(operator.is_not, None)  # on ref-dict .get results: the hash is cached
 
@@ -41,6 +41,20 @@ class BlockContent(Protocol):
     def block_hashes(self, start: int, stop: int) -> Sequence[int]:
         """Hashes of blocks ``start`` to ``stop − 1`` (bulk form of ``block_hash``)."""
         ...
+
+
+class BlockEventSink(Protocol):
+    """Told what enters and leaves the prefix cache (vLLM's KV events; simulator/server/kv_events.py).
+
+    ``stored`` is called by the engine with the request's content and the block range it cached;
+    ``removed`` with the hashes the pool evicted; ``cleared`` after a prefix-cache reset.
+    """
+
+    def stored(self, content: BlockContent, start: int, stop: int) -> None: ...
+
+    def removed(self, hashes: Sequence[int]) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class TokenBlocks:
@@ -129,6 +143,7 @@ class BlockPool:
         "_stamp",
         "evictions",
         "num_blocks",
+        "sink",
     )
 
     def __init__(self, num_blocks: int) -> None:
@@ -144,6 +159,7 @@ class BlockPool:
         self._queued = 0  # entries in the batches from _head on, live or stale
         self._stamp = 0
         self.evictions = 0
+        self.sink: BlockEventSink | None = None  # KV events (off: the virtual-time cluster, the sweeps)
 
     @property
     def num_free(self) -> int:
@@ -222,6 +238,7 @@ class BlockPool:
         self._idle -= need
         self.evictions += need
         pos = self._head
+        evicted: list[int] | None = [] if self.sink is not None else None
         while need:
             stamp, hashes = batches[0]
             live = -stamp
@@ -232,11 +249,15 @@ class BlockPool:
                 if ref.get(h) == live:
                     del ref[h]
                     need -= 1
+                    if evicted is not None:
+                        evicted.append(h)
             self._queued -= pos - self._head
             if pos == n:
                 batches.popleft()
                 pos = 0
             self._head = pos
+        if evicted is not None and self.sink is not None:
+            self.sink.removed(evicted)
 
     def release_private(self, n_blocks: int) -> None:
         self._free += n_blocks
@@ -307,4 +328,6 @@ class BlockPool:
         self._batches.clear()
         self._head = 0
         self._queued = 0
+        if self.sink is not None:
+            self.sink.cleared()
         return True

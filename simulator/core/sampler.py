@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ppd.kv_events import BlockHasher, external_hash
 from simulator.core.tokenizer import Llama3Tokenizer
 
 __all__ = [
@@ -137,15 +138,25 @@ class GeneratedBlocks:
 
     Uses exactly the chaining of :class:`simulator.core.kv_cache.TokenBlocks` (hash((parent, tokens of the
     block))), so a later prompt that contains this output as real tokens hits the same cached blocks.
+    With a ``hasher`` (a worker publishing KV events) the chain is vLLM's instead (ppd/kv_events.py:
+    the block's id is the 64-bit hash its events carry), and ``block_tokens`` gives the tokens.
     """
 
-    __slots__ = ("_block_size", "_hashes", "_output", "_prompt")
+    __slots__ = ("_block_size", "_digests", "_hasher", "_hashes", "_output", "_prompt")
 
-    def __init__(self, prompt_ids: tuple[int, ...], output: SampledOutput, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        prompt_ids: tuple[int, ...],
+        output: SampledOutput,
+        block_size: int = 16,
+        hasher: BlockHasher | None = None,
+    ) -> None:
         self._prompt = prompt_ids
         self._output = output
         self._block_size = block_size
         self._hashes: list[int] = []
+        self._hasher = hasher
+        self._digests: list[bytes] = []
 
     def _tokens(self, start: int, stop: int) -> tuple[int, ...]:
         n_prompt = len(self._prompt)
@@ -154,16 +165,28 @@ class GeneratedBlocks:
             return head
         return head + tuple(self._output.ids(max(0, start - n_prompt), stop - n_prompt))
 
+    def block_tokens(self, start: int, stop: int) -> tuple[int, ...]:
+        """The tokens of blocks ``start`` to ``stop − 1``, concatenated."""
+        bs = self._block_size
+        return self._tokens(start * bs, stop * bs)
+
     def block_hash(self, index: int) -> int:
         hashes = self._hashes
         bs = self._block_size
         total = len(self._prompt) + self._output.length
+        hasher = self._hasher
         while len(hashes) <= index:
             i = len(hashes)
             if (i + 1) * bs > total:
                 return hash(("unknown", id(self), index))
+            tokens = self._tokens(i * bs, (i + 1) * bs)
+            if hasher is not None:
+                digest = hasher.digest(self._digests[i - 1] if i else None, tokens)
+                self._digests.append(digest)
+                hashes.append(external_hash(digest))
+                continue
             parent = hashes[i - 1] if i else 0
-            hashes.append(hash((parent, self._tokens(i * bs, (i + 1) * bs))))
+            hashes.append(hash((parent, tokens)))
         return hashes[index]
 
     def block_hashes(self, start: int, stop: int) -> Sequence[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ppd.kv_events import KvEventsConfig
 from simulator.core.faults import Faults
 from simulator.core.kv_load_policy import KV_LOAD_FAILURE_POLICIES, KvLoadFailurePolicy
 from simulator.core.sampler import SamplerSettings
@@ -39,6 +40,9 @@ class WorkerSettings:
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
     faults: Faults = field(default_factory=Faults)
     fault_seed: int = 0
+    block_size: int | None = None  # KV block size in tokens (None: the profile's, 16)
+    kv_capacity_tokens: int | None = None  # the KV cache size (None: the profile's); small = evictions
+    kv_events: KvEventsConfig | None = None  # vLLM's --kv-events-config (None: no KV events)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,6 +55,10 @@ class WorkerSettings:
             raise ValueError("decoder_kv_blocks_ttl_s must be > 0")
         if self.kv_recompute_threshold < 0:
             raise ValueError("kv_recompute_threshold must be >= 0")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError("block_size must be > 0")
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens <= 0:
+            raise ValueError("kv_capacity_tokens must be > 0")
         if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}")
 

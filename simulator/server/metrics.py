@@ -48,7 +48,7 @@ class FinishedRequest:
 class WorkerMetrics:
     """All series of one worker; `render()` is the `/metrics` body."""
 
-    def __init__(self, model_name: str, engine: str = "0") -> None:
+    def __init__(self, model_name: str, engine: str = "0", block_size: int = 16) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         labels = {"model_name": model_name, "engine": engine}
@@ -140,14 +140,14 @@ class WorkerMetrics:
         self.request_preemptions = histogram(
             "vllm:request_num_preemptions", "Preemptions per request.", (0, 1, 2, 4, 8, 16)
         )
-        self._add_nixl_and_info(engine)
+        self._add_nixl_and_info(engine, block_size)
         # Labelled children of the per-token series, resolved once (labels() costs a dict lookup and
         # a lock per call, and these run for every streamed token).
         self._itl_child = self.itl.labels(**labels)
         self._iteration_tokens_child = self.iteration_tokens.labels(**labels)
         self._generation_tokens_child = self.generation_tokens.labels(**labels)
 
-    def _add_nixl_and_info(self, engine: str) -> None:
+    def _add_nixl_and_info(self, engine: str, block_size: int = 16) -> None:
         r = self.registry
         labels = self._labels
         self.nixl_xfer_time = Histogram(
@@ -178,7 +178,9 @@ class WorkerMetrics:
             ("block_size", "cache_dtype", "enable_prefix_caching", "engine"),
             registry=r,
         )
-        info.labels(block_size="16", cache_dtype="auto", enable_prefix_caching="True", engine=engine).set(1)
+        info.labels(
+            block_size=str(block_size), cache_dtype="auto", enable_prefix_caching="True", engine=engine
+        ).set(1)
 
     def set_load(self, *, running: int, waiting: int, deferred: int, kv_usage: float) -> None:
         labels = self._labels

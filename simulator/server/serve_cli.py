@@ -8,6 +8,7 @@ import sys
 
 import uvloop
 
+from ppd.kv_events import parse_kv_events_config
 from simulator.core.api_error import ApiError
 from simulator.core.faults import Faults
 from simulator.core.kv_load_policy import KV_LOAD_FAILURE_POLICIES, parse_policy_spec, parse_worker_ids
@@ -55,6 +56,27 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_SPIN_S * 1e6,
         help="busy-wait this long before each step deadline for sub-millisecond timing; it must cover the "
         "event loop's ~1.5 ms timer error (0 = sleep only: least CPU, ms timing)",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size in tokens (default: the profile's, 16; real vLLM on CPU uses 32)",
+    )
+    g.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens (default: the profile's); a small one makes the prefix cache evict "
+        "(like vLLM's --num-gpu-blocks-override)",
+    )
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV cache events as vLLM does (its KVEventsConfig JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:0"}\'); in a cluster, worker i binds '
+        "the endpoint's port + i (0 = a free port each); the ready line shows each worker's endpoint",
     )
     k = p.add_argument_group("KV transfer")
     k.add_argument(
@@ -118,6 +140,9 @@ def _worker_settings(args: argparse.Namespace, worker_id: str, role: Role) -> Wo
         sampler=SamplerSettings(mean_natural_tokens=args.mean_natural_tokens),
         faults=faults,
         fault_seed=args.fault_seed,
+        block_size=args.block_size,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        kv_events=parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None,
     )
 
 

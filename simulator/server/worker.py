@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import secrets
 import time
@@ -56,6 +57,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from ppd.kv_events import BlockHasher
 from simulator.core.api_error import ApiError
 from simulator.core.engine import Engine, EngineConfig, EngineRequest, KvPull, StepResult
 from simulator.core.faults import Faults
@@ -76,6 +78,7 @@ from simulator.core.worker_settings import WorkerSettings
 from simulator.server.deadline_board import DeadlineBoard
 from simulator.server.fabric import Fabric
 from simulator.server.jobs import JobHandle
+from simulator.server.kv_events import KvEventPublisher
 from simulator.server.metrics import FinishedRequest, WorkerMetrics
 from simulator.server.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
 from simulator.server.side_channel import KvRemote, SideChannelClient, SideChannelServer
@@ -117,7 +120,8 @@ class Worker:
         self.tokenizer = tokenizer
         self.fabric = fabric
         self.limits = ServingLimits(model=settings.model, max_model_len=settings.max_model_len)
-        self.metrics = WorkerMetrics(settings.model)
+        self._block_size = settings.block_size or fabric.profile.scheduler.block_size
+        self.metrics = WorkerMetrics(settings.model, block_size=self._block_size)
         self.faults = settings.faults
         self._fault_rng = random.Random(settings.fault_seed)  # noqa: S311 - fault injection, not crypto
         self._spin = spin_s
@@ -134,6 +138,12 @@ class Worker:
         self._pinned: dict[str, _Pinned] = {}
         self._synced: dict[str, int] = {}
         self.engine_id = ""
+        kv_events = settings.kv_events
+        self.kv_events: KvEventPublisher | None = None
+        self._hasher: BlockHasher | None = None
+        if kv_events is not None and kv_events.enabled:  # vLLM's chain, seeded from PYTHONHASHSEED
+            self._hasher = BlockHasher.from_environ(os.environ, block_size=self._block_size)
+            self.kv_events = KvEventPublisher(kv_events, block_size=self._block_size)
         self.engine, self.driver = self._new_engine()
         self._side_channel_server = SideChannelServer(self, now=self._now, read_json=self._read_json)
         self.app = self._build_app()
@@ -155,9 +165,15 @@ class Worker:
         return self._down
 
     def describe(self) -> dict[str, str]:
-        return {"id": self.settings.worker_id, "role": self.settings.role, "url": self.url}
+        out = {"id": self.settings.worker_id, "role": self.settings.role, "url": self.url}
+        if self.kv_events is not None:
+            out["kv_events"] = self.kv_events.endpoint
+            if self.kv_events.replay_endpoint is not None:
+                out["kv_events_replay"] = self.kv_events.replay_endpoint
+        return out
 
     def _new_engine(self) -> tuple[Engine, RealtimeDriver]:
+        restarted = bool(self.engine_id)
         if self.engine_id:
             self.fabric.unregister(self.engine_id)
         self.engine_id = f"{self.settings.worker_id}-{uuid.uuid4()}"
@@ -165,8 +181,15 @@ class Worker:
         config = EngineConfig(
             lease_s=self.settings.kv_lease_duration_s,
             kv_recompute_threshold=self.settings.kv_recompute_threshold,
+            kv_capacity_tokens=self.settings.kv_capacity_tokens,
+            block_size=self._block_size,
         )
         engine = Engine(self.fabric.profile, config)
+        if self.kv_events is not None:
+            if restarted:  # a restarted engine starts with an empty cache: say so at once
+                self.kv_events.cleared()
+                self.kv_events.flush()
+            engine.pool.sink = self.kv_events
         driver = RealtimeDriver(
             engine,
             spin_s=self._spin,
@@ -182,6 +205,8 @@ class Worker:
 
     async def start(self) -> None:
         self.driver.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         self._runner = web.AppRunner(
             self.app,
             access_log=None,
@@ -219,6 +244,8 @@ class Worker:
             await self._runner.cleanup()
             self._runner = None
         self.fabric.unregister(self.engine_id)
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     async def _go_down(self) -> None:
         """Crash: close the port, cut connections, lose the engine."""
@@ -494,6 +521,8 @@ class Worker:
     # ------------------------------------------------------------------ driver callbacks
     def _on_step(self, result: StepResult) -> None:
         self.metrics.on_step(tokens=result.num_decodes + result.prefill_tokens, generated=len(result.sampled))
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per engine step, as vLLM's scheduler publishes
 
     def _on_pull(self, pull: KvPull, at: float) -> None:
         """Start reading the KV of a D request: claim P's lease, then move the bytes over the link.
@@ -664,7 +693,7 @@ class Worker:
         engine_request = EngineRequest(
             request_id=internal_id,
             n_prompt=len(req.prompt_ids),
-            content=GeneratedBlocks(req.prompt_ids, sampled),
+            content=GeneratedBlocks(req.prompt_ids, sampled, self._block_size, hasher=self._hasher),
             max_tokens=sampled.length,
             ignore_eos=sampled.finish_reason == "length",
             eos_at=sampled.length if sampled.finish_reason == "stop" else None,

@@ -81,6 +81,7 @@ class WorkerGroup:
                 ),
                 bidirectional_kv_xfer=settings.worker.bidirectional_kv_xfer
                 or spec.id in settings.bidir_workers,
+                kv_events=settings.worker.kv_events.offset(i) if settings.worker.kv_events else None,
             )
             self.workers.append(
                 Worker(

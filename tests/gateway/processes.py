@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,14 @@ class Process:
         return self.stderr_path.read_text(errors="replace")
 
 
-def start(args: list[str], tmp: Path, name: str, *, ready_timeout_s: float = READY_TIMEOUT_S) -> Process:
+def start(
+    args: list[str],
+    tmp: Path,
+    name: str,
+    *,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> Process:
     """`python -m <args>`; returns once the process printed its JSON line (or fails with its stderr)."""
     stderr_path = tmp / f"{name}.stderr"
     try:
@@ -47,7 +55,7 @@ def start(args: list[str], tmp: Path, name: str, *, ready_timeout_s: float = REA
                 [sys.executable, "-m", *args],
                 timeout_s=ready_timeout_s,
                 stderr=err,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                 cwd=REPO,
                 name=name,
             )

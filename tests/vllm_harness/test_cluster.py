@@ -11,6 +11,7 @@ from simulator.core.topology import Topology
 from vllm_harness.cluster import (
     ClusterSettings,
     core_plan,
+    kv_events_config,
     kv_transfer_config,
     rss_of_group,
     shared_memory_of_group,
@@ -87,6 +88,21 @@ def test_the_cpu_fixes_are_off_unless_asked_for() -> None:
     assert argv[0] == "/venv/bin/python"
     assert "PPD_VLLM_NIXL_NO_PROGRESS_THREAD" not in env
     assert "PPD_VLLM_NIXL_NO_KV_PIN" not in env
+
+
+def test_kv_events_are_off_unless_given_ports_and_bind_every_interface() -> None:
+    topology = Topology.parse("1P1D")
+    settings = ClusterSettings(topology=topology, kv_events=True)
+    plain, _ = worker_command(PREPARED, settings, topology.workers[0], http_port=1, side_channel_port=2)
+    assert "--kv-events-config" not in plain
+    argv, _ = worker_command(
+        PREPARED, settings, topology.workers[1], http_port=1, side_channel_port=2, kv_event_ports=(5557, 5558)
+    )
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    # vLLM binds an endpoint with "*" and connects to any other (docs/vllm-protocol.md 10.1).
+    assert config == json.loads(kv_events_config(5557, 5558))
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
+    assert config["enable_kv_cache_events"] is True
 
 
 def test_the_shared_memory_of_a_process_group_is_found(tmp_path: Path) -> None:

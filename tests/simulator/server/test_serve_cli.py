@@ -206,6 +206,22 @@ def test_bad_topology_is_a_usage_error() -> None:
     assert "bad topology" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--kv-events-config", '{"nope": 1}', "unknown field"), ("--block-size", "0", "block_size")],
+)
+def test_bad_kv_flags_are_usage_errors(flag: str, value: str, message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "simulator", "worker", "--port", "0", flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
 def test_a_taken_port_is_a_clean_error() -> None:
     import socket
 

@@ -1,0 +1,176 @@
+"""Which KV blocks each worker holds, from the workers' own KV cache events (pure core).
+
+The workers publish vLLM's KV events (docs/vllm-protocol.md 10; ppd/kv_events.py); the subscriber
+edge (gateway/kv_subscriber.py) feeds every batch here with its sequence number. Rules:
+
+1. Per worker, a set of resident block hashes (the 64-bit integers the events carry) with a fixed
+   budget: past ``max_blocks`` the oldest stored block is forgotten (so residency is under-, never
+   over-estimated). ``BlockStored`` adds, ``BlockRemoved`` drops, ``AllBlocksCleared`` empties.
+   Only the GPU tier (``medium`` "GPU" or unset) counts.
+2. A worker is *synced* while its batches arrived 0, 1, 2, ... with no gap. A gap, a batch that
+   cannot be decoded, a lost connection, or a first batch other than 0 make it unsynced: the set is
+   dropped and :meth:`Residency.resident_blocks` answers None, so the caller falls back to today's
+   belief (the session's KV is on its decode worker). It is synced again by a full resync (the
+   batches from 0 on without a gap, from the publisher's replay socket) or when the publisher
+   restarts (a batch with seq 0: a new vLLM process starts with an empty cache).
+3. The resident context of a prompt on a worker is the longest prefix of the prompt's block hashes
+   (``BlockHasher.chain`` of its token ids) that the worker holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from ppd.kv_events import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, EventBatch, external_hash
+
+__all__ = ["Applied", "KvTracking", "Residency", "WorkerResidency"]
+
+
+class Applied(Enum):
+    OK = "ok"  # applied in sequence
+    DUPLICATE = "duplicate"  # already applied (a replay overlapping the live stream): ignored
+    RESTART = "restart"  # seq 0 after others: the publisher restarted; state reset, synced
+    GAP = "gap"  # a batch is missing: unsynced until a full resync
+    UNSYNCED = "unsynced"  # ignored while waiting for a full resync
+
+
+@dataclass(slots=True)
+class WorkerResidency:
+    blocks: OrderedDict[int, None]
+    next_seq: int | None = None  # None: nothing received yet
+    synced: bool = False
+    dropped: int = 0  # blocks forgotten to stay within the budget
+
+
+def _key(h: int | bytes) -> int:
+    return h if isinstance(h, int) else external_hash(h)
+
+
+class Residency:
+    """Resident block hashes of the tracked workers (rule 1-3 above)."""
+
+    def __init__(self, workers: Iterable[str], *, max_blocks: int) -> None:
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be positive")
+        self._max = max_blocks
+        self._w: dict[str, WorkerResidency] = {w: WorkerResidency(OrderedDict()) for w in workers}
+
+    @property
+    def workers(self) -> list[str]:
+        return list(self._w)
+
+    def state(self, worker: str) -> WorkerResidency:
+        return self._w[worker]
+
+    def tracked_blocks(self, worker: str) -> int:
+        return len(self._w[worker].blocks)
+
+    def synced(self, worker: str) -> bool:
+        state = self._w.get(worker)
+        return state is not None and state.synced
+
+    # ------------------------------------------------------------------ the event stream
+
+    def apply(self, worker: str, seq: int, batch: EventBatch) -> Applied:
+        """One batch of the live stream (rule 2 decides whether it is applied)."""
+        st = self._w[worker]
+        if seq == 0 and st.next_seq not in (None, 0):
+            self._reset(st)
+            self._apply_events(st, batch)
+            st.next_seq, st.synced = 1, True
+            return Applied.RESTART
+        if st.next_seq is None:
+            if seq != 0:  # joined late: the batches before were missed
+                self.lost(worker)
+                return Applied.GAP
+            st.next_seq, st.synced = 0, True
+        if not st.synced:
+            return Applied.UNSYNCED
+        assert st.next_seq is not None
+        if seq < st.next_seq:
+            return Applied.DUPLICATE
+        if seq > st.next_seq:
+            self.lost(worker)
+            return Applied.GAP
+        self._apply_events(st, batch)
+        st.next_seq = seq + 1
+        return Applied.OK
+
+    def lost(self, worker: str) -> None:
+        """The stream can no longer be trusted (gap, bad message, reconnect): unsynced, state dropped."""
+        st = self._w[worker]
+        self._reset(st)
+        st.synced = False
+        st.next_seq = -1  # neither None (first contact) nor a valid next number
+
+    def resync(self, worker: str, batches: Sequence[tuple[int, EventBatch]]) -> bool:
+        """Rebuild from the publisher's replay of everything from seq 0; False (still unsynced) when
+        the replay does not start at 0 or has a gap (its buffer no longer holds the start). Live
+        batches the replay already covered are then ignored as duplicates."""
+        if any(seq != i for i, (seq, _) in enumerate(batches)):
+            return False
+        # An empty replay means nothing was ever published (the buffer only ever drops its oldest).
+        st = self._w[worker]
+        self._reset(st)
+        for _, batch in batches:
+            self._apply_events(st, batch)
+        st.next_seq, st.synced = len(batches), True
+        return True
+
+    def _reset(self, st: WorkerResidency) -> None:
+        st.blocks.clear()
+
+    def _apply_events(self, st: WorkerResidency, batch: EventBatch) -> None:
+        blocks = st.blocks
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                if event.medium not in (None, "GPU"):
+                    continue
+                for h in event.block_hashes:
+                    k = _key(h)
+                    blocks[k] = None
+                    blocks.move_to_end(k)
+                while len(blocks) > self._max:
+                    blocks.popitem(last=False)
+                    st.dropped += 1
+            elif isinstance(event, BlockRemoved):
+                if event.medium not in (None, "GPU"):
+                    continue
+                for h in event.block_hashes:
+                    blocks.pop(_key(h), None)
+            elif isinstance(event, AllBlocksCleared):
+                blocks.clear()
+
+    # ------------------------------------------------------------------ the question
+
+    def resident_blocks(self, worker: str, hashes: Sequence[int]) -> int | None:
+        """How many leading blocks of ``hashes`` the worker holds; None when it is not tracked or
+        not synced (then nothing is known)."""
+        st = self._w.get(worker)
+        if st is None or not st.synced:
+            return None
+        blocks = st.blocks
+        n = 0
+        for h in hashes:
+            if h not in blocks:
+                break
+            n += 1
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class KvTracking:
+    """What the request path needs: the residency and the workers' block hash function."""
+
+    residency: Residency
+    hasher: BlockHasher
+
+    def resident_tokens(self, worker: str, token_ids: Sequence[int]) -> int | None:
+        """Tokens of the prompt ``token_ids`` resident on ``worker`` (whole blocks); None if unknown."""
+        if not self.residency.synced(worker):
+            return None
+        blocks = self.residency.resident_blocks(worker, self.hasher.chain(token_ids))
+        return None if blocks is None else blocks * self.hasher.block_size

@@ -1,0 +1,127 @@
+"""gateway/residency.py (pure): resident block sets from KV event batches, sequence gaps, resyncs,
+the budget per worker; and psi.with_resident (ψ scored on the resident context)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.psi import Psi, TokenCount, with_resident
+from gateway.residency import Applied, KvTracking, Residency
+from gateway.settings import Settings, SettingsError
+from ppd.kv_events import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, EventBatch
+
+
+def stored(*hashes: int, medium: str | None = "GPU") -> EventBatch:
+    return EventBatch(0.0, (BlockStored(tuple(hashes), None, (), 16, medium=medium),))
+
+
+def removed(*hashes: int) -> EventBatch:
+    return EventBatch(0.0, (BlockRemoved(tuple(hashes)),))
+
+
+def test_stores_and_removals_in_sequence_give_the_resident_prefix() -> None:
+    r = Residency(["D0"], max_blocks=100)
+    assert r.resident_blocks("D0", [1]) is None  # nothing heard yet: unknown
+    assert r.apply("D0", 0, stored(1, 2, 3)) is Applied.OK
+    assert r.resident_blocks("D0", [1, 2, 3, 4]) == 3
+    assert r.apply("D0", 1, removed(2)) is Applied.OK
+    assert r.resident_blocks("D0", [1, 2, 3]) == 1  # a prefix: block 3 alone does not count
+    assert r.apply("D0", 2, EventBatch(0.0, (AllBlocksCleared(),))) is Applied.OK
+    assert r.resident_blocks("D0", [1]) == 0
+    assert r.resident_blocks("D9", [1]) is None  # not a tracked worker
+
+
+def test_a_gap_makes_the_worker_unknown_until_a_full_resync() -> None:
+    r = Residency(["D0"], max_blocks=100)
+    r.apply("D0", 0, stored(1))
+    assert r.apply("D0", 2, stored(2)) is Applied.GAP
+    assert r.resident_blocks("D0", [1]) is None
+    assert not r.synced("D0")
+    assert r.apply("D0", 3, stored(3)) is Applied.UNSYNCED
+    # A replay whose buffer no longer starts at 0 cannot resync.
+    assert not r.resync("D0", [(1, stored(9)), (2, stored(2))])
+    assert r.resync("D0", [(0, stored(1)), (1, removed(1)), (2, stored(2)), (3, stored(3))])
+    assert r.resident_blocks("D0", [2, 3]) == 2
+    assert r.resident_blocks("D0", [1]) == 0
+    assert r.apply("D0", 3, stored(3)) is Applied.DUPLICATE  # the live copy of a replayed batch
+    assert r.apply("D0", 4, stored(4)) is Applied.OK
+
+
+def test_joining_late_is_a_gap_and_an_empty_replay_is_a_fresh_publisher() -> None:
+    r = Residency(["D0"], max_blocks=100)
+    assert r.apply("D0", 5, stored(1)) is Applied.GAP
+    assert r.resync("D0", [])
+    assert r.resident_blocks("D0", [1]) == 0
+
+
+def test_a_restarted_publisher_starts_over_from_seq_0() -> None:
+    r = Residency(["D0"], max_blocks=100)
+    r.apply("D0", 0, stored(1))
+    r.apply("D0", 1, stored(2))
+    assert r.apply("D0", 0, stored(7)) is Applied.RESTART
+    assert r.resident_blocks("D0", [1]) == 0
+    assert r.resident_blocks("D0", [7]) == 1
+    r.lost("D0")  # a lost connection: unknown, until the publisher restarts or a resync
+    assert r.apply("D0", 0, stored(8)) is Applied.RESTART
+    assert r.synced("D0")
+
+
+def test_the_budget_forgets_the_oldest_blocks_and_other_tiers_are_ignored() -> None:
+    r = Residency(["D0"], max_blocks=3)
+    r.apply("D0", 0, stored(1, 2, 3))
+    r.apply("D0", 1, stored(4))
+    assert r.tracked_blocks("D0") == 3
+    assert r.state("D0").dropped == 1
+    assert r.resident_blocks("D0", [1, 2]) == 0  # under-estimated, never over
+    r.apply("D0", 2, stored(9, medium="CPU"))
+    assert r.resident_blocks("D0", [9]) == 0
+
+
+def test_tracking_computes_the_prompts_hashes() -> None:
+    hasher = BlockHasher("7", block_size=4)
+    r = Residency(["D0"], max_blocks=10)
+    kv = KvTracking(r, hasher)
+    tokens = list(range(10))
+    assert kv.resident_tokens("D0", tokens) is None
+    r.apply("D0", 0, stored(*hasher.chain(tokens[:4])))
+    assert kv.resident_tokens("D0", tokens) == 4
+
+
+def test_with_resident_moves_the_evicted_context_into_new_input() -> None:
+    psi = Psi(TokenCount(50, "exact"), 100, 1000)
+    assert with_resident(psi, 1000) == psi
+    assert with_resident(psi, 4096) == psi  # a prompt block beyond the context is not context
+    part = with_resident(psi, 640)
+    assert (part.n_in.tokens, part.n_ctx, part.n_evicted, part.n_in.source) == (410, 640, 360, "exact")
+    cold = with_resident(psi, 0)
+    assert (cold.n_in.tokens, cold.n_ctx, cold.n_evicted) == (1050, 0, 1000)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 20)), max_size=60), st.integers(1, 8))
+def test_tracked_blocks_never_exceed_the_budget(ops: list[tuple[bool, int]], budget: int) -> None:
+    r = Residency(["D0"], max_blocks=budget)
+    for seq, (store, h) in enumerate(ops):
+        r.apply("D0", seq, stored(h) if store else removed(h))
+        assert r.tracked_blocks("D0") <= budget
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"block_size": 0}, "must be positive"),
+        ({"endpoints": "tcp://x:1"}, "must be tables"),
+        ({"endpoints": {"D0": ""}}, "ZMQ endpoints"),
+        ({"endpoints": {"D0": "tcp://x:1"}, "replay_endpoints": {"D1": "tcp://x:2"}}, "needs an entry"),
+        ({"nope": 1}, "unknown setting"),
+    ],
+)
+def test_kv_events_settings_are_checked(section: dict[str, object], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_mapping({"kv_events": section})
+
+
+def test_kv_events_are_off_by_default() -> None:
+    kv = Settings.from_mapping({}).kv_events
+    assert (kv.endpoints, kv.hash_seed, kv.block_size) == ({}, "", 16)
