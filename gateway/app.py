@@ -141,19 +141,14 @@ def create_app(
         try:
             yield
         finally:
-            if subscriber is not None:
-                await subscriber.close()
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await decider.close()
-            await workers.close()
-            if shared is not None:
-                await shared.close()
-            if request_log is not None:
-                request_log.close()
+            await _shut_down(
+                tasks,
+                subscriber=subscriber,
+                decider=decider,
+                workers=workers,
+                shared=shared,
+                request_log=request_log,
+            )
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -167,6 +162,31 @@ def create_app(
     app.router.add_post("/admin/workers", _register_worker)
     app.router.add_delete("/admin/workers/{worker_id}", _deregister_worker)
     return app
+
+
+async def _shut_down(
+    tasks: list[asyncio.Task[None]],
+    *,
+    subscriber: KvSubscriber | None,
+    decider: DecisionClient,
+    workers: Upstream,
+    shared: RedisSessionStore | None,
+    request_log: RequestLog | None,
+) -> None:
+    """Stop what the app started, the background tasks first, then close its clients and files."""
+    if subscriber is not None:
+        await subscriber.close()
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await decider.close()
+    await workers.close()
+    if shared is not None:
+        await shared.close()
+    if request_log is not None:
+        request_log.close()
 
 
 def _session_store(
