@@ -71,7 +71,7 @@ async def test_ds_params_are_kept_with_their_expiry_and_sent_to_p_on_the_next_tu
     forwarder, deps, _ = _setup(upstream, bidir_params_ttl_s=100.0)
     first = await _turn(forwarder, _request(FIRST))
     assert (first.headers["X-PPD-Path"], first.headers["X-PPD-Reason"]) == ("pd", "turn_one")
-    session = deps.sessions.get(explicit_key("conv-1"))
+    session = await deps.sessions.get(explicit_key("conv-1"))
     assert session is not None
     assert json.loads(session.decode_kv_params) == D_PARAMS
     assert session.decode_kv_expires_at == START + 100.0
@@ -91,7 +91,7 @@ async def test_params_on_the_final_stream_chunk_are_kept() -> None:
     upstream = FakeUpstream(stream_parts=sse(chunk("hel"), final))
     forwarder, deps, _ = _setup(upstream)
     await _turn(forwarder, _request(FIRST, stream=True))
-    session = deps.sessions.get(explicit_key("conv-1"))
+    session = await deps.sessions.get(explicit_key("conv-1"))
     assert session is not None
     assert json.loads(session.decode_kv_params) == D_PARAMS
     assert session.decode_kv_expires_at == START + 450.0  # the default, vLLM's proxy's TTL
@@ -113,7 +113,7 @@ async def test_no_params_from_d_falls_back_to_full_pd() -> None:
     upstream = FakeUpstream()  # D answers kv_transfer_params null: bidirectional mode is off there
     forwarder, deps, _ = _setup(upstream)
     await _turn(forwarder, _request(FIRST))
-    session = deps.sessions.get(explicit_key("conv-1"))
+    session = await deps.sessions.get(explicit_key("conv-1"))
     assert session is not None
     assert (session.decode_kv_params, session.decode_kv_expires_at) == ("", 0.0)
     second = await _turn(forwarder, _request(SECOND))
@@ -140,7 +140,7 @@ async def test_params_are_single_use_a_local_turn_leaves_none() -> None:
     upstream.decode_kv_params = None  # a plain request on D (the local path) returns no params
     local = await _turn(forwarder, _request(SECOND, mode="local"))
     assert local.headers["X-PPD-Path"] == "local"
-    session = deps.sessions.get(explicit_key("conv-1"))
+    session = await deps.sessions.get(explicit_key("conv-1"))
     assert session is not None
     assert session.decode_kv_params == ""
     third = await _turn(forwarder, _request(THIRD))
