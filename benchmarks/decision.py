@@ -73,6 +73,7 @@ __all__ = [
     "bench_core",
     "bench_memory",
     "bench_spec",
+    "bench_transports",
     "main",
     "measure_latency",
     "run",
