@@ -31,9 +31,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import timeit
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -71,6 +73,7 @@ __all__ = [
     "bench_core",
     "bench_memory",
     "bench_spec",
+    "bench_transports",
     "main",
     "measure_latency",
     "run",
@@ -136,6 +139,8 @@ class Figures:
     # The same measurements against an empty handler: what plain grpc.aio costs on this machine.
     floor: dict[str, dict[str, float]] = field(default_factory=dict)
     floor_latency_us: dict[str, float] = field(default_factory=dict)
+    # Server CPU per decision and decisions/s of each transport, side by side (bench_transports).
+    transports: dict[str, dict[str, float]] = field(default_factory=dict)
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
@@ -199,9 +204,10 @@ class ServerProcess:
 
 @contextmanager
 def server_process(
-    tables: Path | None, *, workers: int = 1, reload_interval_s: float = 3600.0
+    tables: Path | None, *, workers: int = 1, reload_interval_s: float = 3600.0, sync_threads: int = 0
 ) -> Iterator[ServerProcess]:
-    """`serve` over `tables`, or with `tables=None` the empty-handler floor server (see `_serve_floor`)."""
+    """`serve` over `tables`, or with `tables=None` the empty-handler floor server (see `_serve_floor`;
+    with `sync_threads`, the synchronous grpcio server's floor on that many threads)."""
     command = [
         sys.executable, "-m", "decision_service", "serve", "--tables", str(tables),
         "--port", "0", "--metrics-port", "0", "--workers", str(workers),
@@ -209,6 +215,8 @@ def server_process(
     ]  # fmt: skip
     if tables is None:
         command = [sys.executable, "-m", "benchmarks.decision", "--serve-floor"]
+        if sync_threads:
+            command += ["--sync-threads", str(sync_threads)]
     process, ready = start_ready(command, timeout_s=_READY_TIMEOUT_S, name="the server")
     try:
         yield ServerProcess(process, int(ready["grpc"]))
@@ -320,6 +328,37 @@ def measure_latency(target: str, calls: int) -> dict[str, float]:
         "p999": at(0.999),
         "mean": statistics.fmean(samples) * 1e6,
     }
+
+
+class _SyncFloorServicer(pb_grpc.DecisionServiceServicer):
+    """The floor of the synchronous grpcio server (a thread pool runs the handlers)."""
+
+    RouteBatch = pb_grpc.DecisionServiceServicer.RouteBatch
+    DescribeTable = pb_grpc.DecisionServiceServicer.DescribeTable
+
+    _answer = _FloorServicer._answer
+
+    def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:  # noqa: N802
+        return self._answer
+
+    def RouteStream(  # noqa: N802
+        self, request_iterator: Iterator[pb.RouteRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.RouteResponse]:
+        for _ in request_iterator:
+            yield self._answer
+
+
+def _serve_floor_sync(threads: int) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_DecisionServiceServicer_to_server(_SyncFloorServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    sys.stdout.write(json.dumps({"grpc": port}) + "\n")
+    sys.stdout.flush()
+    stop.wait()
+    server.stop(None)
 
 
 def _channel(target: str) -> grpc.aio.Channel:
@@ -488,6 +527,36 @@ def bench_contention(
     }
 
 
+def bench_transports(tables: Path, config: BenchConfig) -> dict[str, dict[str, float]]:
+    """Side by side in one run, the same clients: server CPU per decision (all server processes,
+    /proc) and decisions/s of each transport, the empty-handler floors next to the real service."""
+    calls, conc = config.saturate_calls, config.concurrency
+    streamed = (config.stream_messages // config.streams) * config.streams
+    out: dict[str, dict[str, float]] = {}
+    with server_process(None) as floor:
+        out["floor grpc.aio unary"] = _saturate(floor, calls, _unary(floor.target, calls, conc))
+        out["floor grpc.aio RouteStream"] = _saturate(
+            floor, streamed, _stream(floor.target, config.stream_messages, config.streams)
+        )
+    for threads in (1, 4):
+        with server_process(None, sync_threads=threads) as floor:
+            out[f"floor grpcio sync, {threads} thread(s), unary"] = _saturate(
+                floor, calls, _unary(floor.target, calls, conc)
+            )
+    with server_process(tables) as server:
+        out["service grpc.aio unary"] = _saturate(server, calls, _unary(server.target, calls, conc))
+        out["service grpc.aio RouteStream"] = _saturate(
+            server, streamed, _stream(server.target, config.stream_messages, config.streams)
+        )
+    for workers in range(2, config.max_workers + 1):
+        with server_process(tables, workers=workers) as server:
+            channels = max(4, 2 * workers)
+            out[f"service grpc.aio unary, {workers} processes (SO_REUSEPORT)"] = _saturate(
+                server, calls, _unary(server.target, calls, max(conc, 8 * workers), channels)
+            )
+    return out
+
+
 def run(config: BenchConfig, *, out: Any = None) -> Figures:
     """Run every part and print one line per figure to `out` (default: stdout)."""
     out = sys.stdout if out is None else out
@@ -557,6 +626,13 @@ def run(config: BenchConfig, *, out: Any = None) -> Figures:
                 f"unary {unary['server_cpu_us_per_decision']:.1f} us/call, "
                 f"stream {stream['server_cpu_us_per_decision']:.1f} us/message"
             )
+        figures.transports = bench_transports(tables, config)
+        say("transports side by side (same clients, one run):")
+        for name, sat in figures.transports.items():
+            say(
+                f"  {name:<58} server CPU {sat['server_cpu_us_per_decision']:6.1f} us/decision, "
+                f"{sat['decisions_per_s']:8,.0f} decisions/s"
+            )
         for workers in range(1, config.max_workers + 1):
             with server_process(tables, workers=workers) as server:
                 channels = max(4, 2 * workers)
@@ -587,6 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--small", action="store_true", help="a quick run at test-suite size")
     parser.add_argument("--serve-floor", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sync-threads", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--batch-load", metavar="TARGET", help=argparse.SUPPRESS)
     parser.add_argument("--batch-items", type=int, default=Settings().max_batch_items, help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
@@ -594,7 +671,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-workers", type=int, help="largest number of server processes to scale to")
     args = parser.parse_args(argv)
     if args.serve_floor:
-        uvloop.run(_serve_floor())
+        if args.sync_threads:
+            _serve_floor_sync(args.sync_threads)
+        else:
+            uvloop.run(_serve_floor())
         return 0
     if args.batch_load:
         _batch_load(args.batch_load, args.batch_items)

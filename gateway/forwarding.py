@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Mapping
@@ -129,7 +130,8 @@ class Forwarder:
             d.metrics.session_resets.labels(match.reset).inc()
         static = static_decision(mode, turn=match.turn, session_id=match.session_id)
         ask = static is None and not decode_gone(match.session, view)
-        psi = await measure(
+        measure_psi = functools.partial(
+            measure,
             d.tokenizers,
             model=req.model,
             body=req.body,
@@ -137,11 +139,11 @@ class Forwarder:
             session=match.session,
             hint=_int_header(request.headers, OUTPUT_HINT_HEADER),
             default_output=self._s.policy.default_output_tokens,
-            worker_count=self._worker_count(req, match, view) if ask else None,
         )
-        evicted = False
-        if ask and d.kv is not None:
-            psi, evicted = await self._resident(d.kv, req, match, view, psi)
+        # ψ without asking a worker never waits; a worker's count (below) may, so it is asked inside
+        # the try: a client that leaves meanwhile still gets its request-log line.
+        psi = await measure_psi()
+        worker_count = self._worker_count(req, match, view) if ask and psi.n_in.source == "estimate" else None
         turn = TurnInputs(
             request_id=d.new_id(),
             start=start,
@@ -160,6 +162,12 @@ class Forwarder:
         outcome = TurnOutcome()
         d.metrics.inflight.inc()
         try:
+            if worker_count is not None:
+                turn = dataclasses.replace(turn, psi=await measure_psi(worker_count=worker_count))
+            evicted = False
+            if ask and d.kv is not None:  # asks the decode worker's /tokenize: inside the try too
+                resident_psi, evicted = await self._resident(d.kv, req, match, view, turn.psi)
+                turn = dataclasses.replace(turn, psi=resident_psi)
             d.qps.record()
             if static is not None:
                 outcome.decision = static

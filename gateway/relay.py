@@ -6,21 +6,23 @@ chunk, in vLLM's bidirectional mode: docs/vllm-protocol.md 3.4), errors and the 
 client gets every event the worker sent, in order, except the usage-only chunk the gateway itself
 asked for (`strip_usage`).
 `answer_from_body` and `kv_params_from_body` do the same for a non-streaming answer.
+The hot path (one call per relayed chunk): a chunk of whole one-line `data: ` events, as vLLM sends
+them, is read straight off its bytes (orjson on each payload; no line parser, no event objects) and
+the very bytes object that came in is what goes out; anything else takes the sans-I/O parser (sse.py).
+Both paths learn and pass on exactly the same (tests/gateway/test_relay.py, a property test).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
 from gateway.sse import DONE, SSEEvent, SSEParser, encode_data, encode_event
 
 __all__ = ["StreamRelay", "Usage", "answer_from_body", "error_event", "kv_params_from_body"]
-
-_KV_FIELD = "kv_transfer_params"
 
 _DONE_BYTES = b"data: [DONE]\n\n"
 
@@ -42,11 +44,15 @@ class Usage:
         return None
 
 
+def _is_mapping(x: Any) -> bool:
+    return type(x) is dict or isinstance(x, Mapping)  # the dict test first: ABC checks cost ~1 µs
+
+
 def _choice_text(choice: Any) -> str:
-    if not isinstance(choice, Mapping):
+    if not _is_mapping(choice):
         return ""
     for holder in (choice.get("delta"), choice.get("message")):
-        if isinstance(holder, Mapping):
+        if _is_mapping(holder):
             content = holder.get("content")
             return content if isinstance(content, str) else ""
     text = choice.get("text")
@@ -56,7 +62,7 @@ def _choice_text(choice: Any) -> str:
 def _first_choice(choices: Any) -> Any:
     if isinstance(choices, list):
         for choice in choices:
-            if isinstance(choice, Mapping) and choice.get("index", 0) == 0:
+            if _is_mapping(choice) and choice.get("index", 0) == 0:
                 return choice
     return None
 
@@ -66,6 +72,9 @@ def answer_from_body(body: Any) -> tuple[str, Usage | None]:
     if not isinstance(body, Mapping):
         return "", None
     return _choice_text(_first_choice(body.get("choices"))), Usage.parse(body.get("usage"))
+
+
+_KV_FIELD: Final = "kv_transfer_params"
 
 
 def kv_params_from_body(body: Any) -> dict[str, Any] | None:
@@ -89,6 +98,11 @@ def error_event(message: str, *, error_type: str = "BadGatewayError", code: int 
     return encode_data(json.dumps(payload, separators=(",", ":"))) + _DONE_BYTES
 
 
+_DATA = b"data: "
+_DONE_DATA = DONE.encode()
+_DONE_MARK: Final = object()  # the [DONE] event among parsed ones
+
+
 class StreamRelay:
     __slots__ = ("_parser", "_parts", "_strip_usage", "chunks", "done", "error", "kv_params", "usage")
 
@@ -99,8 +113,8 @@ class StreamRelay:
         self.chunks = 0  # content-carrying chunks of choice 0 (about one token each)
         self.done = False
         self.error: str | None = None
-        self.usage: Usage | None = None
         self.kv_params: dict[str, Any] | None = None
+        self.usage: Usage | None = None
 
     @property
     def answer(self) -> str:
@@ -112,6 +126,10 @@ class StreamRelay:
 
     def feed(self, data: bytes) -> tuple[bytes, bool]:
         """(bytes for the client, whether new answer content arrived)."""
+        if self._parser.idle and data[-2:] == b"\n\n" and b"\r" not in data:
+            fast = self._plain(data)
+            if fast is not None:
+                return fast
         events, raw = self._parser.feed_raw(data)
         return self._events(events, raw)
 
@@ -119,6 +137,68 @@ class StreamRelay:
         """The worker closed the stream; whatever whole event was still held."""
         events, raw = self._parser.end_raw()
         return self._events(events, raw)[0]
+
+    def _plain(self, data: bytes) -> tuple[bytes, bool] | None:
+        """The fast path for what a worker sends nearly always: whole events of one `data: ` line
+        each, read straight off the bytes (no line parser, no event objects, no decoding before the
+        JSON parser) and passed on as they came (`feed`'s answer); None, with nothing
+        recorded, when the chunk is anything else or not JSON the fast parser takes (the line parser
+        then reads it, as before)."""
+        if data.find(b"\n") == len(data) - 2:  # one event, one line: the usual chunk
+            if data[:6] != _DATA:
+                return None
+            payloads = [data[6:-2]]
+        else:
+            payloads = [b[6:] for b in data[:-2].split(b"\n\n") if b[:6] == _DATA and b"\n" not in b]
+            if len(payloads) != data.count(b"\n\n"):
+                return None
+        objs: list[Any] = []
+        for payload in payloads:
+            if payload == _DONE_DATA:
+                objs.append(_DONE_MARK)
+                continue
+            try:
+                objs.append(orjson.loads(payload))
+            except orjson.JSONDecodeError:
+                return None
+        content = False
+        kept: list[bytes] | None = None
+        for i, obj in enumerate(objs):
+            if obj is _DONE_MARK:
+                self.done = True
+                keep = True
+            else:
+                keep, got = self._observe(obj)
+                content = content or got
+            if not keep and kept is None:
+                kept = [b"data: " + p + b"\n\n" for p in payloads[:i]]
+            elif keep and kept is not None:
+                kept.append(b"data: " + payloads[i] + b"\n\n")
+        return (data, content) if kept is None else (b"".join(kept), content)
+
+    def _observe(self, obj: Any) -> tuple[bool, bool]:
+        """Learn from one parsed event: (pass it on, it carried answer content)."""
+        if not isinstance(obj, dict):
+            return True, False
+        if "error" in obj:
+            err = obj["error"]
+            msg = err.get("message") if isinstance(err, Mapping) else err
+            self.error = str(msg)
+        if obj.get(_KV_FIELD) is not None:  # null on every chunk but D's final one in bidir mode
+            self.kv_params = kv_params_from_body(obj) or self.kv_params
+        usage = obj.get("usage")
+        if usage is not None:
+            parsed = Usage.parse(usage)
+            if parsed is not None:
+                self.usage = parsed
+                if self._strip_usage and obj.get("choices") == []:
+                    return False, False
+        text = _choice_text(_first_choice(obj.get("choices")))
+        if text:
+            self._parts.append(text)
+            self.chunks += 1
+            return True, True
+        return True, False
 
     def _events(self, events: list[SSEEvent], raw: bytes) -> tuple[bytes, bool]:
         """Observe each event; pass the worker's bytes on unchanged unless an event is dropped."""
@@ -130,32 +210,12 @@ class StreamRelay:
                 self.done = True
                 kept.append(event)
                 continue
-            obj = _loads(event.data)
-            if obj is None:
+            keep, got = self._observe(_loads(event.data))
+            content = content or got
+            if keep:
                 kept.append(event)
-                continue
-            if isinstance(obj, dict):
-                if "error" in obj:
-                    err = obj["error"]
-                    msg = err.get("message") if isinstance(err, Mapping) else err
-                    self.error = str(msg)
-                params = kv_params_from_body(obj)
-                if params is not None:
-                    self.kv_params = params
-                usage = obj.get("usage")
-                if usage is not None:
-                    parsed = Usage.parse(usage)
-                    if parsed is not None:
-                        self.usage = parsed
-                        if self._strip_usage and obj.get("choices") == []:
-                            dropped = True
-                            continue
-                text = _choice_text(_first_choice(obj.get("choices")))
-                if text:
-                    self._parts.append(text)
-                    self.chunks += 1
-                    content = True
-            kept.append(event)
+            else:
+                dropped = True
         if not dropped:
             return raw, content
         return b"".join(encode_event(e) for e in kept), content

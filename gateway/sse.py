@@ -41,6 +41,11 @@ class SSEParser:
         self._has_fields = False
 
     @property
+    def idle(self) -> bool:
+        """True between events: nothing held, so the next chunk starts a new event."""
+        return not (self._buf or self._raw or self._has_fields)
+
+    @property
     def pending(self) -> bool:
         """True while bytes of an unfinished event are held."""
         return bool(self._buf) or self._has_fields

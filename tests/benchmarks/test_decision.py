@@ -26,6 +26,10 @@ def test_small_run_prints_and_writes_every_figure(tmp_path: Path, capsys: pytest
         "memory: RSS",
         "floor (empty grpc.aio handler",
         "Route latency while 4096-item RouteBatch calls run",
+        "transports side by side",
+        "floor grpcio sync, 4 thread(s), unary",
+        "service grpc.aio RouteStream",
+        "service grpc.aio unary, 2 processes (SO_REUSEPORT)",
     ]
     for phrase in phrases:
         assert phrase in text
@@ -37,6 +41,7 @@ def test_small_run_prints_and_writes_every_figure(tmp_path: Path, capsys: pytest
     assert figures["contention"]["batch_items"] == 4096
     assert figures["contention"]["batches_per_s"] > 0
     assert figures["contention"]["p50_us"] <= figures["contention"]["p99_us"]
+    assert all(t["server_cpu_us_per_decision"] > 0 for t in figures["transports"].values())
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,10 @@ The same paths through HTTP and real fake workers: test_app_*.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +14,8 @@ import pytest
 from gateway.deps import Deps
 from gateway.errors import UpstreamStatusError
 from gateway.forwarding import Forwarder
-from gateway.ports import ClientRequest
+from gateway.ports import ClientRequest, JsonReply
+from gateway.request_log import RequestLog
 from gateway.routing import Decision
 from tests.gateway.fakes import (
     KV_PARAMS,
@@ -233,4 +237,45 @@ async def test_a_client_gone_mid_stream_closes_the_upstream() -> None:
     client = FakeClient(gone_after_writes=1)
     await forwarder.handle(_request(FIRST, stream=True), client)
     assert _sample(deps, "ppd_gateway_stream_errors_total", cause="client_disconnected") == 1
+    assert _sample(deps, "ppd_gateway_requests_in_flight") == 0
+
+
+class _SlowTokenizer(FakeUpstream):
+    """A worker whose /tokenize answers only when `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(tokenize_count=42)
+        self.asked = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def post(self, url: str, body: Mapping[str, Any], headers: Mapping[str, str]) -> JsonReply:
+        self.asked.set()
+        await self.release.wait()
+        return await super().post(url, body, headers)
+
+
+async def test_a_client_gone_while_a_worker_counts_its_tokens_still_gets_its_request_log_line(
+    tmp_path: Path,
+) -> None:
+    # ppd mode, turn 2, no exact tokenizer: n_in comes from the session's worker's /tokenize, and
+    # the client disconnects (aiohttp cancels the handler) while the gateway waits for it.
+    upstream = _SlowTokenizer()
+    upstream.release.set()
+    log_path = tmp_path / "requests.jsonl"
+    log = RequestLog(str(log_path))
+    forwarder, deps = forwarder_on_fakes(_config("ppd"), upstream=upstream, request_log=log)
+    await _turn(forwarder, _request(FIRST))
+    upstream.release.clear()
+    upstream.calls.clear()
+    handler = asyncio.ensure_future(forwarder.handle(_request(_second("hello there")), FakeClient()))
+    await upstream.asked.wait()
+    handler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    log.close()
+    first, second = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert (first["turn"], first["ok"]) == (1, True)
+    assert (second["turn"], second["ok"], second["error"]) == (2, False, "client disconnected")
+    assert second["conversation_id"] == first["conversation_id"]
+    assert upstream.calls == []  # no worker was asked to serve it
     assert _sample(deps, "ppd_gateway_requests_in_flight") == 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
 from gateway.errors import UpstreamStatusError, error_body
 from gateway.relay import StreamRelay, answer_from_body, error_event, kv_params_from_body
 
@@ -111,3 +114,94 @@ def test_ds_kv_params_on_the_final_chunk_or_body_are_recorded() -> None:
     assert kv_params_from_body({"kv_transfer_params": params}) == params
     assert kv_params_from_body({"kv_transfer_params": None}) is None
     assert kv_params_from_body([1]) is None
+
+
+_text = st.text(st.characters(codec="utf-8"), max_size=6) | st.sampled_from(
+    ['say "hi"', "a\\b", "\u00e9\u4e2d", "", '"index":0,', "\U0001f600"]
+)
+_holder = st.fixed_dictionaries(
+    {}, optional={"content": st.none() | _text, "role": st.just("assistant"), "reasoning_content": _text}
+)
+_choice = st.fixed_dictionaries(
+    {},
+    optional={
+        "index": st.sampled_from([0, 1]),
+        "delta": _holder,
+        "message": _holder,
+        "text": _text,
+        "logprobs": st.none() | st.just({"content": [{"token": "x", "logprob": -0.1}]}),
+        "finish_reason": st.none() | st.just("stop"),
+    },
+)
+_chunk_obj = st.fixed_dictionaries(
+    {"id": st.just("chatcmpl-1"), "choices": st.lists(_choice, max_size=2)},
+    optional={
+        "usage": st.none() | st.just(USAGE["usage"]),
+        "error": st.just({"message": "boom"}),
+        "object": st.just("chat.completion.chunk"),
+    },
+)
+
+
+def _learned(relay: StreamRelay) -> tuple[Any, ...]:
+    usage = relay.usage
+    return (
+        relay.answer,
+        relay.chunks,
+        relay.done,
+        relay.error,
+        None if usage is None else (usage.prompt_tokens, usage.completion_tokens),
+    )
+
+
+def _c(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"id": "c", "choices": list(choices), **extra}
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    st.lists(_chunk_obj, max_size=5),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
+@example([_c({"index": 1, "delta": {"content": "no"}})], True, True, True)
+@example([_c({"index": 1, "delta": {"content": "no"}}, {"index": 0, "text": "yes"})], True, True, True)
+@example([_c({"index": 0, "delta": {"content": 'say "hi"'}})], True, True, True)
+@example([_c({"index": 0, "delta": {"content": "a\\b"}})], True, True, True)
+@example([_c({"index": 0, "delta": {"reasoning_content": "r"}})], True, True, True)
+@example([_c({"index": 0, "delta": {"content": "x"}}, usage=None)], True, True, True)
+@example([_c(usage=USAGE["usage"])], True, True, True)
+@example([_c({"index": 0, "delta": {}, "text": "t"})], True, True, True)
+@example([_c({"delta": {"content": "a"}}, {"delta": {"content": "b"}})], True, True, True)
+@example([_c({}, {"index": 0, "delta": {"content": "0"}})], True, True, True)
+@example([_c({"index": 0, "delta": {"content": None}}, id="chatcmpl-9")], True, True, True)
+@example([_c({"index": 0, "delta": {}, "message": {"content": "0"}})], True, True, True)
+def test_whole_events_learn_and_pass_on_exactly_what_any_split_does(
+    objs: list[dict[str, Any]], compact: bool, done: bool, strip: bool
+) -> None:
+    # The relay's fast path (whole events of plain content chunks) against the parser (byte by
+    # byte never ends on a whole event): the same bytes out, the same answer, usage, error, end.
+    def dumps(o: Any) -> bytes:
+        if compact:  # vLLM's form: no spaces, UTF-8 as it is
+            return json.dumps(o, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(o).encode()
+
+    events = [b"data: " + dumps(o) + b"\n\n" for o in objs] + ([b"data: [DONE]\n\n"] if done else [])
+    by_event, whole, by_byte = (StreamRelay(strip_usage=strip) for _ in range(3))
+    out_event = b"".join(by_event.feed(e)[0] for e in events)
+    out_whole = whole.feed(b"".join(events))[0]
+    stream = b"".join(events)
+    out_byte = b"".join(by_byte.feed(stream[i : i + 1])[0] for i in range(len(stream)))
+    assert out_event == out_whole == out_byte
+    assert _learned(by_event) == _learned(whole) == _learned(by_byte)
+
+
+def test_vllm_content_chunks_are_passed_on_as_they_came() -> None:
+    head = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+    chunk = head + b'[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}]}\n\n'
+    relay = StreamRelay(strip_usage=True)
+    out, content = relay.feed(chunk)
+    assert out is chunk  # the very bytes, not a copy
+    assert content
+    assert relay.answer == "Hi"
