@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import aiohttp
 import uvloop
 
 from benchmarks.gateway import MODEL, _emit, _histogram, _pct, _Proc, _quantile, _start
+from devstack.replicas import answers_ping, redis_argv
 
 __all__ = ["main"]
 
@@ -58,13 +58,11 @@ def _redis_server() -> Iterator[str]:
     folder = Path(tempfile.mkdtemp(prefix="ppd-bench-redis-"))
     sock = folder / "redis.sock"
     proc = subprocess.Popen(
-        ["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no",
-         "--dir", str(folder)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        redis_argv(sock), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 30
-        while not _answers_ping(sock):
+        while not answers_ping(sock):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("redis-server did not start")
             time.sleep(0.05)
@@ -73,17 +71,6 @@ def _redis_server() -> Iterator[str]:
         proc.terminate()
         proc.wait(timeout=30)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _answers_ping(sock: Path) -> bool:
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(1.0)
-            conn.connect(str(sock))
-            conn.sendall(b"PING\r\n")
-            return conn.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 async def _turn(

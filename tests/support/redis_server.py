@@ -10,27 +10,16 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from devstack.replicas import answers_ping
 from tests.support.ci import require_tool
 from tests.support.polling import wait_until
 
-__all__ = ["RedisServer", "answers_ping"]
-
-
-def answers_ping(path: Path) -> bool:
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(1.0)
-            sock.connect(str(path))
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
+__all__ = ["RedisServer"]
 
 
 @dataclass
