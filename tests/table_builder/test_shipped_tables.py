@@ -44,8 +44,9 @@ def test_default_table_is_shipped_valid_and_documented(shape: str) -> None:
         assert p["labels"]["hardware"] == "H100"
         assert len(p["inputs_sha256"]) == 64
         assert (table.header.max_decode_running, table.header.max_prefill_queue_depth) == (192, 8)
-        # The full paper grid (18 workloads) and the nine huge-context ones, x 10 QPS levels x 2 modes.
-        assert len(p["runs"]) == 540
+        # The full paper grid (18 workloads) and the nine huge-context ones, x 10 QPS levels x the
+        # three static modes the simulated sweep runs (pd, local, bidir).
+        assert len(p["runs"]) == 27 * 10 * 3
         assert p["cells"]["filled"] + p["cells"]["low_sample"] >= 100
     finally:
         table.close()
@@ -77,7 +78,7 @@ def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str
         records = [
             record
             for name, qps in SPOT_CELLS
-            for mode in ("pd", "local")
+            for mode in engine.modes
             for record in engine.run(GridPoint(shape, MODEL, mode, parse_workload(name), qps))
         ]
         rebuilt = build_from_records(records, BuildOptions(header=default_header(shape, MODEL))).spec.figures
