@@ -21,6 +21,7 @@ import pytest
 
 from tests.conformance.workers import Cluster
 from tests.gateway.processes import Process, start
+from tests.support.gateway_config import worker_tables
 
 pytestmark = pytest.mark.integration
 BIDIR_WORKERS = ("P0", "D1")
@@ -34,9 +35,7 @@ def bidir_gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) ->
         pytest.skip("an external cluster may not run bidirectional_kv_xfer on P0 and D1")
     tmp: Path = tmp_path_factory.mktemp(f"gateway-bidir-{cluster.engine}")
     lines = ['mode = "bidir"', "", "[routing]", "bidir = true", "", "[pool]", "health_interval_s = 0.5", ""]
-    for w in cluster.workers:
-        if w["id"] in BIDIR_WORKERS:
-            lines += ["[[workers]]", f'id = "{w["id"]}"', f'role = "{w["role"]}"', f'url = "{w["url"]}"', ""]
+    lines += [*worker_tables(w for w in cluster.workers if w["id"] in BIDIR_WORKERS), ""]
     config = tmp / "gateway.toml"
     config.write_text("\n".join(lines))
     proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway-bidir")

@@ -21,6 +21,7 @@ import pytest
 
 from tests.conformance.workers import Cluster
 from tests.gateway.processes import Process, start
+from tests.support.gateway_config import worker_tables
 from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
@@ -33,8 +34,7 @@ def gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     tmp: Path = tmp_path_factory.mktemp(f"gateway-{cluster.engine}")
     lines = ['mode = "ppd"', "", "[decision]", 'address = "127.0.0.1:1"', "deadline_ms = 200.0", ""]
     lines += ["[pool]", "health_interval_s = 0.5", ""]
-    for w in cluster.workers:
-        lines += ["[[workers]]", f'id = "{w["id"]}"', f'role = "{w["role"]}"', f'url = "{w["url"]}"', ""]
+    lines += [*worker_tables(cluster.workers), ""]
     config = tmp / "gateway.toml"
     config.write_text("\n".join(lines))
     proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway")

@@ -19,6 +19,7 @@ from tests.conformance.conftest import KV_EVENTS_SEED
 from tests.conformance.test_kv_events import BLOCK, replay
 from tests.conformance.workers import Cluster, http
 from tests.gateway.processes import Process, start
+from tests.support.gateway_config import worker_tables
 from tests.support.metrics import sample
 from tests.support.polling import wait_until
 
@@ -39,8 +40,7 @@ def kv_gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     lines += ["[kv_events.endpoints]", *(f'{w["id"]} = "{w["kv_events"]}"' for w in cluster.workers), ""]
     lines += ["[kv_events.replay_endpoints]"]
     lines += [*(f'{w["id"]} = "{w["kv_events_replay"]}"' for w in cluster.workers), ""]
-    for w in cluster.workers:
-        lines += ["[[workers]]", f'id = "{w["id"]}"', f'role = "{w["role"]}"', f'url = "{w["url"]}"', ""]
+    lines += [*worker_tables(cluster.workers), ""]
     config = tmp / "gateway.toml"
     config.write_text("\n".join(lines))
     proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "kv-gateway")

@@ -17,6 +17,7 @@ from loadgen.report.sim_vs_real import sim_vs_real_section, simulate_runs
 from table_builder.records import read_records
 from tests.conformance.workers import Cluster
 from tests.gateway.processes import Process, start
+from tests.support.gateway_config import worker_tables
 from vllm_harness.ppd_effect import Attach, EffectSettings, run_effect
 
 pytestmark = pytest.mark.integration
@@ -38,8 +39,7 @@ def stack(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[Process, Process, 
     topology = _topology(cluster)
     lines = ['mode = "ppd"', "", "[decision]", f'address = "127.0.0.1:{decision.ready["grpc"]}"']
     lines += [f'table_key = "{topology}/{MODEL_LABEL}"', ""]
-    for w in cluster.workers:
-        lines += ["[[workers]]", f'id = "{w["id"]}"', f'role = "{w["role"]}"', f'url = "{w["url"]}"', ""]
+    lines += [*worker_tables(cluster.workers), ""]
     config = tmp_path / "gateway.toml"
     config.write_text("\n".join(lines))
     gateway = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp_path, "gateway")

@@ -21,6 +21,7 @@ import pytest
 
 from tests.deploy.envoy_harness import SCENARIOS, Envoy
 from tests.deploy.processes import Announced
+from tests.support.gateway_config import worker_tables
 from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
@@ -46,14 +47,7 @@ def gateway_config(workers: list[dict[str, Any]]) -> str:
     # Static `local` mode: Turn 2+ of a known session goes local, a session the replica has never
     # seen starts over through P -> D, so the path header shows where the session lived.
     lines = ['mode = "local"', f'served_model = "{MODEL}"', "", "[pool]", "health_interval_s = 0.5"]
-    for worker in workers:
-        lines += [
-            "",
-            "[[workers]]",
-            f'id = "{worker["id"]}"',
-            f'role = "{worker["role"]}"',
-            f'url = "{worker["url"]}"',
-        ]
+    lines += worker_tables(workers)
     return "\n".join(lines) + "\n"
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from tests.deploy.envoy_harness import SCENARIOS, Envoy
 from tests.deploy.processes import Announced
+from tests.support.gateway_config import worker_tables
 from tests.support.metrics import sample
 from tests.support.polling import wait_until
 from tests.support.redis_server import RedisServer
@@ -76,14 +77,7 @@ def gateway_config(workers: list[dict[str, Any]], redis_url: str) -> str:
         "[pool]", "health_interval_s = 0.5", "",
         "[sessions]", f'redis_url = "{redis_url}"', "redis_timeout_s = 1.0", "redis_retry_s = 0.2",
     ]  # fmt: skip
-    for worker in workers:
-        lines += [
-            "",
-            "[[workers]]",
-            f'id = "{worker["id"]}"',
-            f'role = "{worker["role"]}"',
-            f'url = "{worker["url"]}"',
-        ]
+    lines += worker_tables(workers)
     return "\n".join(lines) + "\n"
 
 
