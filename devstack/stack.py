@@ -35,7 +35,15 @@ from typing import Any, TextIO
 from devstack.replicas import answers_ping, envoy_argv, poll, redis_argv, start_envoy
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
-__all__ = ["ENGINES", "StackCommands", "StackSettings", "gateway_config", "main", "run_stack"]
+__all__ = [
+    "ENGINES",
+    "StackCommands",
+    "StackSettings",
+    "gateway_config",
+    "main",
+    "parse_settings",
+    "run_stack",
+]
 
 logger = logging.getLogger("ppd-up")
 
@@ -339,11 +347,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--mode", default="ppd", help="gateway routing mode: pd|local|ppd|replica|fraction:<x>"
     )
-    parser.add_argument("--tables", type=Path, default=Path("tables"), help="table folder (default tables/)")
+    parser.add_argument(
+        "--tables",
+        type=Path,
+        default=None,
+        help="table folder (default tables/; tables/vllm-cpu/ with --engine vllm-cpu, the table measured on "
+        "real vLLM on this CPU)",
+    )
     parser.add_argument(
         "--port", type=int, default=8000, help="gateway port; 0 picks a free one (default 8000)"
     )
-    parser.add_argument("--model-label", default="llama-3.1-8b", help="model part of the table key")
+    parser.add_argument(
+        "--model-label",
+        default=None,
+        help="model part of the table key (default llama-3.1-8b; tiny-llama-cpu with --engine vllm-cpu)",
+    )
     parser.add_argument(
         "--ready-timeout", type=float, default=60.0, help="seconds each child may take to start"
     )
@@ -365,25 +383,32 @@ def _replicas(text: str) -> int:
     return value
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_settings(argv: Sequence[str] | None) -> tuple[StackSettings, str]:
+    """ppd-up's command line -> the stack and the log level. Real vLLM defaults to its own 1P1D shape,
+    table folder and model label (the table measured on real vLLM here), the simulator to the shipped
+    H100 tables."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if not args.tables.is_dir():
-        logger.warning(
-            "table folder %s does not exist; ppd mode will use the gateway's fallback", args.tables
-        )
-    settings = StackSettings(
-        topology=args.topology or ("1P1D" if args.engine == "vllm-cpu" else "1P3D"),
+    real = args.engine == "vllm-cpu"
+    tables: Path = args.tables or (Path("tables") / "vllm-cpu" if real else Path("tables"))
+    return StackSettings(
+        topology=args.topology or ("1P1D" if real else "1P3D"),
         engine=args.engine,
         mode=args.mode,
-        tables=args.tables,
+        tables=tables,
         port=args.port,
-        model_label=args.model_label,
+        model_label=args.model_label or ("tiny-llama-cpu" if real else "llama-3.1-8b"),
         ready_timeout_s=args.ready_timeout,
         gateways=args.gateways,
-    )
+    ), str(args.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, log_level = parse_settings(argv)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not settings.tables.is_dir():
+        logger.warning(
+            "table folder %s does not exist; ppd mode will use the gateway's fallback", settings.tables
+        )
 
     async def serve() -> int:
         stop = asyncio.Event()

@@ -168,7 +168,8 @@ class Forwarder:
             if ask and d.kv is not None:  # asks the decode worker's /tokenize: inside the try too
                 resident_psi, evicted = await self._resident(d.kv, req, match, view, turn.psi)
                 turn = dataclasses.replace(turn, psi=resident_psi)
-            d.qps.record()
+            if match.turn == 1:  # tables index QPS by conversations started per second (the paper's)
+                d.qps.record()
             if static is not None:
                 outcome.decision = static
             elif ask and evicted:

@@ -141,7 +141,11 @@ class GatewayMetrics:
             ["cause"],
             registry=r,
         )
-        self.qps = Gauge("ppd_gateway_qps", "Request rate fed to decisions (window, hysteresis)", registry=r)
+        self.qps = Gauge(
+            "ppd_gateway_qps",
+            "Conversations started per second fed to decisions (window, hysteresis)",
+            registry=r,
+        )
         self.inflight = Gauge("ppd_gateway_requests_in_flight", "Client requests being served", registry=r)
         self.workers = Gauge("ppd_gateway_workers", "Workers in the pool", ["role", "state"], registry=r)
         # The SLO controller (gateway/slo.py), one series per table key; absent while it is off.

@@ -85,7 +85,7 @@ class LiveSignals:
 
 @dataclass(frozen=True, slots=True)
 class RouteQuery:
-    """What the DecisionService is asked for one request: ψ, the request rate and live signals."""
+    """What the DecisionService is asked for one request: ψ, the conversation rate and live signals."""
 
     request_id: str
     turn: int

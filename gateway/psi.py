@@ -1,5 +1,5 @@
 """Measuring ψ for a request: new input tokens, expected output tokens, context tokens (`measure`,
-the one place ψ is assembled, into a `Psi`), and the current request rate (`QpsMeter`).
+the one place ψ is assembled, into a `Psi`), and the current conversation arrival rate (`QpsMeter`).
 
 Rule 1 (n_in): exact count with `quicktok` when the served model is a Llama-3 or Qwen family model
 (plus a fixed chat-template overhead per message); otherwise the caller asks a worker's `/tokenize`;
@@ -55,7 +55,7 @@ class TokenCount:
 
 @dataclass(frozen=True, slots=True)
 class Psi:
-    """ψ of one request, as measured once on arrival (the request rate is read when the
+    """ψ of one request, as measured once on arrival (the conversation rate is read when the
     DecisionService is asked)."""
 
     n_in: TokenCount
@@ -145,7 +145,12 @@ def expected_output(
 
 
 class QpsMeter:
-    """Requests per second over the last `window_s`, with a relative hysteresis band."""
+    """Events per second over the last `window_s`, with a relative hysteresis band.
+
+    The gateway records one event per conversation started (a Turn 1, or a session reset), so the rate
+    is in the unit decision tables index QPS by: conversations arriving per second, as in the benchmark
+    runs the tables were built from (a turn-counting rate would read a 3-turn workload at 3x its level).
+    """
 
     def __init__(self, *, window_s: float, hysteresis: float, clock: Clock, buckets: int = 20) -> None:
         if window_s <= 0 or buckets <= 0 or hysteresis < 0:

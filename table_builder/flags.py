@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 
 from decision_service.header import DECISIONS, Weights
 from table_builder.build import BuildOptions, default_header
 
-__all__ = ["add_build_options", "options_from_args", "positive_int", "weights_arg"]
+__all__ = ["add_build_options", "options_from_args", "positive_int", "qps_levels_arg", "weights_arg"]
 
 
 def weights_arg(text: str) -> Weights:
@@ -47,6 +48,19 @@ def _fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
     return value
+
+
+def qps_levels_arg(text: str) -> tuple[float, ...]:
+    """``Q1,Q2,...``: the table's QPS axis, finite, positive and strictly increasing."""
+    try:
+        levels = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of QPS levels, got {text!r}") from None
+    if not all(math.isfinite(q) and q > 0 for q in levels):
+        raise argparse.ArgumentTypeError(f"QPS levels must be finite and positive, got {text!r}")
+    if any(b <= a for a, b in itertools.pairwise(levels)):
+        raise argparse.ArgumentTypeError(f"QPS levels must be strictly increasing, got {text!r}")
+    return levels
 
 
 def positive_int(text: str) -> int:
@@ -119,6 +133,15 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
         f"{_limit_text(header.max_prefill_queue_depth)})",
     )
     p.add_argument(
+        "--qps-levels",
+        type=qps_levels_arg,
+        default=None,
+        metavar="Q1,Q2,...",
+        help="the table's QPS axis, conversations started per second; a live QPS snaps to the nearest "
+        "(default: the paper's " + ",".join(f"{q:g}" for q in header.axes.qps_levels) + "; a small "
+        "engine's sweep names its own levels so that each gets its own column)",
+    )
+    p.add_argument(
         "--timeout-ms", type=float, default=30_000.0, help="censored TTFT of a mode that completed nothing"
     )
     p.add_argument(
@@ -150,6 +173,10 @@ def options_from_args(
         max_decode_running=args.max_decode_running,
         max_prefill_queue_depth=args.max_prefill_queue,
     )
+    if args.qps_levels is not None:
+        header = dataclasses.replace(
+            header, axes=dataclasses.replace(header.axes, qps_levels=tuple(args.qps_levels))
+        )
     return BuildOptions(
         header=header,
         min_samples=args.min_samples,

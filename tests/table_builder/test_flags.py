@@ -9,7 +9,13 @@ import pytest
 
 from decision_service.header import Weights
 from table_builder.build import default_header
-from table_builder.flags import add_build_options, options_from_args, positive_int, weights_arg
+from table_builder.flags import (
+    add_build_options,
+    options_from_args,
+    positive_int,
+    qps_levels_arg,
+    weights_arg,
+)
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -33,6 +39,7 @@ def test_every_header_flag_lands_in_the_header() -> None:
         "--max-kv-usage=0.8",
         "--max-decode-running=off",
         "--max-prefill-queue=3",
+        "--qps-levels=0.1,0.2,0.4",
     )
     header = options_from_args(args, shape="2P2D").header
     assert header == dataclasses.replace(
@@ -44,6 +51,7 @@ def test_every_header_flag_lands_in_the_header() -> None:
         max_decode_kv_usage=0.8,
         max_decode_running=None,
         max_prefill_queue_depth=3,
+        axes=dataclasses.replace(default_header("2P2D", "m").axes, qps_levels=(0.1, 0.2, 0.4)),
     )
 
 
@@ -57,3 +65,9 @@ def test_positive_int() -> None:
     assert positive_int("3") == 3
     with pytest.raises(argparse.ArgumentTypeError):
         positive_int("0")
+
+
+@pytest.mark.parametrize("text", ["", "a", "0.1,0", "0.2,0.1", "0.1,0.1", "nan", "1,inf"])
+def test_bad_qps_levels_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        qps_levels_arg(text)
