@@ -6,15 +6,19 @@ import argparse
 import logging
 import math
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from table_builder.build import build_from_records
 from table_builder.flags import add_build_options, options_from_args, positive_int
 from table_builder.publish import publish, resolve_out
 from table_builder.records import RecordsError, read_records
 from table_builder.sweep import Engine
+
+if TYPE_CHECKING:
+    from ppd.catalog import Workload
 
 __all__ = ["add_parser"]
 
@@ -51,27 +55,40 @@ def _engine(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[Engine, t
     return engine, modes or supported
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
+
+def _grid(
+    args: argparse.Namespace,
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[Workload, ...], tuple[float, ...]]:
+    """(shapes, modes, workloads, QPS levels) of the flags; ValueError names a bad one."""
     from decision_service.axes import paper_axes
     from ppd.catalog import select_workloads
     from table_builder.analytic import parse_shape
+
+    shapes = tuple(_csv(args.shape))
+    for shape in shapes:
+        parse_shape(shape)
+    modes = tuple(_csv(args.modes)) if args.modes is not None else ()
+    if args.modes is not None and (not modes or any(m not in SWEEP_MODES for m in modes)):
+        raise ValueError(
+            f"--modes takes pd, local and/or bidir (the table compares static runs), got {args.modes!r}"
+        )
+    workloads = select_workloads(args.workloads)
+    levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
+    if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
+        raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")
+    return shapes, modes, workloads, levels
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
 
     try:
-        shapes = tuple(_csv(args.shape))
-        for shape in shapes:
-            parse_shape(shape)
-        modes = tuple(_csv(args.modes)) if args.modes is not None else ()
-        if args.modes is not None and (not modes or any(m not in SWEEP_MODES for m in modes)):
-            raise ValueError(
-                f"--modes takes pd, local and/or bidir (the table compares static runs), got {args.modes!r}"
-            )
-        workloads = select_workloads(args.workloads)
-        levels = paper_axes().qps_levels if args.qps == "all" else tuple(float(q) for q in _csv(args.qps))
-        if not workloads or not levels or any(not (math.isfinite(q) and q > 0) for q in levels):
-            raise ValueError("--workloads and --qps must name at least one workload and positive QPS levels")
+        shapes, modes, workloads, levels = _grid(args)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -98,6 +115,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             bar.set_postfix_str(point.run_id, refresh=False)
         bar.update(1)
 
+    # `kill` stops a sweep as Ctrl-C does (ppd-table's KeyboardInterrupt: exit 130): finished points
+    # stay for a resume and the engine's own processes (the vllm-cpu engine's stack of real workers)
+    # are stopped by close() below instead of being orphaned.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with bar:
             files = run_sweep(plan, engine, args.out, jobs=args.jobs, progress=progress, advance=advance)
@@ -105,6 +126,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         close = getattr(engine, "close", None)
         if callable(close):
             close()

