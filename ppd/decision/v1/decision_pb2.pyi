@@ -242,7 +242,9 @@ class RouteRequest(_message.Message):
     context_tokens: _builtins.int
     """Tokens already in the conversation (previous prompts and answers)."""
     qps: _builtins.float
-    """Current request rate seen by the caller, requests per second."""
+    """Current load seen by the caller: conversations started per second (the
+    unit of the table's QPS axis, the benchmark runs' arrival rate), not turns.
+    """
     weights_profile: _builtins.str
     """A named weights profile from the table header (e.g. "ttft", "tpot")."""
     table_key: _builtins.str
