@@ -49,16 +49,17 @@ test: lint typecheck vllm redis
 
 # The shipped real-vLLM table (tables/vllm-cpu/1P1D__tiny-llama-cpu.ppdt, its own folder so that the
 # decision service's default key over tables/ stays the H100 tables; `ppd-up --engine vllm-cpu` serves
-# it): a grid sized for this 2-core CPU (the five Turn-1-small workloads whose answers stay short, QPS up
-# to the tiny model's pd capacity here), the table's QPS axis on those same levels, resumable;
-# minutes per point, so about an hour on a quiet machine.
+# it): a grid sized for this 2-core CPU: the five Turn-1-small workloads whose answers stay short, at
+# 1/4, 1/2 and 1x the tiny model's pd capacity here (0.8 conversations/s, the ShareGPT ramp of
+# `ppd-vllm ppd-effect`), the table's QPS axis on those same levels; resumable; about 40 minutes on a
+# quiet machine.
 VLLM_TABLE_WORKLOADS ?= small_tiny,small_small_bal,small_mid_bal,small_mid_paste,small_big_paste
-VLLM_TABLE_QPS ?= 0.1,0.2,0.4
+VLLM_TABLE_QPS ?= 0.2,0.4,0.8
 VLLM_TABLE_RUNS ?= runs/table-vllm-cpu
 table-vllm-cpu: vllm
 	$(BIN)/ppd-table sweep --engine vllm-cpu --shape 1P1D --model tiny-llama-cpu \
 	  --workloads $(VLLM_TABLE_WORKLOADS) --qps $(VLLM_TABLE_QPS) --qps-levels $(VLLM_TABLE_QPS) \
-	  --duration 30 --seed 0 --min-samples 3 --out $(VLLM_TABLE_RUNS) --publish tables/vllm-cpu/
+	  --duration 40 --seed 0 --min-samples 3 --out $(VLLM_TABLE_RUNS) --publish tables/vllm-cpu/
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
