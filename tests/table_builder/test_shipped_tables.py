@@ -1,4 +1,5 @@
-"""The shipped default tables (tables/*.ppdt): present, valid, named by key, with provenance.
+"""The shipped tables (tables/*.ppdt, and the real-vLLM one in tables/vllm-cpu/): present, valid, named
+by key, with provenance.
 
 They are produced by one command (README, "Table files and the table builder"); a full rebuild takes
 minutes, so CI checks what can be checked cheaply: the server's reader accepts them, they say how they
@@ -9,10 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 
+from decision_service.axes import paper_axes
 from decision_service.table import Table
 from ppd.catalog import parse_workload
+from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from simulator.tools.sweep_engine import SimEngine
 from table_builder.build import (
     BUILDER_VERSION,
@@ -24,6 +28,7 @@ from table_builder.build import (
 )
 from table_builder.cli import main
 from table_builder.sweep import GridPoint
+from tests.decision_service.process import serve_process
 
 TABLES = Path(__file__).resolve().parents[2] / "tables"
 DEFAULT_SHAPES = ("1P3D", "2P2D", "3P1D")
@@ -97,3 +102,45 @@ def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str
             )
     finally:
         table.close()
+
+
+VLLM_CPU = TABLES / "vllm-cpu"
+VLLM_KEY = "1P1D/tiny-llama-cpu"
+
+
+def test_the_real_vllm_table_is_shipped_in_its_own_folder_and_says_how_it_was_measured() -> None:
+    table = Table.open(VLLM_CPU / table_file_name("1P1D", "tiny-llama-cpu"))
+    try:
+        assert table.key == VLLM_KEY
+        p = table.header.provenance
+        assert p["labels"]["engine"] == "vllm-cpu"
+        assert "vllm" in p["labels"]["vllm"]  # the engine's settings name vLLM's version
+        levels = table.header.axes.qps_levels
+        assert levels[-1] < paper_axes().qps_levels[1]  # its own QPS axis, sized for a tiny CPU model
+        runs = [run.split("_") for run in p["runs"]]  # <shape>_<mode>_<workload>_<qps>
+        assert {float(run[-1]) for run in runs} == set(levels)
+        assert {run[1] for run in runs} == {"pd", "local"}
+        assert p["cells"]["filled"] + p["cells"]["low_sample"] >= 5
+    finally:
+        table.close()
+    assert main(["check", str(VLLM_CPU)]) == 0
+
+
+def test_the_decision_service_serves_the_real_vllm_table_under_its_key_but_not_by_default() -> None:
+    # What `ppd-up --engine vllm-cpu` starts: the service over tables/vllm-cpu, asked with its key.
+    with serve_process(VLLM_CPU) as served, grpc.insecure_channel(served.grpc_target) as channel:
+        stub = decision_pb2_grpc.DecisionServiceStub(channel)
+        request = decision_pb2.RouteRequest(
+            request_id="t", turn=2, new_input_tokens=16, expected_output_tokens=32, context_tokens=300,
+            qps=0.4, table_key=VLLM_KEY,
+        )  # fmt: skip
+        answer = stub.Route(request, timeout=30)
+        assert (answer.table_key, answer.reason) == (VLLM_KEY, decision_pb2.REASON_TABLE)
+        assert answer.decision in (decision_pb2.DECISION_PD, decision_pb2.DECISION_LOCAL)
+    # Over tables/ (the default folder) the subfolder is not read: the default key stays an H100 table.
+    with serve_process(TABLES) as served, grpc.insecure_channel(served.grpc_target) as channel:
+        stub = decision_pb2_grpc.DecisionServiceStub(channel)
+        request = decision_pb2.RouteRequest(
+            request_id="t", turn=2, new_input_tokens=16, expected_output_tokens=32, context_tokens=300, qps=1
+        )
+        assert stub.Route(request, timeout=30).table_key == f"1P3D/{MODEL}"
