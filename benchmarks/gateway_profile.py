@@ -1,6 +1,7 @@
 """Where the gateway's CPU goes, per request and per relayed chunk: prints figures, asserts nothing.
 
     python -m benchmarks.gateway_profile [--streams 16] [--requests 2000] [--chunks 1 51] [--top 25]
+                                         [--stream-client aiohttp|httptools]
 
 The gateway runs as its own process (`gateway serve`, `local` mode, Turn 2+ of named sessions) in front
 of the fixed-pace stand-in of benchmarks/gateway.py (one chunk every --chunk-interval-ms, so each chunk
@@ -49,6 +50,7 @@ _CATEGORIES: tuple[tuple[str, str], ...] = (
     ("aiohttp/connector", "aiohttp client"),
     ("aiohttp/streams", "aiohttp streams"),
     ("aiohttp/", "aiohttp other"),
+    ("httptools", "httptools parser"),
     ("multidict", "multidict/yarl"),
     ("yarl", "multidict/yarl"),
     ("orjson", "json"),
@@ -149,6 +151,7 @@ def _run(args: argparse.Namespace) -> int:
             url = up.ready["url"]
             config.write_text(
                 'mode = "local"\n'
+                f'[upstream]\nstream_client = "{args.stream_client}"\n'
                 f'[[workers]]\nid = "P0"\nrole = "prefill"\nurl = "{url}"\n'
                 f'[[workers]]\nid = "D0"\nrole = "decode"\nurl = "{url}"\n'
             )
@@ -210,6 +213,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--chunks", type=int, nargs=2, default=[1, 51], metavar=("LOW", "HIGH"), help="chunks per answer")
     add("--chunk-interval-ms", type=float, default=1.0, help="the stand-in's pace between chunks")
     add("--top", type=int, default=25, help="functions listed per profile")
+    add(
+        "--stream-client",
+        choices=("aiohttp", "httptools"),
+        default="aiohttp",
+        help="the gateway's [upstream] stream_client (benchmarks/stream_client.py runs both)",
+    )
     return parser
 
 
