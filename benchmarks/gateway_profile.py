@@ -34,7 +34,7 @@ import uvloop
 from benchmarks.gateway import _emit, _load, _Proc, _start
 from devstack.ready import start_ready
 
-__all__ = ["main"]
+__all__ = ["main", "measure"]
 
 # (substring of the code's file name or of a built-in's name, category); the first that matches wins.
 _CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -118,6 +118,15 @@ def _stop(proc: _Proc) -> None:
 
 def _one(args: argparse.Namespace, config: Path, chunks: int, profile: str | None) -> tuple[float, int]:
     """The gateway's CPU seconds for the measured requests of `chunks` chunks, and their number."""
+    cpu, _, requests = measure(args, config, chunks, profile)
+    return cpu, requests
+
+
+def measure(
+    args: argparse.Namespace, config: Path, chunks: int, profile: str | None
+) -> tuple[float, float, int]:
+    """The gateway's CPU seconds (all, and the kernel's part) for the measured requests of `chunks`
+    chunks, and their number."""
     gw = _gateway(config, profile)
     try:
         url = f"http://127.0.0.1:{gw.ready['http']}/v1/chat/completions"
@@ -126,9 +135,9 @@ def _one(args: argparse.Namespace, config: Path, chunks: int, profile: str | Non
         uvloop.run(_load(url, per_stream=1, **load))  # warm-up: connections, caches
         if profile is not None:
             gw.proc.send_signal(signal.SIGUSR1)
-        cpu0 = gw.cpu_seconds()
+        cpu0, sys0 = gw.cpu_seconds(), gw.system_cpu_seconds()
         uvloop.run(_load(url, per_stream=per_stream, **load))
-        cpu = gw.cpu_seconds() - cpu0
+        cpu, sys_cpu = gw.cpu_seconds() - cpu0, gw.system_cpu_seconds() - sys0
         if profile is not None:
             gw.proc.send_signal(signal.SIGUSR2)
             for _ in range(600):
@@ -136,7 +145,7 @@ def _one(args: argparse.Namespace, config: Path, chunks: int, profile: str | Non
                     break
                 time.sleep(0.1)
             time.sleep(0.5)  # written whole
-        return cpu, args.streams * per_stream
+        return cpu, sys_cpu, args.streams * per_stream
     finally:
         _stop(gw)
 

@@ -9,22 +9,40 @@ alternates between rounds), each run twice, with answers of LOW and HIGH chunks 
 of named sessions, as benchmarks/gateway_profile.py). From the gateway's CPU seconds (/proc, not wall
 clock) it prints per client and round, then the median over rounds and the ratio httptools/aiohttp:
 - `us_per_extra_chunk`: (cpu(HIGH) - cpu(LOW)) / (HIGH - LOW) per request: one relayed chunk's CPU;
+  `us_per_extra_chunk_kernel` its system-time part (system calls and the loopback TCP stack);
 - `chunks_per_cpu_s`: its inverse, relayed chunks per CPU-second (per core) at the margin;
 - `cpu_s_per_1000_requests_{LOW,HIGH}_chunks`: CPU seconds per 1,000 streamed requests.
+Then the split of one relayed chunk, in this process (getrusage CPU, not wall clock):
+- `read_only`: the same streams read through each client alone (`HttpUpstream`,
+  `ProtocolStreamUpstream`: open, read every chunk, close; no relay, no client), CPU per extra chunk;
+- `relay_feed_us`: `StreamRelay.feed` on one of the stand-in's chunks (the fast path);
+- the rest of a relayed chunk (gateway figure minus both): writing it to the client through aiohttp's
+  server, the relay task's wake-up, the loop.
 Nothing here is imported by the gateway.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import resource
 import statistics
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gateway import _emit, _start
-from benchmarks.gateway_profile import _one
+import uvloop
+
+from benchmarks.gateway import MODEL, _emit, _start
+from benchmarks.gateway_profile import measure
+from gateway.plan import UpstreamCall
+from gateway.ports import Upstream
+from gateway.relay import StreamRelay
+from gateway.settings import TimeoutSettings
+from gateway.stream_upstream import ProtocolStreamUpstream
+from gateway.upstream import HttpUpstream
 
 __all__ = ["main"]
 
@@ -41,12 +59,14 @@ def _config(path: Path, url: str, client: str) -> Path:
     return path
 
 
-def _figures(low: int, high: int, cpu: dict[int, tuple[float, int]]) -> dict[str, Any]:
-    per_request = {n: cpu[n][0] / cpu[n][1] for n in (low, high)}
+def _figures(low: int, high: int, cpu: dict[int, tuple[float, float, int]]) -> dict[str, Any]:
+    per_request = {n: cpu[n][0] / cpu[n][2] for n in (low, high)}
+    kernel = {n: cpu[n][1] / cpu[n][2] for n in (low, high)}
     extra = (per_request[high] - per_request[low]) / (high - low)
     return {
-        "requests": cpu[low][1],
+        "requests": cpu[low][2],
         "us_per_extra_chunk": round(extra * 1e6, 2),
+        "us_per_extra_chunk_kernel": round((kernel[high] - kernel[low]) / (high - low) * 1e6, 2),
         "chunks_per_cpu_s": round(1 / extra) if extra > 0 else None,
         f"cpu_s_per_1000_requests_{low}_chunks": round(per_request[low] * 1000, 3),
         f"cpu_s_per_1000_requests_{high}_chunks": round(per_request[high] * 1000, 3),
@@ -56,6 +76,55 @@ def _figures(low: int, high: int, cpu: dict[int, tuple[float, int]]) -> dict[str
 def _median(values: list[Any]) -> Any:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+def _process_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _read_only(url: str, client: str, streams: int, requests: int, chunks: int) -> float:
+    """This process's CPU seconds per request, reading `requests` streams of `chunks` chunks from the
+    stand-in through `client` alone, `streams` at a time."""
+    base = HttpUpstream.create(TimeoutSettings())
+    up: Upstream = base if client == "aiohttp" else ProtocolStreamUpstream(base, TimeoutSettings())
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": chunks,
+        "stream": True,
+    }
+    call = UpstreamCall("D0", url + "/v1/chat/completions", body, (("X-Request-Id", "bench"),), True)
+
+    async def user(n: int) -> None:
+        for _ in range(n):
+            stream = await up.open_stream(call)
+            try:
+                async for _ in stream.chunks():
+                    pass
+            finally:
+                stream.close()
+
+    try:
+        await asyncio.gather(*(user(1) for _ in range(streams)))  # warm-up: connections
+        per_stream = max(1, requests // streams)
+        cpu0 = _process_cpu()
+        await asyncio.gather(*(user(per_stream) for _ in range(streams)))
+        return (_process_cpu() - cpu0) / (per_stream * streams)
+    finally:
+        await up.close()
+
+
+def _relay_feed_us(reps: int = 50_000) -> float:
+    chunk = (  # what the stand-in sends (benchmarks/gateway.py)
+        b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":'
+        b'{"content":"w7 "},"finish_reason":null}]}\n\n'
+    )
+    relay = StreamRelay(strip_usage=True)
+    start = time.process_time()
+    for _ in range(reps):
+        relay.feed(chunk)
+    return (time.process_time() - start) / reps * 1e6
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -68,12 +137,21 @@ def _run(args: argparse.Namespace) -> int:
             configs = {c: _config(Path(tmp) / f"{c}.toml", up.ready["url"], c) for c in CLIENTS}
             for r in range(args.rounds):
                 for client in CLIENTS if r % 2 == 0 else tuple(reversed(CLIENTS)):
-                    cpu = {n: _one(args, configs[client], n, None) for n in (low, high)}
+                    cpu = {n: measure(args, configs[client], n, None) for n in (low, high)}
                     row = _figures(low, high, cpu)
                     rows[client].append(row)
                     _emit({"figure": "round", "round": r, "stream_client": client, **row})
+        reads: dict[str, list[float]] = {c: [] for c in CLIENTS}
+        for r in range(args.rounds):
+            for client in CLIENTS if r % 2 == 0 else tuple(reversed(CLIENTS)):
+                cpu_low, cpu_high = (
+                    uvloop.run(_read_only(up.ready["url"], client, args.streams, args.requests, n))
+                    for n in (low, high)
+                )
+                reads[client].append((cpu_high - cpu_low) / (high - low) * 1e6)
     finally:
         up.stop()
+    relay_us = _relay_feed_us()
     medians = {c: {k: _median([row[k] for row in rows[c]]) for k in rows[c][0]} for c in CLIENTS}
     for client in CLIENTS:
         _emit({"figure": "median", "stream_client": client, "rounds": args.rounds, **medians[client]})
@@ -86,6 +164,17 @@ def _run(args: argparse.Namespace) -> int:
             },
         }
     )
+    split: dict[str, Any] = {"relay_feed_us": round(relay_us, 2)}
+    for client in CLIENTS:
+        read_us = statistics.median(reads[client])
+        total = medians[client]["us_per_extra_chunk"]
+        split[client] = {
+            "us_per_extra_chunk": total,
+            "read_only_us": round(read_us, 2),
+            "relay_feed_us": round(relay_us, 2),
+            "rest_us": round(total - read_us - relay_us, 2) if total is not None else None,
+        }
+    _emit({"figure": "split_per_extra_chunk", **split})
     return 0
 
 

@@ -193,34 +193,35 @@ class _Connection(asyncio.Protocol):
         self._timer = self._loop.call_at(self._last_read + self._idle_s, self._check_idle)
         self._transport.write(request)
 
-    async def _wait(self) -> None:
-        self._waiter = self._loop.create_future()
-        await self._waiter
-
     async def headers(self) -> None:
         while not self._headers_done:
             if self.failure is not None:
                 raise self.failure
-            await self._wait()
+            await self.waiter()
 
-    async def read(self) -> bytes | None:
-        """The body bytes received since the last read; None at its end. Raises _ConnectionFailedError."""
-        while True:
-            body = self._body
-            if body:
-                data = body.popleft() if len(body) == 1 else b"".join(body)
-                body.clear()
-                self._buffered = 0
-                if self._paused and self._transport is not None:
-                    self._paused = False
-                    self._transport.resume_reading()
-                return data
-            if self._complete:
-                self.stop_timer()
-                return None
-            if self.failure is not None:
-                raise self.failure
-            await self._wait()
+    def take(self) -> bytes | None:
+        """The body bytes received since the last call (never empty); b"" at the body's end; None
+        when the caller must `wait`. Raises _ConnectionFailedError."""
+        body = self._body
+        if body:
+            data = body.popleft() if len(body) == 1 else b"".join(body)
+            body.clear()
+            self._buffered = 0
+            if self._paused and self._transport is not None:
+                self._paused = False
+                self._transport.resume_reading()
+            return data
+        if self._complete:
+            self.stop_timer()
+            return b""
+        if self.failure is not None:
+            raise self.failure
+        return None
+
+    def waiter(self) -> asyncio.Future[None]:
+        """Done at the next read, end or failure."""
+        self._waiter = waiter = self._loop.create_future()
+        return waiter
 
     @property
     def reusable(self) -> bool:
@@ -254,13 +255,18 @@ class _Stream:
         return self
 
     async def __anext__(self) -> bytes:
-        try:
-            data = await self._conn.read()
-        except _ConnectionFailedError as exc:
-            raise UpstreamBrokenError(exc.cause, worker=self._worker) from None
-        if data is None:
-            raise StopAsyncIteration
-        return data
+        # One coroutine and (only when nothing is buffered) one future per chunk: the hot path.
+        conn = self._conn
+        while True:
+            try:
+                data = conn.take()
+            except _ConnectionFailedError as exc:
+                raise UpstreamBrokenError(exc.cause, worker=self._worker) from None
+            if data:
+                return data
+            if data is not None:
+                raise StopAsyncIteration
+            await conn.waiter()
 
     def close(self) -> None:
         if self._done:
