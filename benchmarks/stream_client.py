@@ -15,6 +15,8 @@ clock) it prints per client and round, then the median over rounds and the ratio
 Then the split of one relayed chunk, in this process (getrusage CPU, not wall clock):
 - `read_only`: the same streams read through each client alone (`HttpUpstream`,
   `ProtocolStreamUpstream`: open, read every chunk, close; no relay, no client), CPU per extra chunk;
+- `read_floor_us`: the same streams read by a Protocol that only counts the bytes (no parser, no
+  task woken per chunk): the event loop's and the kernel's part of receiving a chunk, the floor;
 - `relay_feed_us`: `StreamRelay.feed` on one of the stand-in's chunks (the fast path);
 - the rest of a relayed chunk (gateway figure minus both): writing it to the client through aiohttp's
   server, the relay task's wake-up, the loop.
@@ -42,7 +44,7 @@ from gateway.ports import Upstream
 from gateway.relay import StreamRelay
 from gateway.settings import TimeoutSettings
 from gateway.stream_upstream import ProtocolStreamUpstream
-from gateway.upstream import HttpUpstream
+from gateway.upstream import HttpUpstream, dumps
 
 __all__ = ["main"]
 
@@ -81,6 +83,54 @@ def _median(values: list[Any]) -> Any:
 def _process_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+class _Counter(asyncio.Protocol):
+    """The floor of reading a stream: bytes counted in data_received, no parser, no task woken per
+    chunk (one future per answer, done at the chunked body's last bytes)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if data.endswith(b"0\r\n\r\n") and self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+
+async def _read_floor(url: str, streams: int, requests: int, chunks: int) -> float:
+    """This process's CPU seconds per request, as `_read_only` but through `_Counter`."""
+    host, port = url.removeprefix("http://").split(":")
+    body = dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": chunks, "stream": True}
+    )
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    loop = asyncio.get_running_loop()
+
+    async def user(n: int, conn: _Counter) -> None:
+        assert conn.transport is not None
+        for _ in range(n):
+            conn.done = loop.create_future()
+            conn.transport.write(request)
+            await conn.done
+
+    conns = [(await loop.create_connection(_Counter, host, int(port)))[1] for _ in range(streams)]
+    try:
+        await asyncio.gather(*(user(1, c) for c in conns))
+        per_stream = max(1, requests // streams)
+        cpu0 = _process_cpu()
+        await asyncio.gather(*(user(per_stream, c) for c in conns))
+        return (_process_cpu() - cpu0) / (per_stream * streams)
+    finally:
+        for c in conns:
+            if c.transport is not None:
+                c.transport.close()
 
 
 async def _read_only(url: str, client: str, streams: int, requests: int, chunks: int) -> float:
@@ -142,6 +192,7 @@ def _run(args: argparse.Namespace) -> int:
                     rows[client].append(row)
                     _emit({"figure": "round", "round": r, "stream_client": client, **row})
         reads: dict[str, list[float]] = {c: [] for c in CLIENTS}
+        floors: list[float] = []
         for r in range(args.rounds):
             for client in CLIENTS if r % 2 == 0 else tuple(reversed(CLIENTS)):
                 cpu_low, cpu_high = (
@@ -149,6 +200,10 @@ def _run(args: argparse.Namespace) -> int:
                     for n in (low, high)
                 )
                 reads[client].append((cpu_high - cpu_low) / (high - low) * 1e6)
+            floor_low, floor_high = (
+                uvloop.run(_read_floor(up.ready["url"], args.streams, args.requests, n)) for n in (low, high)
+            )
+            floors.append((floor_high - floor_low) / (high - low) * 1e6)
     finally:
         up.stop()
     relay_us = _relay_feed_us()
@@ -164,7 +219,10 @@ def _run(args: argparse.Namespace) -> int:
             },
         }
     )
-    split: dict[str, Any] = {"relay_feed_us": round(relay_us, 2)}
+    split: dict[str, Any] = {
+        "relay_feed_us": round(relay_us, 2),
+        "read_floor_us": round(statistics.median(floors), 2),
+    }
     for client in CLIENTS:
         read_us = statistics.median(reads[client])
         total = medians[client]["us_per_extra_chunk"]
