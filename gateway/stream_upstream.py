@@ -72,13 +72,12 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
         self.status = 0
-        self.content_type = ""
         self.keep_alive = False
+        self._busy = False  # in an exchange (between send and the stream's close)
         self._got_bytes = False
         self._headers_done = False
         self._complete = False
         self._until_close = True  # no Content-Length and not chunked: the body ends with the connection
-        self._header_name = b""
         self.failure: _ConnectionFailedError | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -89,6 +88,9 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        if not self._busy or self._complete:  # bytes after the answer: out of step, never reuse it
+            self.abort()
+            return
         self._got_bytes = True
         self._last_read = self._loop.time()
         try:
@@ -121,9 +123,7 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         lower = name.lower()
-        if lower == b"content-type":
-            self.content_type = value.decode("latin-1")
-        elif lower == b"content-length" or (lower == b"transfer-encoding" and b"chunked" in value.lower()):
+        if lower == b"content-length" or (lower == b"transfer-encoding" and b"chunked" in value.lower()):
             self._until_close = False
 
     def on_headers_complete(self) -> None:
@@ -143,7 +143,7 @@ class _Connection(asyncio.Protocol):
 
     def _fail(self, cause: str) -> None:
         if self.failure is None and not self._complete:
-            self.failure = _ConnectionFailedError(cause, before_answer=not self._headers_done)
+            self.failure = _ConnectionFailedError(cause, before_answer=not self._got_bytes)
         self.abort()
         self._wake()
 
@@ -183,7 +183,7 @@ class _Connection(asyncio.Protocol):
         self._body.clear()
         self._buffered = 0
         self.status = 0
-        self.content_type = ""
+        self._busy = True
         self._got_bytes = False
         self._headers_done = False
         self._complete = False
@@ -222,6 +222,10 @@ class _Connection(asyncio.Protocol):
         """Done at the next read, end or failure."""
         self._waiter = waiter = self._loop.create_future()
         return waiter
+
+    def idle(self) -> None:
+        """Back in the pool: any byte from the worker now closes it."""
+        self._busy = False
 
     @property
     def reusable(self) -> bool:
@@ -350,6 +354,7 @@ class ProtocolStreamUpstream:
             conn.abort()
             return
         conn.stop_timer()
+        conn.idle()
         conn.idle_since = asyncio.get_running_loop().time()
         idle.append(conn)
 

@@ -44,6 +44,7 @@ class RawServer:
     connections: int = 0
     requests: list[bytes] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    go: asyncio.Event = field(default_factory=asyncio.Event)  # for scripts that wait for the test
     server: asyncio.Server | None = None
 
     @property
@@ -396,3 +397,25 @@ async def test_a_header_holding_a_line_break_is_refused_before_sending(
 ) -> None:
     with pytest.raises(ValueError, match="line break"):
         await client.open_stream(_call("http://127.0.0.1:1/x", (("X-Request-Id", "a\r\nX-Evil: 1"),)))
+
+
+async def test_a_connection_that_receives_bytes_after_its_answer_is_never_reused(
+    serve: Callable[[Script], Awaitable[RawServer]], client: ProtocolStreamUpstream
+) -> None:
+    async def chatty(request: bytes, writer: Writer, raw: RawServer) -> None:
+        await _sse(request, writer, raw)
+        if raw.connections == 1:
+            await raw.go.wait()  # once the client has read the answer to its end
+            writer.write(b"HTTP/1.1 200 OK\r\n")
+            await writer.drain()
+
+    raw = await serve(chatty)
+    stream = await client.open_stream(_call(raw.url()))
+    await _read_all(stream)
+    stream.close()
+    raw.go.set()
+    await asyncio.wait_for(raw.disconnected.wait(), 20)  # the client closed it on the stray bytes
+    stream = await client.open_stream(_call(raw.url()))
+    assert b"".join(await _read_all(stream)) == b"data: {}\n\ndata: [DONE]\n\n"
+    stream.close()
+    assert raw.connections == 2
