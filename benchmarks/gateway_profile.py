@@ -1,6 +1,7 @@
 """Where the gateway's CPU goes, per request and per relayed chunk: prints figures, asserts nothing.
 
     python -m benchmarks.gateway_profile [--streams 16] [--requests 2000] [--chunks 1 51] [--top 25]
+                                         [--stream-client aiohttp|httptools]
 
 The gateway runs as its own process (`gateway serve`, `local` mode, Turn 2+ of named sessions) in front
 of the fixed-pace stand-in of benchmarks/gateway.py (one chunk every --chunk-interval-ms, so each chunk
@@ -33,7 +34,7 @@ import uvloop
 from benchmarks.gateway import _emit, _load, _Proc, _start
 from devstack.ready import start_ready
 
-__all__ = ["main"]
+__all__ = ["main", "measure"]
 
 # (substring of the code's file name or of a built-in's name, category); the first that matches wins.
 _CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -49,6 +50,7 @@ _CATEGORIES: tuple[tuple[str, str], ...] = (
     ("aiohttp/connector", "aiohttp client"),
     ("aiohttp/streams", "aiohttp streams"),
     ("aiohttp/", "aiohttp other"),
+    ("httptools", "httptools parser"),
     ("multidict", "multidict/yarl"),
     ("yarl", "multidict/yarl"),
     ("orjson", "json"),
@@ -116,6 +118,15 @@ def _stop(proc: _Proc) -> None:
 
 def _one(args: argparse.Namespace, config: Path, chunks: int, profile: str | None) -> tuple[float, int]:
     """The gateway's CPU seconds for the measured requests of `chunks` chunks, and their number."""
+    cpu, _, requests = measure(args, config, chunks, profile)
+    return cpu, requests
+
+
+def measure(
+    args: argparse.Namespace, config: Path, chunks: int, profile: str | None
+) -> tuple[float, float, int]:
+    """The gateway's CPU seconds (all, and the kernel's part) for the measured requests of `chunks`
+    chunks, and their number."""
     gw = _gateway(config, profile)
     try:
         url = f"http://127.0.0.1:{gw.ready['http']}/v1/chat/completions"
@@ -124,9 +135,9 @@ def _one(args: argparse.Namespace, config: Path, chunks: int, profile: str | Non
         uvloop.run(_load(url, per_stream=1, **load))  # warm-up: connections, caches
         if profile is not None:
             gw.proc.send_signal(signal.SIGUSR1)
-        cpu0 = gw.cpu_seconds()
+        cpu0, sys0 = gw.cpu_seconds(), gw.system_cpu_seconds()
         uvloop.run(_load(url, per_stream=per_stream, **load))
-        cpu = gw.cpu_seconds() - cpu0
+        cpu, sys_cpu = gw.cpu_seconds() - cpu0, gw.system_cpu_seconds() - sys0
         if profile is not None:
             gw.proc.send_signal(signal.SIGUSR2)
             for _ in range(600):
@@ -134,7 +145,7 @@ def _one(args: argparse.Namespace, config: Path, chunks: int, profile: str | Non
                     break
                 time.sleep(0.1)
             time.sleep(0.5)  # written whole
-        return cpu, args.streams * per_stream
+        return cpu, sys_cpu, args.streams * per_stream
     finally:
         _stop(gw)
 
@@ -149,6 +160,7 @@ def _run(args: argparse.Namespace) -> int:
             url = up.ready["url"]
             config.write_text(
                 'mode = "local"\n'
+                f'[upstream]\nstream_client = "{args.stream_client}"\n'
                 f'[[workers]]\nid = "P0"\nrole = "prefill"\nurl = "{url}"\n'
                 f'[[workers]]\nid = "D0"\nrole = "decode"\nurl = "{url}"\n'
             )
@@ -210,6 +222,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--chunks", type=int, nargs=2, default=[1, 51], metavar=("LOW", "HIGH"), help="chunks per answer")
     add("--chunk-interval-ms", type=float, default=1.0, help="the stand-in's pace between chunks")
     add("--top", type=int, default=25, help="functions listed per profile")
+    add(
+        "--stream-client",
+        choices=("aiohttp", "httptools"),
+        default="aiohttp",
+        help="the gateway's [upstream] stream_client (benchmarks/stream_client.py runs both)",
+    )
     return parser
 
 

@@ -48,6 +48,7 @@ from gateway.residency import KvTracking, Residency
 from gateway.sessions import InMemorySessionStore, SessionStore
 from gateway.settings import Settings
 from gateway.slo import SloControl
+from gateway.stream_upstream import ProtocolStreamUpstream
 from gateway.types import Clock, Endpoint, Role
 from gateway.upstream import HttpUpstream
 from ppd.kv_events import DEFAULT_NONE_HASH_SEED, BlockHasher
@@ -77,6 +78,17 @@ def _kv_tracking(
     return KvTracking(residency, hasher), KvSubscriber(residency, kv.endpoints, kv.replay_endpoints, metrics)
 
 
+def _upstream(settings: Settings) -> Upstream:
+    """The client to workers: aiohttp for everything, the streaming leg on httptools if so set."""
+    base = HttpUpstream.create(settings.timeouts)
+    up = settings.upstream
+    if up.stream_client == "aiohttp":
+        return base
+    return ProtocolStreamUpstream(
+        base, settings.timeouts, max_idle_per_host=up.max_idle_per_worker, keepalive_s=up.keepalive_s
+    )
+
+
 def create_app(
     settings: Settings,
     *,
@@ -95,7 +107,7 @@ def create_app(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         app_metrics = metrics or GatewayMetrics()
-        workers = upstream or HttpUpstream.create(settings.timeouts)
+        workers = upstream or _upstream(settings)
         decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
         store, shared = _session_store(settings, sessions, app_metrics, clock)
         pool = WorkerPool(settings.workers, heartbeat_expiry_s=settings.pool.heartbeat_expiry_s, clock=clock)

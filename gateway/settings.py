@@ -35,6 +35,7 @@ __all__ = [
     "SettingsError",
     "SloConfig",
     "TimeoutSettings",
+    "UpstreamSettings",
     "explore_settings",
 ]
 
@@ -121,6 +122,22 @@ class TimeoutSettings:
     idle_s: float = 60.0
     # Health checks, /metrics scrapes, /tokenize and other small calls.
     probe_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamSettings:
+    # The client of the streaming leg to workers: "httptools" (gateway/stream_upstream.py, asyncio
+    # Protocols + httptools' parser) or "aiohttp" (gateway/upstream.py, as every other call).
+    stream_client: Literal["httptools", "aiohttp"] = "aiohttp"
+    # Idle keep-alive connections kept per worker by the httptools client, and how long each.
+    max_idle_per_worker: int = 256
+    keepalive_s: float = 30.0
+
+    def validate(self) -> None:
+        if self.stream_client not in ("httptools", "aiohttp"):
+            raise SettingsError("upstream.stream_client must be 'httptools' or 'aiohttp'")
+        if self.max_idle_per_worker < 0 or self.keepalive_s <= 0:
+            raise SettingsError("upstream.max_idle_per_worker must be >= 0, upstream.keepalive_s positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +244,7 @@ class Settings:
     decision: DecisionSettings = field(default_factory=DecisionSettings)
     policy: PolicySettings = field(default_factory=PolicySettings)
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    upstream: UpstreamSettings = field(default_factory=UpstreamSettings)
     sessions: SessionSettings = field(default_factory=SessionSettings)
     pool: PoolSettings = field(default_factory=PoolSettings)
     log: LogSettings = field(default_factory=LogSettings)
@@ -254,6 +272,7 @@ class Settings:
             "decision": DecisionSettings(**_section(DecisionSettings, data.pop("decision", {}), "decision")),
             "policy": PolicySettings(**_section(PolicySettings, data.pop("policy", {}), "policy")),
             "timeouts": TimeoutSettings(**_section(TimeoutSettings, data.pop("timeouts", {}), "timeouts")),
+            "upstream": UpstreamSettings(**_section(UpstreamSettings, data.pop("upstream", {}), "upstream")),
             "sessions": SessionSettings(**_section(SessionSettings, data.pop("sessions", {}), "sessions")),
             "pool": PoolSettings(**_section(PoolSettings, data.pop("pool", {}), "pool")),
             "log": LogSettings(**_section(LogSettings, data.pop("log", {}), "log")),
@@ -301,6 +320,7 @@ class Settings:
             raise SettingsError("decision.lb_policy must be 'round_robin' or 'pick_first'")
         if not 0 < self.decision.health_reopen_s <= self.decision.health_reopen_max_s:
             raise SettingsError("need 0 < decision.health_reopen_s <= decision.health_reopen_max_s")
+        self.upstream.validate()
         if self.sessions.ttl_s <= 0 or self.sessions.max_entries <= 0:
             raise SettingsError("sessions.ttl_s and sessions.max_entries must be positive")
         _check_shared_sessions(self.sessions)

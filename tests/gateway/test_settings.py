@@ -102,3 +102,13 @@ def test_the_routing_section_says_whether_the_gateway_can_serve_bidir() -> None:
     assert (Settings().routing.bidir, Settings().routing.bidir_params_ttl_s) == (False, 450.0)
     s = Settings.from_mapping({"mode": "bidir", "routing": {"bidir": True, "bidir_params_ttl_s": 30}})
     assert (str(s.mode), s.routing.bidir, s.routing.bidir_params_ttl_s) == ("bidir", True, 30.0)
+
+
+def test_the_streaming_client_is_chosen_in_the_upstream_section() -> None:
+    assert Settings.from_mapping({}).upstream.stream_client == "aiohttp"
+    chosen = Settings.from_mapping({"upstream": {"stream_client": "httptools", "keepalive_s": 5}})
+    assert (chosen.upstream.stream_client, chosen.upstream.keepalive_s) == ("httptools", 5.0)
+    with pytest.raises(SettingsError, match="stream_client"):
+        Settings.from_mapping({"upstream": {"stream_client": "httpx"}})
+    with pytest.raises(SettingsError, match="keepalive_s"):
+        Settings.from_mapping({"upstream": {"keepalive_s": 0}})
