@@ -144,3 +144,23 @@ def test_the_decision_service_serves_the_real_vllm_table_under_its_key_but_not_b
             request_id="t", turn=2, new_input_tokens=16, expected_output_tokens=32, context_tokens=300, qps=1
         )
         assert stub.Route(request, timeout=30).table_key == f"1P3D/{MODEL}"
+
+
+def test_the_real_vllm_table_equals_a_rebuild_from_its_shipped_records(tmp_path: Path) -> None:
+    # Real runs cannot be repeated bit for bit, so their records ship beside the report
+    # (docs/real-vllm/table-records) and the table must be exactly what they build.
+    records = TABLES.parent / "docs" / "real-vllm" / "table-records"
+    shipped = Table.open(VLLM_CPU / table_file_name("1P1D", "tiny-llama-cpu"))
+    try:
+        levels = ",".join(f"{q:g}" for q in shipped.header.axes.qps_levels)
+        out = tmp_path / "t.ppdt"
+        argv = ["build", "--records", str(records), "--shape", "1P1D", "--model", "tiny-llama-cpu"]
+        assert main([*argv, "--qps-levels", levels, "--out", str(out)]) == 0
+        rebuilt = Table.open(out)
+        try:
+            assert rebuilt.header.provenance["inputs_sha256"] == shipped.header.provenance["inputs_sha256"]
+            assert rebuilt.figures.tobytes() == shipped.figures.tobytes()
+        finally:
+            rebuilt.close()
+    finally:
+        shipped.close()
