@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.gateway.processes import REPO
+from tests.support.benchmarks import run_benchmark
 
 
 @pytest.mark.bench
@@ -18,16 +15,7 @@ def test_benchmark_prints_every_figure() -> None:
         "run", "--streams", "4", "8", "--requests-per-stream", "2", "--chunks", "10",
         "--chunk-interval-ms", "1", "--proxied", "50", "--sessions", "2000", "--session-bound", "500",
     ]  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gateway", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    sys.stdout.write(out.stdout)  # the figures, visible with pytest -s
-    figures = [json.loads(line) for line in out.stdout.splitlines()]
+    figures = run_benchmark("benchmarks.gateway", args)
     by_name: dict[str, list[dict[str, Any]]] = {}
     for f in figures:
         by_name.setdefault(f["figure"], []).append(f)

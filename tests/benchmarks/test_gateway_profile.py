@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.gateway.processes import REPO
+from tests.support.benchmarks import run_benchmark
 
 
 @pytest.mark.bench
 def test_profile_prints_the_cpu_split_per_request_and_per_chunk() -> None:
     args = ["--streams", "2", "--requests", "8", "--chunks", "1", "5", "--top", "3"]
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gateway_profile", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    sys.stdout.write(out.stdout)  # the figures, visible with pytest -s
-    figures = {f["figure"] + str(f.get("chunks", "")): f for f in map(json.loads, out.stdout.splitlines())}
+    figures = {
+        f["figure"] + str(f.get("chunks", "")): f for f in run_benchmark("benchmarks.gateway_profile", args)
+    }
     assert set(figures) == {"cpu", "profile1", "profile5", "profile_per_extra_chunk"}
     assert figures["cpu"]["requests"] == 8
     assert figures["profile5"]["requests"] == 8

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.gateway.processes import REPO
+from tests.support.benchmarks import run_benchmark
 from tests.support.ci import require_tool
 
 
@@ -29,18 +26,9 @@ def test_benchmark_prints_every_figure_for_both_stores_side_by_side() -> None:
         "--ops",
         "50",
     ]
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.session_store", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    sys.stdout.write(out.stdout)  # the figures, visible with pytest -s
+    figures = run_benchmark("benchmarks.session_store", args)
     by_name: dict[str, list[dict[str, Any]]] = {}
-    for line in out.stdout.splitlines():
-        figure = json.loads(line)
+    for figure in figures:
         by_name.setdefault(figure["figure"], []).append(figure)
     assert [(f["store"], f["streams"]) for f in by_name["request"]] == [
         ("memory", 1), ("redis", 1), ("memory", 4), ("redis", 4),

@@ -3,28 +3,15 @@ prints every figure (no speed asserts)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.gateway.processes import REPO
+from tests.support.benchmarks import run_benchmark
 
 
 @pytest.mark.bench
 def test_both_stream_clients_are_measured_in_one_run() -> None:
     args = ["--rounds", "1", "--streams", "2", "--requests", "8", "--chunks", "1", "5"]
-    out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.stream_client", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=True,
-    )
-    sys.stdout.write(out.stdout)  # the figures, visible with pytest -s
-    figures = [json.loads(line) for line in out.stdout.splitlines()]
+    figures = run_benchmark("benchmarks.stream_client", args)
     rounds = {f["stream_client"]: f for f in figures if f["figure"] == "round"}
     assert set(rounds) == {"aiohttp", "httptools"}
     assert all(f["requests"] == 8 for f in rounds.values())
