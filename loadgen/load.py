@@ -11,6 +11,12 @@ Rule 3: TTFT is the time to the first non-empty ``delta.content``; TPOT is (e2e 
 Rule 5: every run sends its own conversation ids: the workload's ``<workload>-s<seed>-<index>`` plus
         ``-r<run_tag>`` (random per run unless given), as ``X-Session-ID`` and in the records, so a second
         run with the same seed never joins the sessions a gateway still holds from the first.
+Rule 6: every run also sends its own text (``isolate_prefix_cache``, on by default): the first message
+        of each conversation starts with ``[<conversation id>] ``, so no prompt of this run shares a
+        prefix-cache block with another run's on the same workers (vLLM and the simulator cache by
+        token content, not by id: without it, the local run after a pd run of the same conversations
+        would find every Turn 2+ prompt already computed and measure a one-token prefill). Turn 1's
+        ``n_in`` in the records is the workload's count, without those few marker tokens.
 Rule 4: a request over ``timeout_s`` (30 s), a non-200 status, a dropped connection or an SSE error
         event is a failed request with the reason in ``error``; the rest of that conversation is not
         sent (success rate = completed / sent).
@@ -91,6 +97,8 @@ class LoadSettings:
     api_key: str | None = None
     # Tells this run's conversations from every other run's (rule 5).
     run_tag: str = field(default_factory=new_run_tag)
+    # Rule 6: this run's prompts share no prefix-cache block with another run's.
+    isolate_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if not _RUN_TAG.fullmatch(self.run_tag):
@@ -340,7 +348,8 @@ async def _conversation(
     n_ctx = 0
     conversation_id = f"{conversation.id}-r{settings.run_tag}"
     for number, turn in enumerate(conversation.turns, start=1):
-        messages.append({"role": "user", "content": turn.content})
+        marker = f"[{conversation_id}] " if number == 1 and settings.isolate_prefix_cache else ""
+        messages.append({"role": "user", "content": marker + turn.content})
         start_time = time.time()
         outcome = await client.send(conversation_id, number, list(messages), turn.n_out)
         emit(

@@ -142,3 +142,36 @@ async def test_two_runs_with_the_same_seed_never_share_a_conversation_id(
     assert all(r.conversation_id.endswith("-rrerun1") for r in tagged.records)
     with pytest.raises(ValueError, match="run tag"):
         _settings(url, run_tag="a/b")
+
+
+async def test_two_runs_of_the_same_conversations_share_no_prompt_prefix(
+    fake: tuple[FakeWorker, str],
+) -> None:
+    """Workers cache by token content: a rerun's prompts must not start like the first run's, or the
+    second run (local after pd, say) measures prefills the first one already computed."""
+    server, url = fake
+    workload = SyntheticWorkload(name="small_tiny", words=WORDS, seed=4)
+    for tag in ("one", "two"):
+        await run_load(_settings(url, served_model="m", run_tag=tag), workload)
+    firsts: dict[str, list[str]] = {"one": [], "two": []}
+    for seen in server.completions():
+        tag = seen.headers["X-Session-ID"].rsplit("-r", 1)[1]
+        firsts[tag].append(seen.body["messages"][0]["content"])
+    assert firsts["one"]
+    assert firsts["two"]
+    # The same workload text behind a marker naming the conversation (and so the run).
+    for tag, texts in firsts.items():
+        assert all(t.startswith("[") and f"-r{tag}] " in t for t in texts)
+    strip = {tag: {t.split("] ", 1)[1] for t in texts} for tag, texts in firsts.items()}
+    assert strip["one"] == strip["two"]
+    assert not {t[:40] for t in firsts["one"]} & {t[:40] for t in firsts["two"]}
+
+
+async def test_without_isolation_a_run_sends_the_workloads_text_as_it_is(
+    fake: tuple[FakeWorker, str],
+) -> None:
+    server, url = fake
+    workload = SyntheticWorkload(name="small_tiny", words=WORDS, seed=4)
+    await run_load(_settings(url, served_model="m", isolate_prefix_cache=False), workload)
+    texts = {s.body["messages"][0]["content"] for s in server.completions()}
+    assert texts == {workload.conversation(i).turns[0].content for i in range(len(texts))}
