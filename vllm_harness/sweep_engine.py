@@ -12,7 +12,9 @@ Rule 1: one stack per shape, started at the shape's first point and kept for the
         (``max_jobs``): two clusters on one CPU would measure each other.
 Rule 2: the arrivals and the conversations' text of a point depend on (seed, workload, QPS) only, so the
         pd and local runs of a cell see the very same traffic (as the ``sim`` engine does); different
-        cells get different text, so no cell is served from another cell's prefix cache.
+        cells get different text, and each run marks its own (``loadgen.load`` rule 6), so no run is
+        served from the prefix cache another run filled (before that mark, the local run of a cell found
+        the Turn 2 prompts its pd run had just pulled onto D).
 Rule 3: the settings name vLLM's and NIXL's versions, the tiny model and the harness's build revision, so
         a sweep folder is never resumed by another engine build, and the table's provenance says it was
         measured on real vLLM on a CPU.
