@@ -202,7 +202,8 @@ def real_vllm_section(folder: Path, out: Path) -> list[str]:
         "core, and all processes share the memory bandwidth (so P's prefills can still slow D a little).",
         f"{manifest.duration_s:g} s of Poisson arrivals per run, {manifest.timeout_s:g} s request timeout; "
         f"capacity {capacity}. Every mode of a level sends the same conversations at the same offsets, "
-        f"with fresh conversation ids per run. {manifest.table}.",
+        f"with fresh conversation ids and a per-run text mark (no run hits the prefix caches another "
+        f"filled). {manifest.table}.",
         "",
         *md_table(
             [
