@@ -15,7 +15,7 @@ from simulator.core.kv_load_policy import PolicySpecError, parse_policy_spec, pa
 from simulator.core.topology import Topology, TopologyError
 from vllm_harness.cluster import ClusterSettings, run_cluster
 from vllm_harness.prepare import PrepareError, prepare
-from vllm_harness.spec import default_root
+from vllm_harness.spec import MODEL_LABEL, default_root
 
 __all__ = ["build_parser", "main"]
 
@@ -117,7 +117,7 @@ def _add_fit_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--cluster", default=None,
         help="ready line (JSON, or @FILE) of running workers, e.g. from ppd-vllm cluster or your GPU cluster",
     )  # fmt: skip
-    f.add_argument("--name", default="tiny-llama-cpu", help="profile name (default tiny-llama-cpu)")
+    f.add_argument("--name", default=MODEL_LABEL, help=f"profile name (default {MODEL_LABEL})")
     f.add_argument(
         "--model-from", default=None,
         help="take the model section from this profile (name or path; default: the tiny CPU model)",
@@ -241,7 +241,7 @@ def _add_ppd_effect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--table", type=Path, default=None, help="table file for ppd (default: built from the runs)"
     )
     e.add_argument(
-        "--model-label", default="tiny-llama-cpu", help="model part of the table key (default tiny-llama-cpu)"
+        "--model-label", default=MODEL_LABEL, help=f"model part of the table key (default {MODEL_LABEL})"
     )
     e.add_argument("--progress", action="store_true", help="a progress bar per run")
     e.add_argument(

