@@ -9,25 +9,15 @@
 # MIN_HEALTHY  replicas that must be healthy       (default 2)
 # GRPCURL      the grpcurl binary                  (default: grpcurl on PATH)
 set -euo pipefail
+# shellcheck source=../verify-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../verify-lib.sh"
 
-ENVOY="${ENVOY:-127.0.0.1:10000}"
-ADMIN="${ADMIN:-127.0.0.1:9901}"
-MIN_HEALTHY="${MIN_HEALTHY:-2}"
 GRPCURL="${GRPCURL:-grpcurl}"
 SERVICE=ppd.decision.v1.DecisionService
 QUERY='{"request_id":"verify","turn":2,"new_input_tokens":256,"expected_output_tokens":64,"context_tokens":1024,"qps":2}'
 
-fail() { echo "FAIL: $*" >&2; exit 1; }
-ok() { echo "ok: $*"; }
-
-ready="$(curl -sf "http://${ADMIN}/ready")" || fail "Envoy admin at ${ADMIN} does not answer"
-[[ "${ready}" == "LIVE" ]] || fail "Envoy is not live: ${ready}"
-ok "Envoy is live"
-
-# Hosts whose health_flags line is exactly 'healthy' (no failed_active_hc, no outlier ejection).
-healthy="$(curl -sf "http://${ADMIN}/clusters" | grep -c '^decision::.*::health_flags::healthy$' || true)"
-(( healthy >= MIN_HEALTHY )) || fail "${healthy} healthy decision replicas, want at least ${MIN_HEALTHY}"
-ok "${healthy} decision replicas pass grpc.health.v1 checks"
+check_live
+check_healthy decision "grpc.health.v1 checks"
 
 grpc="$("${GRPCURL}" -plaintext -d "${QUERY}" "${ENVOY}" "${SERVICE}/Route")" \
   || fail "gRPC Route through Envoy failed"

@@ -10,32 +10,17 @@
 # MIN_HEALTHY  replicas that must be healthy       (default 2)
 # MODEL        model for the chat turns            (default: the first one /v1/models lists)
 set -euo pipefail
+# shellcheck source=../verify-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../verify-lib.sh"
 
-ENVOY="${ENVOY:-127.0.0.1:10000}"
-ADMIN="${ADMIN:-127.0.0.1:9901}"
-MIN_HEALTHY="${MIN_HEALTHY:-2}"
 TURNS=3
 
-fail() { echo "FAIL: $*" >&2; exit 1; }
-ok() { echo "ok: $*"; }
+check_live
+check_healthy gateway "/health checks"
 
-# "host:port count" for every gateway replica: requests Envoy has sent it so far.
-requests_per_replica() {
-  curl -sf "http://${ADMIN}/clusters" | awk -F'::' '$1 == "gateway" && $3 == "rq_total" { print $2, $4 }' | sort
-}
+pick_model
 
-ready="$(curl -sf "http://${ADMIN}/ready")" || fail "Envoy admin at ${ADMIN} does not answer"
-[[ "${ready}" == "LIVE" ]] || fail "Envoy is not live: ${ready}"
-ok "Envoy is live"
-
-healthy="$(curl -sf "http://${ADMIN}/clusters" | grep -c '^gateway::.*::health_flags::healthy$' || true)"
-(( healthy >= MIN_HEALTHY )) || fail "${healthy} healthy gateway replicas, want at least ${MIN_HEALTHY}"
-ok "${healthy} gateway replicas pass /health checks"
-
-MODEL="${MODEL:-$(curl -sf "http://${ENVOY}/v1/models" | grep -o '"id": *"[^"]*"' | head -1 | sed 's/.*"\([^"]*\)"$/\1/')}"
-[[ -n "${MODEL}" ]] || fail "no model listed by /v1/models"
-
-before="$(requests_per_replica)"
+before="$(requests_per_replica gateway)"
 # The conversation so far as a JSON array (python3 keeps the answers' text exact: the session key is
 # the hash of the messages).
 messages="[{\"role\": \"user\", \"content\": \"verify $$ ${RANDOM}: say hello.\"}]"
@@ -58,8 +43,7 @@ history, answer = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 history += [answer["choices"][0]["message"], {"role": "user", "content": "and then?"}]
 print(json.dumps([{"role": m["role"], "content": m["content"]} for m in history]))' "${messages}" "${response}")"
 done
-after="$(requests_per_replica)"
-spread="$(join <(echo "${before}") <(echo "${after}") | awk '$3 != $2' | wc -l)"
+spread="$(replicas_moved "${before}" "$(requests_per_replica gateway)" | wc -l)"
 (( spread >= 2 )) || fail "the ${TURNS} turns all went to one replica: Envoy is not spreading requests"
 ok "${TURNS} turns of conversation ${session} over ${spread} replicas, each one knew the session"
 

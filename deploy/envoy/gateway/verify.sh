@@ -9,42 +9,26 @@
 # MIN_HEALTHY  replicas that must be healthy       (default 2)
 # MODEL        model for the chat turn             (default: the first one /v1/models lists)
 set -euo pipefail
+# shellcheck source=../verify-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../verify-lib.sh"
 
-ENVOY="${ENVOY:-127.0.0.1:10000}"
-ADMIN="${ADMIN:-127.0.0.1:9901}"
-MIN_HEALTHY="${MIN_HEALTHY:-2}"
 SESSION="verify-$$-${RANDOM}"
 TURNS=4
 
-fail() { echo "FAIL: $*" >&2; exit 1; }
-ok() { echo "ok: $*"; }
+check_live
+check_healthy gateway "/health checks"
 
-# "host:port count" for every gateway replica: requests Envoy has sent it so far.
-requests_per_replica() {
-  curl -sf "http://${ADMIN}/clusters" | awk -F'::' '$1 == "gateway" && $3 == "rq_total" { print $2, $4 }' | sort
-}
-
-ready="$(curl -sf "http://${ADMIN}/ready")" || fail "Envoy admin at ${ADMIN} does not answer"
-[[ "${ready}" == "LIVE" ]] || fail "Envoy is not live: ${ready}"
-ok "Envoy is live"
-
-healthy="$(curl -sf "http://${ADMIN}/clusters" | grep -c '^gateway::.*::health_flags::healthy$' || true)"
-(( healthy >= MIN_HEALTHY )) || fail "${healthy} healthy gateway replicas, want at least ${MIN_HEALTHY}"
-ok "${healthy} gateway replicas pass /health checks"
-
-before="$(requests_per_replica)"
+before="$(requests_per_replica gateway)"
 for _ in $(seq "${TURNS}"); do
   curl -sf -H "X-Session-ID: ${SESSION}" "http://${ENVOY}/v1/models" >/dev/null \
     || fail "GET /v1/models through Envoy failed"
 done
-after="$(requests_per_replica)"
-moved="$(join <(echo "${before}") <(echo "${after}") | awk '$3 != $2 { print $1, $3 - $2 }')"
+moved="$(replicas_moved "${before}" "$(requests_per_replica gateway)")"
 [[ "$(wc -l <<<"${moved}")" == 1 && "${moved}" == *" ${TURNS}" ]] \
   || fail "session ${SESSION} was spread over replicas: ${moved:-none}"
 ok "all ${TURNS} requests of session ${SESSION} went to ${moved% *}"
 
-MODEL="${MODEL:-$(curl -sf "http://${ENVOY}/v1/models" | grep -o '"id": *"[^"]*"' | head -1 | sed 's/.*"\([^"]*\)"$/\1/')}"
-[[ -n "${MODEL}" ]] || fail "no model listed by /v1/models"
+pick_model
 body="{\"model\":\"${MODEL}\",\"max_tokens\":8,\"messages\":[{\"role\":\"user\",\"content\":\"Say hello.\"}]}"
 answer="$(curl -sf -H 'content-type: application/json' -H "X-Session-ID: ${SESSION}" -d "${body}" \
   "http://${ENVOY}/v1/chat/completions")" || fail "chat turn through Envoy failed"
