@@ -37,7 +37,7 @@ from typing import Any, Final
 
 from loadgen.arguments import positive, positive_list
 from loadgen.report.paper import BANDS
-from loadgen.report.section import md_table, mean, ms, progress_printer
+from loadgen.report.section import add_experiment_parser, md_table, mean, ms, print_section, progress_printer
 from ppd.catalog import TURN2_CLASSES, parse_workload
 from table_builder.records import Record, write_records
 
@@ -428,23 +428,24 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         w_tpot=args.w_tpot,
     )
     _, path = run_bidir(settings, args.out, progress=progress_printer(args.no_progress))
-    print(f"bidir section: {path}")
+    print_section("bidir", path)
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``bidir`` subcommand of ``ppd-bench``."""
     d = BidirSettings()
-    parser = sub.add_parser(
+    parser = add_experiment_parser(
+        sub,
         "bidir",
         help="local vs PD vs vLLM's bidirectional path per cell, three-way vs two-way PPD (simulator)",
         description="Runs static pd, local and bidir for each workload x QPS x link point on the "
         "virtual-time cluster (same arrivals for the three) and writes bidir.md (per-metric winners by "
         "context, Turn-2 tokens, QPS and link; Turn 2 TTFT across QPS bands with two-way and three-way PPD; "
         "the cells where three-way beats two-way), bidir.json and the records into --out.",
+        shape=d.shape,
+        seed=d.seed,
     )
-    parser.add_argument("--out", type=Path, required=True, help="folder for the section, figures and records")
-    parser.add_argument("--shape", default=d.shape, help=f"deployment shape (default {d.shape})")
     parser.add_argument("--workloads", default=None, help=f"comma list (default {','.join(d.workloads)})")
     parser.add_argument(
         "--qps",
@@ -461,8 +462,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=d.duration_s,
         help=f"seconds per point (default {d.duration_s:g})",
     )
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the arrivals (default 0)")
     parser.add_argument("--w-ttft", type=positive, default=d.w_ttft, help="w_ttft of S (default 1)")
     parser.add_argument("--w-tpot", type=positive, default=d.w_tpot, help="w_tpot of S (default 1)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(handler=_command)

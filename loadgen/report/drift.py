@@ -26,7 +26,7 @@ from loadgen.report.drift_arms import (
 )
 from loadgen.report.drift_section import DriftFigures, figures, figures_json, goals, write_section
 from loadgen.report.reproduce import find_table
-from loadgen.report.section import progress_printer
+from loadgen.report.section import add_experiment_parser, print_section, progress_printer
 from loadgen.report.traffic import mix_conversations
 from ppd import catalog
 from table_builder.records import Record, write_records
@@ -150,16 +150,15 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         return 2
 
     fig, path = run_drift(settings, args.out, progress=progress_printer(args.no_progress))
-    print(f"drift section: {path}")
-    for row in goals(fig):
-        print("| " + " | ".join(row) + " |")
+    print_section("drift", path, goals(fig))
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``drift`` subcommand of ``ppd-bench``."""
     d = DriftSettings()
-    parser = sub.add_parser(
+    parser = add_experiment_parser(
+        sub,
         "drift",
         help="stale table vs closed loop vs oracle across a hardware drift, on the virtual-time simulator",
         description="Runs one seeded mix of synthetic two-turn workloads through the virtual-time cluster "
@@ -167,9 +166,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "the closed loop (exploration + a table refreshed from the run's own records every K requests), "
         "and an oracle table built by the sweep on the post-drift cluster (only the cells the mix visits). "
         "Writes drift.md (a report section), drift.png, drift.json and each arm's records into --out.",
+        shape=d.shape,
+        seed=d.seed,
     )
-    parser.add_argument("--out", type=Path, required=True, help="folder for the section, figures and records")
-    parser.add_argument("--shape", default=d.shape, help=f"deployment shape (default {d.shape})")
     parser.add_argument("--model", default=d.model, help=f"model label of the tables (default {d.model})")
     parser.add_argument(
         "--workloads", type=_workloads, default=None,
@@ -189,7 +188,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="drift events AT:KEY=FACTOR[,...] separated by ';', keys link (bandwidth factor), decode and "
         f"prefill (step-time factors) (default {';'.join(d.drift)})",
     )  # fmt: skip
-    parser.add_argument("--seed", type=at_least(0), default=d.seed, help="seed of the arrivals (default 0)")
     parser.add_argument(
         "--tables", type=Path, default=d.tables, help="where the stale table is found (default tables/)"
     )
@@ -246,5 +244,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="refresh: a cell's local TPOT from the decode interference its LOCAL turns cause to every "
         "request on the worker, fitted on the logs (rule 8; default on), else the cell's own per-path means",
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(handler=_command)

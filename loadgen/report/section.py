@@ -1,10 +1,12 @@
-"""Small shared pieces of the experiment sections (``drift``, ``slo``): Markdown tables, means, PNGs.
+"""Small shared pieces of the experiment sections (``bidir``, ``drift``, ``slo``): their command line's
+common options, Markdown tables, means, PNGs.
 
 matplotlib is imported only when a PNG is drawn (object API, no pyplot global state).
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import textwrap
@@ -12,9 +14,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadgen.arguments import at_least
 from ppd.slo import p99 as slo_p99
 
-__all__ = ["md_table", "mean", "ms", "p99", "progress_printer", "save_png"]
+__all__ = [
+    "add_experiment_parser",
+    "md_table",
+    "mean",
+    "ms",
+    "p99",
+    "print_section",
+    "progress_printer",
+    "save_png",
+]
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -58,3 +70,31 @@ def progress_printer(quiet: bool) -> Callable[[str], None]:
             print(line, file=sys.stderr, flush=True)
 
     return say
+
+
+def add_experiment_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    *,
+    help: str,
+    description: str,
+    shape: str,
+    seed: int,
+) -> argparse.ArgumentParser:
+    """A ``ppd-bench`` experiment subcommand with the options every experiment has: ``--out``, ``--shape``,
+    ``--seed`` and ``--no-progress``; the caller adds its own."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the section, figures and records")
+    parser.add_argument("--shape", default=shape, help=f"deployment shape (default {shape})")
+    parser.add_argument(
+        "--seed", type=at_least(0), default=seed, help=f"seed of the arrivals (default {seed})"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    return parser
+
+
+def print_section(name: str, path: Path, goals: Sequence[Sequence[str]] = ()) -> None:
+    """What an experiment command prints when it is done: where its section is, then its goal rows."""
+    print(f"{name} section: {path}")
+    for row in goals:
+        print("| " + " | ".join(row) + " |")

@@ -39,7 +39,16 @@ from typing import Any, Final
 
 from loadgen.arguments import positive, positive_list
 from loadgen.report.reproduce import find_table
-from loadgen.report.section import md_table, mean, ms, p99, progress_printer, save_png
+from loadgen.report.section import (
+    add_experiment_parser,
+    md_table,
+    mean,
+    ms,
+    p99,
+    print_section,
+    progress_printer,
+    save_png,
+)
 from loadgen.report.traffic import ramp_conversations
 from ppd import slo as controller
 from table_builder.records import Record, write_records
@@ -347,25 +356,24 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     )
 
     fig, path = run_slo(settings, args.out, progress=progress_printer(args.no_progress))
-    print(f"slo section: {path}")
-    for row in _goals(fig):
-        print("| " + " | ".join(row) + " |")
+    print_section("slo", path, _goals(fig))
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``slo`` subcommand of ``ppd-bench``."""
     d = SloSettings()
-    parser = sub.add_parser(
+    parser = add_experiment_parser(
+        sub,
         "slo",
         help="fixed weights vs the SLO controller on a load ramp, on the virtual-time simulator",
         description="Runs one seeded mix of synthetic two-turn workloads up and down a load ramp through "
         "the virtual-time cluster in mode ppd: one arm per fixed w_tpot and one with the SLO controller "
         "driving w_tpot from the windowed TPOT P99. Writes slo.md (a report section), slo.png (P99 over "
         "time), slo.json and each arm's records into --out.",
+        shape=d.shape,
+        seed=d.seed,
     )
-    parser.add_argument("--out", type=Path, required=True, help="folder for the section, figures and records")
-    parser.add_argument("--shape", default=d.shape, help=f"deployment shape (default {d.shape})")
     parser.add_argument("--workloads", default=None, help=f"the mix (default {','.join(d.workloads)})")
     parser.add_argument(
         "--levels", type=positive_list, default=d.levels,
@@ -400,10 +408,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"fewest samples in its window the controller acts on (default {d.controller_min_samples})",
     )  # fmt: skip
     parser.add_argument("--no-slo-arm", action="store_true", help="run the fixed arms only")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the arrivals (default 0)")
     parser.add_argument(
         "--tables", type=Path, default=d.tables, help="where the table is found (default tables/)"
     )
     parser.add_argument("--table", type=Path, default=None, help="the table file (default: from --tables)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     parser.set_defaults(handler=_command)
