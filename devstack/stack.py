@@ -9,6 +9,10 @@ Starts, in order, each through its command-line contract (one JSON ready line on
    their sessions on it (``[sessions] redis_url``), and Envoy on 127.0.0.1:8000 in front of them,
    round robin (``deploy/envoy/gateway-shared``), once it sees every replica healthy.
 
+``--kv-events`` has every worker publish vLLM's KV cache events and the gateway follow them
+(``[kv_events]``, endpoints from the cluster's ready line); ``--bidir`` runs every worker in vLLM's
+bidirectional KV mode and lets the gateway serve the bidir path (``[routing] bidir``).
+
 Then prints one JSON line (the URLs, for scripts and tests) and a human banner with copy-paste
 ``curl`` and ``openai`` examples, and runs until Ctrl-C/SIGTERM or until a child dies; either way
 every child is stopped. A signal while children are still starting stops the ones started so far
@@ -24,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
@@ -55,6 +60,13 @@ _CLUSTER_NAMES = {"sim": "simulator cluster", "vllm-cpu": "vLLM (CPU) cluster"}
 _VLLM_WORKER_READY_S = 240.0
 #: The simulated cluster's model; a real cluster names its own in its ready line.
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+#: With --kv-events, the workers' KV block size, passed to the cluster and to the gateway's block hasher
+#: alike: the simulator's H100 profile's 16, and the 32 vLLM's CPU attention needs.
+KV_BLOCK_TOKENS = {"sim": 16, "vllm-cpu": 32}
+#: The simulator publishes its KV events on free ports (the ready line names them).
+_SIM_KV_EVENTS = json.dumps(
+    {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +81,13 @@ class StackSettings:
     config_dir: Path | None = None
     # More than 1: that many gateway replicas sharing sessions on Redis, behind Envoy (round robin).
     gateways: int = 1
+    # Every worker publishes vLLM's KV cache events; the gateway follows them ([kv_events]).
+    kv_events: bool = False
+    # The workers' PYTHONHASHSEED, which seeds vLLM's block hashes ("" = unset: vLLM's fixed seed); the
+    # children inherit ppd-up's environment, so main() reads it from there.
+    kv_hash_seed: str = ""
+    # Every worker runs vLLM's bidirectional KV mode; the gateway may serve the bidir path.
+    bidir: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +105,17 @@ class StackCommands:
     @classmethod
     def real(cls, python: str = sys.executable) -> StackCommands:
         def cluster(s: StackSettings) -> tuple[str, ...]:
+            # The same flags on both engines: every worker bidirectional, every block size explicit.
+            options: tuple[str, ...] = ("--bidir-workers", "all") if s.bidir else ()
+            if s.kv_events:
+                options += ("--block-size", str(KV_BLOCK_TOKENS[s.engine]))
             if s.engine == "vllm-cpu":
                 argv: tuple[str, ...] = (python, "-m", "vllm_harness", "cluster", "--topology", s.topology)
                 # A --ready-timeout above the cluster's own per-worker default (240 s) reaches it too.
                 if s.ready_timeout_s > _VLLM_WORKER_READY_S:
                     argv += ("--ready-timeout", f"{s.ready_timeout_s:g}")
-                return argv
+                return argv + options + (("--kv-events",) if s.kv_events else ())
+            sim_events = ("--kv-events-config", _SIM_KV_EVENTS) if s.kv_events else ()
             return (
                 python,
                 "-m",
@@ -105,6 +129,8 @@ class StackCommands:
                 # spin before each step (not the benchmark's 1.5 ms) leaves them the CPU.
                 "--spin-us",
                 "500",
+                *options,
+                *sim_events,
             )
 
         return cls(
@@ -148,11 +174,16 @@ def gateway_config(
     ]
     if redis_url:
         lines += ["", "[sessions]", f"redis_url = {_toml_str(redis_url)}"]
+    if settings.bidir:
+        lines += ["", "[routing]", "bidir = true"]
     for worker in workers:
         if not isinstance(worker, dict) or not all(
             isinstance(worker.get(k), str) for k in ("id", "role", "url")
         ):
             raise ValueError(f"bad worker in the cluster's ready line: {worker!r}")
+    if settings.kv_events:
+        lines += _kv_events_section(settings, workers)
+    for worker in workers:
         lines += [
             "",
             "[[workers]]",
@@ -161,6 +192,25 @@ def gateway_config(
             f"url = {_toml_str(worker['url'])}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _kv_events_section(settings: StackSettings, workers: Sequence[Mapping[str, Any]]) -> list[str]:
+    """[kv_events]: each worker's publisher and replay socket as its ready-line entry names them."""
+    for worker in workers:
+        if not all(isinstance(worker.get(k), str) for k in ("kv_events", "kv_events_replay")):
+            raise ValueError(f"worker {worker['id']} publishes no KV events (its entry has no kv_events)")
+    lines = [
+        "",
+        "[kv_events]",
+        f"hash_seed = {_toml_str(settings.kv_hash_seed)}",
+        f"block_size = {KV_BLOCK_TOKENS[settings.engine]}",
+        "",
+        "[kv_events.endpoints]",
+    ]
+    lines += [f"{_toml_str(w['id'])} = {_toml_str(w['kv_events'])}" for w in workers]
+    lines += ["", "[kv_events.replay_endpoints]"]
+    lines += [f"{_toml_str(w['id'])} = {_toml_str(w['kv_events_replay'])}" for w in workers]
+    return lines
 
 
 def _banner(
@@ -186,8 +236,11 @@ def _banner(
         if settings.engine == "vllm-cpu"
         else ""
     )
+    extras = "".join(
+        text for on, text in ((settings.kv_events, ", KV events followed"), (settings.bidir, ", bidir")) if on
+    )
     return f"""
-PPD stack is up ({settings.topology}, mode {settings.mode}, tables {settings.tables}).
+PPD stack is up ({settings.topology}, mode {settings.mode}, tables {settings.tables}{extras}).
   {front}{url}/v1{replicas}
   decision service:      grpc 127.0.0.1:{decision.get("grpc")}, metrics http://127.0.0.1:{decision.get("metrics")}/metrics
   {kind}:
@@ -372,6 +425,18 @@ def _parser() -> argparse.ArgumentParser:
         help="gateway replicas (default 1); more than 1 adds one redis-server (the session store they "
         "share) and Envoy on --port in front of them, round robin",
     )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="every worker publishes vLLM's KV cache events and the gateway follows them ([kv_events]): a "
+        "Turn 2+ whose prefix its decode worker evicted goes P/D (reason kv_evicted)",
+    )
+    parser.add_argument(
+        "--bidir",
+        action="store_true",
+        help="every worker runs vLLM's bidirectional KV mode and the gateway may serve the bidir path "
+        "([routing] bidir), where the table has bidir figures (the shipped H100 tables do)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
@@ -383,10 +448,12 @@ def _replicas(text: str) -> int:
     return value
 
 
-def parse_settings(argv: Sequence[str] | None) -> tuple[StackSettings, str]:
-    """ppd-up's command line -> the stack and the log level. Real vLLM defaults to its own 1P1D shape,
-    table folder and model label (the table measured on real vLLM here), the simulator to the shipped
-    H100 tables."""
+def parse_settings(
+    argv: Sequence[str] | None, environ: Mapping[str, str] | None = None
+) -> tuple[StackSettings, str]:
+    """ppd-up's command line (and PYTHONHASHSEED from ``environ``, which the workers inherit) -> the
+    stack and the log level. Real vLLM defaults to its own 1P1D shape, table folder and model label (the
+    table measured on real vLLM here), the simulator to the shipped H100 tables."""
     args = _parser().parse_args(argv)
     real = args.engine == "vllm-cpu"
     tables: Path = args.tables or (Path("tables") / "vllm-cpu" if real else Path("tables"))
@@ -399,11 +466,14 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[StackSettings, str]:
         model_label=args.model_label or ("tiny-llama-cpu" if real else "llama-3.1-8b"),
         ready_timeout_s=args.ready_timeout,
         gateways=args.gateways,
+        kv_events=args.kv_events,
+        kv_hash_seed=(environ or {}).get("PYTHONHASHSEED", ""),
+        bidir=args.bidir,
     ), str(args.log_level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    settings, log_level = parse_settings(argv)
+    settings, log_level = parse_settings(argv, os.environ)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not settings.tables.is_dir():
         logger.warning(

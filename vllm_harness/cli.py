@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="IDS",
         help="comma list of workers started with kv_connector_extra_config bidirectional_kv_xfer, e.g. "
-        "P0,D1 (vLLM's bidirectional mode, docs/vllm-protocol.md 3.4; default none)",
+        "P0,D1, or all (vLLM's bidirectional mode, docs/vllm-protocol.md 3.4; default none)",
     )
     c.add_argument("--max-model-len", type=int, default=4096, help="context length (default 4096)")
     c.add_argument("--kv-cache-mib", type=int, default=128, help="KV cache per worker in MiB (default 128)")

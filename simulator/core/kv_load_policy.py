@@ -69,7 +69,10 @@ def parse_policy_spec(
 
 
 def parse_worker_ids(spec: str, worker_ids: Collection[str]) -> frozenset[str]:
-    """The ids of a comma list (`P0,D1`; "" = none); raises PolicySpecError for an unknown or repeated one."""
+    """The ids of a comma list (`P0,D1`; "" = none, "all" = every worker); raises PolicySpecError for an
+    unknown or repeated one."""
+    if spec.strip() == "all":
+        return frozenset(worker_ids)
     chosen: set[str] = set()
     for item in (part.strip() for part in spec.split(",")) if spec.strip() else ():
         if item not in worker_ids:

@@ -252,7 +252,7 @@ def add_cluster(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--bidir-workers",
         default="",
         metavar="IDS",
-        help="comma list of workers that run vLLM's bidirectional_kv_xfer, e.g. P0,D1 (default none; "
+        help="comma list of workers that run vLLM's bidirectional_kv_xfer, e.g. P0,D1, or all (default none; "
         "--bidirectional-kv-xfer turns it on for all)",
     )
     _common(p)

@@ -279,3 +279,57 @@ def test_real_vllm_defaults_to_its_own_table_and_the_simulator_to_the_h100_ones(
         ["--engine", "vllm-cpu", "--tables", "t", "--model-label", "m", "--topology", "1P2D"]
     )[0]
     assert (given.topology, given.tables, given.model_label) == ("1P2D", Path("t"), "m")
+
+
+KV_CLUSTER = {
+    "workers": [
+        {"id": "P0", "role": "prefill", "url": "http://127.0.0.1:1001"}
+        | {"kv_events": "tcp://127.0.0.1:5550", "kv_events_replay": "tcp://127.0.0.1:5560"},
+        {"id": "D0", "role": "decode", "url": "http://127.0.0.1:1002"}
+        | {"kv_events": "tcp://127.0.0.1:5551", "kv_events_replay": "tcp://127.0.0.1:5561"},
+    ]
+}
+
+
+@pytest.mark.parametrize(("engine", "block"), [("sim", 16), ("vllm-cpu", 32)])
+def test_kv_events_wire_every_workers_publisher_into_the_gateway(engine: str, block: int) -> None:
+    import tomllib
+
+    settings = parse_settings(["--kv-events", "--engine", engine], {"PYTHONHASHSEED": "42"})[0]
+    config = tomllib.loads(gateway_config(settings, KV_CLUSTER, {"grpc": 7001}))
+    assert config["kv_events"] == {
+        "hash_seed": "42",
+        "block_size": block,
+        "endpoints": {"P0": "tcp://127.0.0.1:5550", "D0": "tcp://127.0.0.1:5551"},
+        "replay_endpoints": {"P0": "tcp://127.0.0.1:5560", "D0": "tcp://127.0.0.1:5561"},
+    }
+    assert "routing" not in config
+    # The cluster is told the same block size, and to publish.
+    argv = StackCommands.real(python="py").cluster(settings)
+    assert argv[argv.index("--block-size") + 1] == str(block)
+    assert ("--kv-events" in argv) if engine == "vllm-cpu" else ("--kv-events-config" in argv)
+    # Unset, vLLM's fixed seed on both sides; off, no section and no flags.
+    assert parse_settings(["--kv-events"], {})[0].kv_hash_seed == ""
+    plain = parse_settings(["--engine", engine], {"PYTHONHASHSEED": "42"})[0]
+    assert "kv_events" not in tomllib.loads(gateway_config(plain, KV_CLUSTER, {"grpc": 7001}))
+    assert not {"--block-size", "--kv-events", "--kv-events-config"} & set(
+        StackCommands.real().cluster(plain)
+    )
+
+
+def test_kv_events_from_a_cluster_that_publishes_none_is_a_clear_error() -> None:
+    settings = parse_settings(["--kv-events"], {})[0]
+    with pytest.raises(ValueError, match="worker P0 publishes no KV events"):
+        gateway_config(settings, CLUSTER, {"grpc": 7001})
+
+
+@pytest.mark.parametrize("engine", ["sim", "vllm-cpu"])
+def test_bidir_makes_every_worker_bidirectional_and_lets_the_gateway_serve_it(engine: str) -> None:
+    import tomllib
+
+    settings = parse_settings(["--bidir", "--engine", engine], {})[0]
+    argv = StackCommands.real(python="py").cluster(settings)
+    assert argv[argv.index("--bidir-workers") + 1] == "all"
+    assert tomllib.loads(gateway_config(settings, CLUSTER, {"grpc": 7001}))["routing"] == {"bidir": True}
+    plain = parse_settings(["--engine", engine], {})[0]
+    assert "--bidir-workers" not in StackCommands.real().cluster(plain)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import pytest
 from devstack.ready import parse_ready_line
 from tests.support.ci import require_tool
 from tests.support.metrics import sample
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -28,23 +32,36 @@ async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, 
         return resp.headers, await resp.json()
 
 
-async def test_ppd_up_serves_a_multi_turn_conversation_and_stops_everything_on_sigterm() -> None:
+@contextlib.asynccontextmanager
+async def _ppd_up(*args: str, ready_s: float = 150.0) -> AsyncIterator[dict[str, Any]]:
+    """ppd-up with the example tables and ``args``; yields its ready line, then stops it with SIGTERM
+    and checks it exited 0."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "devstack.stack", "--port", "0", "--tables", str(TABLES),
-        "--log-level", "WARNING", "--ready-timeout", "110",
+        "--log-level", "WARNING", "--ready-timeout", "110", *args,
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     try:
         # A busy CI machine can be slow to start three services: wait generously, and if ppd-up gave
         # up, fail with what it said instead of a JSON error on an empty line.
-        async with asyncio.timeout(150):
+        async with asyncio.timeout(ready_s):
             line = await proc.stdout.readline()
         if not line:
             assert proc.stderr is not None
             err = await proc.stderr.read()
             pytest.fail(f"ppd-up exited before it was ready: {err.decode()[-2000:]}")
-        ready = parse_ready_line(line)
+        yield parse_ready_line(line)
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(60):
+            _, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()[-2000:]
+
+
+async def test_ppd_up_serves_a_multi_turn_conversation_and_stops_everything_on_sigterm() -> None:
+    async with _ppd_up() as ready:
         url = ready["gateway"]
         assert [w["role"] for w in ready["workers"]] == ["prefill", "decode", "decode", "decode"]
         async with aiohttp.ClientSession() as http:
@@ -56,12 +73,6 @@ async def test_ppd_up_serves_a_multi_turn_conversation_and_stops_everything_on_s
             headers, _ = await _chat(http, url, messages)
             assert headers["X-PPD-Path"] in ("pd", "local")
             assert headers["X-PPD-Reason"]
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(60):
-            _, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()[-2000:]
     async with aiohttp.ClientSession() as http:
         for worker in ready["workers"]:
             with pytest.raises(aiohttp.ClientConnectionError):
@@ -95,20 +106,7 @@ async def _served(http: aiohttp.ClientSession, gateways: list[str]) -> dict[str,
 
 async def test_ppd_up_with_three_gateways_shares_sessions_behind_envoy_round_robin() -> None:
     require_tool("redis-server", "ppd-up --gateways N starts one (make run installs it)")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "devstack.stack", "--port", "0", "--tables", str(TABLES), "--gateways", "3",
-        "--log-level", "WARNING", "--ready-timeout", "110",
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    try:
-        async with asyncio.timeout(240):
-            line = await proc.stdout.readline()
-        if not line:
-            assert proc.stderr is not None
-            err = await proc.stderr.read()
-            pytest.fail(f"ppd-up exited before it was ready: {err.decode()[-2000:]}")
-        ready = parse_ready_line(line)
+    async with _ppd_up("--gateways", "3", ready_s=240.0) as ready:
         gateways = ready["gateways"]
         assert len(gateways) == 3
         assert ready["gateway"] not in gateways  # Envoy's listener
@@ -129,12 +127,6 @@ async def test_ppd_up_with_three_gateways_shares_sessions_behind_envoy_round_rob
                 assert headers["X-PPD-Turn"] == str(turn)
                 messages += [answer["choices"][0]["message"], {"role": "user", "content": "And then?"}]
             assert len(set(answered_by)) == 3
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(60):
-            _, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()[-2000:]
     socket_gone = await asyncio.to_thread(lambda: not Path(ready["redis"].removeprefix("unix://")).exists())
     assert socket_gone  # its scratch folder is gone
     async with aiohttp.ClientSession() as http:
@@ -142,3 +134,47 @@ async def test_ppd_up_with_three_gateways_shares_sessions_behind_envoy_round_rob
             with pytest.raises(aiohttp.ClientConnectionError):
                 async with http.get(url + "/health") as resp:
                     await resp.read()
+
+
+async def _gauge_is(
+    http: aiohttp.ClientSession,
+    url: str,
+    name: str,
+    worker: str,
+    equal: float | None = None,
+    *,
+    above: float | None = None,
+) -> bool:
+    """Whether the gateway's gauge ``name`` for ``worker`` equals ``equal`` (or exceeds ``above``)."""
+    async with http.get(url + "/metrics") as resp:
+        value = sample(await resp.text(), name, {"worker": worker})
+    if value is None:
+        return False
+    return value == equal if above is None else value > above
+
+
+async def test_ppd_up_with_kv_events_has_the_gateway_follow_every_workers_kv_cache() -> None:
+    async with _ppd_up("--kv-events", "--bidir", "--topology", "1P1D") as ready:
+        url = ready["gateway"]
+        assert all(w["kv_events"].startswith("tcp://") for w in ready["workers"])
+        async with aiohttp.ClientSession() as http:
+            for worker in ("P0", "D0"):  # each stream complete once its replay answered
+                synced = functools.partial(_gauge_is, http, url, "ppd_gateway_kv_events_synced", worker, 1.0)
+                await eventually(
+                    synced,
+                    timeout_s=60.0,
+                    what=f"{worker}'s KV event stream synced",
+                )
+            messages = [{"role": "user", "content": "Tell me about the sea. " * 40}]
+            headers, answer = await _chat(http, url, messages)
+            assert headers["X-PPD-Path"] == "pd"
+            # D0 holds the conversation's blocks now, and the gateway saw them stored.
+            await eventually(
+                lambda: _gauge_is(http, url, "ppd_gateway_kv_tracked_blocks", "D0", above=0.0),
+                timeout_s=60.0,
+                what="blocks tracked on D0",
+            )
+            messages += [answer["choices"][0]["message"], {"role": "user", "content": "And the rivers?"}]
+            headers, _ = await _chat(http, url, messages)
+            assert headers["X-PPD-Path"] in ("pd", "local", "bidir")
+            assert headers["X-PPD-Reason"] != "kv_evicted"

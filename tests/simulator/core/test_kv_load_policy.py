@@ -59,6 +59,9 @@ def test_worker_settings_refuse_an_unknown_policy() -> None:
 def test_a_worker_list_names_known_workers_once() -> None:
     assert parse_worker_ids("", WORKERS) == frozenset()
     assert parse_worker_ids(" P0, D1 ", WORKERS) == frozenset({"P0", "D1"})
+    assert parse_worker_ids(" all ", WORKERS) == frozenset(WORKERS)
+    with pytest.raises(PolicySpecError, match="no worker 'all'"):
+        parse_worker_ids("all,P0", WORKERS)
     with pytest.raises(PolicySpecError, match="no worker 'D7'"):
         parse_worker_ids("D7", WORKERS)
     with pytest.raises(PolicySpecError, match="given twice"):
