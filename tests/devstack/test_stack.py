@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from devstack.stack import StackCommands, StackSettings, gateway_config, parse_settings, run_stack
+from devstack.gateway_config import gateway_config
+from devstack.settings import StackSettings
+from devstack.stack import StackCommands, parse_settings, run_stack
 from devstack.supervisor import ChildError, ChildSpec, Supervisor
 from tests.support.polling import eventually
 

@@ -51,11 +51,11 @@ def test_an_experiment_without_out_or_with_a_bad_seed_is_refused(
 
 
 def test_print_section_says_where_and_prints_the_goal_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    print_section("slo", Path("out/slo.md"), [("goal", "met"), ("p99", "12.0")])
+    print_section("slo", Path("out") / "slo-section", [("goal", "met"), ("p99", "12.0")])
     assert capsys.readouterr().out.splitlines() == [
-        "slo section: out/slo.md",
+        "slo section: out/slo-section",
         "| goal | met |",
         "| p99 | 12.0 |",
     ]
-    print_section("bidir", Path("b.md"))
-    assert capsys.readouterr().out == "bidir section: b.md\n"
+    print_section("bidir", Path("bidir-section"))
+    assert capsys.readouterr().out == "bidir section: bidir-section\n"
