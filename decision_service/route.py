@@ -364,13 +364,24 @@ class Router:
             v = dataclasses.replace(v, alternative_allowed=False)  # rule 6: LOCAL is forbidden now
         return v
 
-    def _route_bidir(self, q: Query, cell: CellRule, b: BidirRule, weights: Weights | None) -> Verdict:
-        """Rule 7: the three-path verdict for a caller that can serve BIDIR, in a cell with its figures."""
+    def capable_verdict(self, cell: CellRule, weights: Weights | None) -> Verdict | None:
+        """Rule 7 before live signals: what a caller that can serve BIDIR is answered in ``cell`` under
+        ``weights`` (None: the table's), or None where the cell has no BIDIR figures (it gets the two-path
+        answer). ``ppd-table refresh`` compares these before and after a merge."""
+        return None if cell.bidir is None else self._three_path(cell, cell.bidir, weights)
+
+    def _three_path(self, cell: CellRule, b: BidirRule, weights: Weights | None) -> Verdict:
         h = self.table.header
         v = b.verdict
         if weights is not None and weights != h.default_weights:
             fresh = _three_way(cell, b, weights, weighted=True, h_min_success=h.min_success)
             v = dataclasses.replace(fresh, default_local=v.default_local, default_bidir=v.default_bidir)
+        return v
+
+    def _route_bidir(self, q: Query, cell: CellRule, b: BidirRule, weights: Weights | None) -> Verdict:
+        """Rule 7: the three-path verdict for a caller that can serve BIDIR, in a cell with its figures."""
+        h = self.table.header
+        v = self._three_path(cell, b, weights)
         if v.local:
             overload = self._live_overload(q)
             if overload is not None:

@@ -4,14 +4,14 @@ with a drift report.
 Rules:
 
 1. Evidence is every Turn-2+ record of the base table's shape and model whose mode is ``ppd`` (the
-   gateway's per-request routing, chosen or explored) or a static ``pd`` / ``local`` run, filed under
-   the path it took (``pd`` or ``local``) in the cell the decision service's own classifier gives
-   (``build.axes_locator``). Other modes, the ``replica`` path, Turn-1 records and other shapes/models
-   are left out and counted. Exploration marks and propensities are not read: within one cell the
-   path a request took is either the table's answer for all of that cell's traffic or a seeded draw
-   that does not depend on the request's figures, so the plain per-path mean is already the mean of
-   that path over the cell's traffic (inverse-propensity weights would matter for the value of the
-   routing policy as a whole, which a refresh does not estimate).
+   gateway's per-request routing, chosen or explored) or a static ``pd`` / ``local`` / ``bidir`` run,
+   filed under the path it took (``pd``, ``local`` or ``bidir``) in the cell the decision service's own
+   classifier gives (``build.axes_locator``). Other modes, the ``replica`` path, Turn-1 records and other
+   shapes/models are left out and counted. Exploration marks and propensities are not read: within one
+   cell the path a request took is either the table's answer for all of that cell's traffic or a seeded
+   draw that does not depend on the request's figures, so the plain per-path mean is already the mean of
+   that path over the cell's traffic (inverse-propensity weights would matter for the value of the routing
+   policy as a whole, which a refresh does not estimate).
 2. QPS: a record's ``target_qps`` when it has one (benchmark runs, the simulator); a production log
    line has 0 (no fixed load level), and then its load level is the arrival rate of the logs
    themselves in the table's unit, conversations per second (a benchmark's ``target_qps`` is the
@@ -22,17 +22,20 @@ Rules:
    mix at twice its level. Around a gap in the logs (an idle night) the rate of the lines within half
    a window of it is undercounted.
 3. Merge, per cell and path, weighted by sample counts: the table stores a mean over its completed
-   requests (``sent x success``) and the number sent, so the merged mean is
-   ``(base mean x base completed + sum of logged values) / (base completed + logged completed)``, the
-   success rate ``(base completed + logged completed) / (base sent + logged sent)``, and the count the
-   sum of both. A path the logs do not show keeps its base figures. A cell the base leaves empty is
-   filled only when the logs show both paths (as ``build`` would fill it). Sums are exact
-   (``math.fsum``), so the same evidence in any order gives the same bytes.
-4. No flip below the sample minimum: if a cell's answers (under the table's default weights and each
-   named profile, as the router compiles them, the success SLO and the nearest-measured-level rule
-   included) differ from the base's, the cell the answer is read from must hold at least
-   ``min_samples`` logged requests (both paths together). Otherwise that cell keeps its base figures
-   this time ("held"); the logs are kept, and a later refresh with more evidence may flip it.
+   requests (``sent x success``) and the number sent, so the merged mean is ``(base mean x base completed
+   + sum of logged values) / (base completed + logged completed)``, the success rate ``(base completed +
+   logged completed) / (base sent + logged sent)``, and the count the sum of both. A path the logs do not
+   show keeps its base figures. A cell the base leaves empty is filled only when the logs show both pd and
+   local (as ``build`` would fill it). The ``bidir`` path merges the same way into the BIDIR figures of a
+   measured cell that has them; where the cell has none (or is filled from the logs), the logged bidir
+   figures alone become them (``build``'s rule 5). Sums are exact (``math.fsum``), so the same evidence in
+   any order gives the same bytes.
+4. No flip below the sample minimum: if a cell's answers (under the table's default weights and each named
+   profile, as the router compiles them, the success SLO and the nearest-measured-level rule included; for
+   callers that can serve BIDIR too, where the cell has BIDIR figures) differ from the base's, the cell
+   the answer is read from must hold at least ``min_samples`` logged requests (all paths together).
+   Otherwise that cell keeps its base figures this time ("held"); the logs are kept, and a later refresh
+   with more evidence may flip it.
 5. Drift: a figure moved beyond the confidence bound when its logged mean differs from the base's by
    more than z standard errors, z the two-sided normal quantile of ``confidence``. Latencies: the
    standard error of the difference of two means, ``s x sqrt(1/n_logged + 1/n_base)``, with the
@@ -87,11 +90,11 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from decision_service.header import LATENCIES, Figure, TableHeader, Weights
-from decision_service.route import CellRule, Router
+from decision_service.header import BIDIR_FIGURES, BIDIR_LATENCIES, LATENCIES, Figure, TableHeader, Weights
+from decision_service.route import CellRule, Router, Verdict
 from decision_service.table import Table, TableSpec, encode_table
 from table_builder.aggregate import CellKey, ModeFigures
-from table_builder.build import axes_locator, cell_row, iso_from_start_time
+from table_builder.build import axes_locator, bidir_figures, cell_row, iso_from_start_time
 from table_builder.records import Record
 from table_builder.refresh_report import CellDrift, DriftReport, FigureShift, Flip, HeldCell, z_for
 
@@ -103,13 +106,16 @@ __all__ = [
 ]
 
 #: Goes into every refreshed table's provenance; bump when the rules change the bytes.
-REFRESH_VERSION: Final = "table_builder.refresh/2"
+REFRESH_VERSION: Final = "table_builder.refresh/3"
 #: Record modes whose Turn-2+ requests are evidence (rule 1).
-EVIDENCE_MODES: Final = frozenset({"ppd", "pd", "local"})
-_PATHS: Final = ("pd", "local")
+EVIDENCE_MODES: Final = frozenset({"ppd", "pd", "local", "bidir"})
+#: The paths evidence is filed under; a cell is measured (or filled) from the first two.
+_PATHS: Final = ("pd", "local", "bidir")
+_BASE_PATHS: Final = ("pd", "local")
 _COLUMNS: Final = {
     "pd": (Figure.PD_TTFT_MS, Figure.PD_TPOT_MS, Figure.PD_SUCCESS, Figure.PD_SAMPLES),
     "local": (Figure.LOCAL_TTFT_MS, Figure.LOCAL_TPOT_MS, Figure.LOCAL_SUCCESS, Figure.LOCAL_SAMPLES),
+    "bidir": BIDIR_FIGURES,
 }
 _CENSORED_TTFT_MS: Final = 30_000.0
 _ROUNDING: Final = 1e-9
@@ -195,7 +201,7 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
     decodes: list[tuple[float, float, float, float]] = []
     for r in ours:
         if r.mode not in EVIDENCE_MODES:
-            left_out[f"mode {r.mode} (evidence is ppd, pd and local)"] += 1
+            left_out[f"mode {r.mode} (evidence is ppd, pd, local and bidir)"] += 1
             continue
         if r.ok and r.tpot_ms is not None and r.ttft_ms is not None and (r.e2e_ms or 0.0) > r.ttft_ms:
             assert r.e2e_ms is not None
@@ -330,6 +336,29 @@ def _merge_path(  # noqa: PLR0917 (one path of one cell, and how to merge it)
     row[samples_col] = sent
 
 
+def _merge_paths(
+    row: Row, paths: Mapping[str, _PathEvidence], z: float, replace: bool, timeout_ms: float
+) -> list[FigureShift]:
+    """Rule 3 (with rules 5 and 7) for every logged path of a measured base cell, in place; the shifts."""
+    shifts: list[FigureShift] = []
+    for path in _PATHS:
+        if path not in paths:
+            continue
+        if path == "bidir" and row[Figure.BIDIR_SAMPLES] <= 0:
+            _first_bidir(row, paths[path], timeout_ms)
+        else:
+            _merge_path(row, path, paths[path], z, shifts, replace)
+    return shifts
+
+
+def _first_bidir(row: Row, ev: _PathEvidence, timeout_ms: float) -> None:
+    """Rule 3 for bidir evidence in a cell without BIDIR figures: the logged figures become them, in
+    place (as ``build`` computes them from a ``bidir`` run)."""
+    figures, _ = bidir_figures(ev.figures(), [float(x) for x in row], timeout_ms)
+    if figures is not None:
+        row[list(BIDIR_FIGURES)] = figures
+
+
 def _test(  # noqa: PLR0917 (the figures of one test, in the order the report prints them)
     shifts: list[FigureShift],
     figure: Figure,
@@ -351,11 +380,25 @@ def _test(  # noqa: PLR0917 (the figures of one test, in the order the report pr
     )
 
 
-def _answers(rule: CellRule, weights: Sequence[Weights]) -> tuple[bool, ...]:
-    """The cell's answer (local?) under each weights, as ``Router.route`` gives it without live signals."""
-    if rule.forced is not None:
-        return tuple(rule.forced[0] for _ in weights)
-    return tuple(w.w_ttft * rule.delta_ttft - w.w_tpot * rule.delta_tpot > 0 for w in weights)
+def _path(v: Verdict) -> str:
+    return "bidir" if v.bidir else "local" if v.local else "pd"
+
+
+def _answers(router: Router, rule: CellRule, weights: Sequence[Weights]) -> tuple[str, ...]:
+    """The cell's answer under each weights, as ``Router.route`` gives it without live signals: ``pd`` or
+    ``local``; where the cell has BIDIR figures and a caller that can serve BIDIR is answered otherwise,
+    ``"<that answer> (without bidir: <the two-path one>)"``."""
+    out = []
+    for w in weights:
+        if rule.forced is not None:
+            local = rule.forced[0]
+        else:
+            local = w.w_ttft * rule.delta_ttft - w.w_tpot * rule.delta_tpot > 0
+        plain = "local" if local else "pd"
+        capable = router.capable_verdict(rule, w)
+        three = plain if capable is None else _path(capable)
+        out.append(plain if three == plain else f"{three} (without bidir: {plain})")
+    return tuple(out)
 
 
 def _label(header: TableHeader, key: CellKey) -> str:
@@ -387,10 +430,7 @@ def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool, inter
         label = _label(header, key)
         if base.measured(key.context, key.workload, key.qps):
             row = np.array(base.figures[key.context, key.workload, key.qps], dtype=np.float64)
-            shifts: list[FigureShift] = []
-            for path in _PATHS:
-                if path in paths:
-                    _merge_path(row, path, paths[path], z, shifts, replace)
+            shifts = _merge_paths(row, paths, z, replace, timeout_ms)
             if shifts:
                 out.drifted.append(CellDrift(cell=label, shifts=tuple(shifts)))
             fit = effects.get(key)
@@ -398,16 +438,20 @@ def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool, inter
                 # Rule 8: the local path's TPOT as the cell's traffic alone would cost it.
                 row[Figure.LOCAL_TPOT_MS] = row[Figure.PD_TPOT_MS] * (1.0 + fit.effect)
                 out.interference[label] = fit.effect
-            if (row[list(LATENCIES)] <= 0).any():
+            latencies = [*LATENCIES, *(BIDIR_LATENCIES if row[Figure.BIDIR_SAMPLES] > 0 else ())]
+            if (row[latencies] <= 0).any():
                 out.notes.append(f"{label}: logged latencies of 0 ms would zero a figure; base figures kept")
             else:
                 out.rows[key] = row
-        elif not all(p in paths for p in _PATHS):
+        elif not all(p in paths for p in _BASE_PATHS):
             out.one_path.append(label)
         else:
             fresh, _, _ = cell_row(paths["pd"].figures(), paths["local"].figures(), timeout_ms)
             if fresh is not None:
-                out.rows[key] = np.array(fresh, dtype=np.float64)
+                row = np.array(fresh, dtype=np.float64)
+                if "bidir" in paths:
+                    _first_bidir(row, paths["bidir"], timeout_ms)
+                out.rows[key] = row
                 out.filled.append(key)
     return out
 
@@ -418,8 +462,8 @@ class _Change:
 
     cell: CellKey
     source: CellKey
-    before: tuple[bool, ...]
-    after: tuple[bool, ...]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
     reason: str
 
 
@@ -431,7 +475,7 @@ def _changes(old: Router, new: Router, weights: Sequence[Weights]) -> list[_Chan
         for w in range(nw):
             for q in range(nq):
                 before, after = old.cell(c, w, q), new.cell(c, w, q)
-                a, b = _answers(before, weights), _answers(after, weights)
+                a, b = _answers(old, before, weights), _answers(new, after, weights)
                 if a != b:
                     source = CellKey(c, w, axes.qps_levels.index(after.qps_level))
                     out.append(_Change(CellKey(c, w, q), source, a, b, after.verdict.reason.name))
@@ -493,8 +537,8 @@ def refresh_table(
     flips = tuple(
         Flip(
             cell=_label(header, ch.cell),
-            before="local" if ch.before[0] else "pd",
-            after="local" if ch.after[0] else "pd",
+            before=ch.before[0],
+            after=ch.after[0],
             reason=ch.reason,
             profiles=tuple(n for n, x, y in zip(names, ch.before[1:], ch.after[1:], strict=True) if x != y),
             source=_label(header, ch.source),

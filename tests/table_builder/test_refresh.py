@@ -85,13 +85,13 @@ def test_ppd_lines_count_by_the_path_they_took_and_the_rest_is_left_out() -> Non
     assert figures(result)["local_samples"] == 5
     assert result.drift.used == 3
     assert result.drift.left_out == {
-        "mode fraction:0.5 (evidence is ppd, pd and local)": 1,
-        "mode replica (evidence is ppd, pd and local)": 1,
+        "mode fraction:0.5 (evidence is ppd, pd, local and bidir)": 1,
+        "mode replica (evidence is ppd, pd, local and bidir)": 1,
         "other shape/model (2P2D/llama-3.1-8b)": 1,
         "path replica": 1,
         "turn 1 (always PD; not part of the decision)": 1,
     }
-    assert {"ppd", "pd", "local"} == EVIDENCE_MODES
+    assert {"ppd", "pd", "local", "bidir"} == EVIDENCE_MODES
 
 
 def test_a_production_line_without_a_target_qps_is_filed_at_the_logs_own_arrival_rate() -> None:
@@ -441,3 +441,57 @@ def test_interference_needs_both_paths_and_a_significant_fit() -> None:
     result = refresh(base, flat, interference=True)
     assert figures(result) == figures(refresh(base, flat))
     assert Table.from_bytes(result.encode()).header.provenance["interference"] == {}
+
+
+# --- the bidir path ----------------------------------------------------------------------------------
+
+
+def _bidir_base(n: int = 4, ttft: float = 30.0) -> Table:
+    """The base table with BIDIR figures in make_record's cell: n static bidir requests, mean TTFT given."""
+    bidir = [
+        make_record(run_id="run-bidir", mode="bidir", path="bidir", conversation_id=f"b{i}", ttft_ms=ttft)
+        for i in range(n)
+    ]
+    return base_table([*base_records(), *bidir])
+
+
+def test_bidir_lines_merge_into_the_bidir_figures_by_sample_counts() -> None:
+    base = _bidir_base()
+    assert base.format_version == 2
+    result = refresh(base, logged("bidir", 4, ttft=60.0, tpot=12.0))
+    got = Table.from_bytes(result.encode()).figures[CELL]
+    assert got[Figure.BIDIR_TTFT_MS] == pytest.approx((4 * 30.0 + 4 * 60.0) / 8)
+    assert got[Figure.BIDIR_TPOT_MS] == pytest.approx((4 * 10.0 + 4 * 12.0) / 8)
+    assert (got[Figure.BIDIR_SAMPLES], got[Figure.BIDIR_SUCCESS]) == (8, 1.0)
+    assert result.drift.used == 4
+    assert "path bidir" not in result.drift.left_out
+
+
+def test_bidir_lines_give_a_cell_without_bidir_figures_its_first_and_flip_capable_callers() -> None:
+    base = base_table()  # format 1: pd 100 ms, local 40 ms; local for every caller
+    assert base.format_version == 1
+    result = refresh(base, logged("bidir", 4, ttft=20.0, tpot=10.0))
+    table = Table.from_bytes(result.encode())
+    assert table.format_version == 2
+    got = table.figures[CELL]
+    assert (got[Figure.BIDIR_TTFT_MS], got[Figure.BIDIR_SAMPLES], got[Figure.BIDIR_SUCCESS]) == (20.0, 4, 1.0)
+    # pd and local untouched; a caller that can serve BIDIR now gets it, the others still local.
+    assert got[Figure.LOCAL_TTFT_MS] == base.figures[CELL][Figure.LOCAL_TTFT_MS]
+    (flip,) = [f for f in result.drift.flips if f.cell == LABEL]
+    assert (flip.before, flip.after) == ("local", "bidir (without bidir: local)")
+
+
+def test_a_bidir_flip_on_too_few_logged_requests_is_held() -> None:
+    base = base_table()
+    result = refresh(base, logged("bidir", 4, ttft=20.0, tpot=10.0), min_samples=10)
+    assert [h.cell for h in result.drift.held] == [LABEL]
+    assert result.drift.flips == ()
+    table = Table.from_bytes(result.encode())
+    assert table.format_version == 1  # the held cell kept its base figures: still no bidir anywhere
+    assert (table.figures == base.figures).all()
+
+
+def test_bidir_lines_alone_do_not_fill_an_empty_cell() -> None:
+    result = refresh(base_table(), logged("bidir", 6, ttft=20.0, n_in=16, n_out=32, workload="small_tiny"))
+    assert result.drift.filled == ()
+    assert len(result.drift.one_path_only) == 1
