@@ -338,25 +338,32 @@ def _merge_path(  # noqa: PLR0917 (one path of one cell, and how to merge it)
 
 def _merge_paths(
     row: Row, paths: Mapping[str, _PathEvidence], z: float, replace: bool, timeout_ms: float
-) -> list[FigureShift]:
-    """Rule 3 (with rules 5 and 7) for every logged path of a measured base cell, in place; the shifts."""
+) -> tuple[list[FigureShift], str]:
+    """Rule 3 (with rules 5 and 7) for every logged path of a measured base cell, in place; the shifts,
+    and what ``_first_bidir`` censored."""
     shifts: list[FigureShift] = []
+    censored = ""
     for path in _PATHS:
         if path not in paths:
             continue
         if path == "bidir" and row[Figure.BIDIR_SAMPLES] <= 0:
-            _first_bidir(row, paths[path], timeout_ms)
+            censored = _first_bidir(row, paths[path], timeout_ms)
         else:
             _merge_path(row, path, paths[path], z, shifts, replace)
-    return shifts
+    return shifts, censored
 
 
-def _first_bidir(row: Row, ev: _PathEvidence, timeout_ms: float) -> None:
+def _first_bidir(row: Row, ev: _PathEvidence, timeout_ms: float) -> str:
     """Rule 3 for bidir evidence in a cell without BIDIR figures: the logged figures become them, in
-    place (as ``build`` computes them from a ``bidir`` run)."""
-    figures, _ = bidir_figures(ev.figures(), [float(x) for x in row], timeout_ms)
+    place (as ``build`` computes them from a ``bidir`` run); what was censored ("" when nothing)."""
+    figures, censored = bidir_figures(ev.figures(), [float(x) for x in row], timeout_ms)
     if figures is not None:
         row[list(BIDIR_FIGURES)] = figures
+    return censored
+
+
+def _censored_note(label: str, censored: str, timeout_ms: float) -> str:
+    return f"{label}: {censored} in the logs; its bidir TTFT is the timeout, {timeout_ms:g} ms"
 
 
 def _test(  # noqa: PLR0917 (the figures of one test, in the order the report prints them)
@@ -430,7 +437,9 @@ def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool, inter
         label = _label(header, key)
         if base.measured(key.context, key.workload, key.qps):
             row = np.array(base.figures[key.context, key.workload, key.qps], dtype=np.float64)
-            shifts = _merge_paths(row, paths, z, replace, timeout_ms)
+            shifts, censored = _merge_paths(row, paths, z, replace, timeout_ms)
+            if censored:
+                out.notes.append(_censored_note(label, censored, timeout_ms))
             if shifts:
                 out.drifted.append(CellDrift(cell=label, shifts=tuple(shifts)))
             fit = effects.get(key)
@@ -449,8 +458,8 @@ def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool, inter
             fresh, _, _ = cell_row(paths["pd"].figures(), paths["local"].figures(), timeout_ms)
             if fresh is not None:
                 row = np.array(fresh, dtype=np.float64)
-                if "bidir" in paths:
-                    _first_bidir(row, paths["bidir"], timeout_ms)
+                if "bidir" in paths and (censored := _first_bidir(row, paths["bidir"], timeout_ms)):
+                    out.notes.append(_censored_note(label, censored, timeout_ms))
                 out.rows[key] = row
                 out.filled.append(key)
     return out

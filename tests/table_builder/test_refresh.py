@@ -495,3 +495,25 @@ def test_bidir_lines_alone_do_not_fill_an_empty_cell() -> None:
     result = refresh(base_table(), logged("bidir", 6, ttft=20.0, n_in=16, n_out=32, workload="small_tiny"))
     assert result.drift.filled == ()
     assert len(result.drift.one_path_only) == 1
+
+
+def test_bidir_lines_that_all_failed_are_censored_named_and_change_no_answer() -> None:
+    """A broken bidir path in production: its first figures take the timeout as TTFT and a success of
+    0, the report says so, and no caller is sent to it."""
+    failed = [
+        make_record(
+            run_id="gateway", mode="ppd", path="bidir", ok=False, ttft_ms=None, conversation_id=f"x{i}"
+        )
+        for i in range(3)
+    ]
+    result = refresh(base_table(), failed)
+    got = Table.from_bytes(result.encode()).figures[CELL]
+    assert (got[Figure.BIDIR_TTFT_MS], got[Figure.BIDIR_SUCCESS], got[Figure.BIDIR_SAMPLES]) == (
+        30_000.0,
+        0.0,
+        3,
+    )
+    assert [n for n in result.drift.notes if n.startswith(LABEL)] == [
+        f"{LABEL}: bidir completed 0/3 in the logs; its bidir TTFT is the timeout, 30000 ms"
+    ]
+    assert result.drift.flips == ()
