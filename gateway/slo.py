@@ -7,6 +7,9 @@ Rule 2: every time comes from the injected clock (the app's monotonic `clock`), 
 windows and ticks never read the wall clock and tests drive them with a manual clock.
 Rule 3: the metrics read the controllers' state when scraped (gauge functions), so the request path
 pays for an append and, once per `slo.interval_s`, one P99.
+Rule 4: a controller observes only what its weights route (`routed`): turns 2+ that took a path the
+decision chooses between (pd, local, bidir). Turn 1 always goes P/D and a replica turn never asks,
+whatever the weights, so their latencies (one client's 30k-token first prompt) must not move them.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ from gateway.settings import SloConfig
 from gateway.types import Clock
 from ppd.slo import SloController, SloState
 
-__all__ = ["SloControl", "table_label"]
+__all__ = ["SloControl", "routed", "table_label"]
 
 _DIRECTION = {"up": 1.0, "down": -1.0, "hold": 0.0}
+#: Rule 4: the paths a Route decision chooses between.
+_ROUTED_PATHS = frozenset({"pd", "local", "bidir"})
+
+
+def routed(turn: int, path: str) -> bool:
+    """Rule 4: whether the weights had a say in this turn's path."""
+    return turn >= 2 and path in _ROUTED_PATHS
 
 
 def table_label(table_key: str) -> str:

@@ -7,7 +7,10 @@ source, observes TTFT, TPOT and the gateway's own overhead, and writes one reque
 benchmark record schema; an explored request, or one whose path was drawn with a propensity below 1,
 also counts in `ppd_gateway_explorations_total` (explored only) and carries `explored`/`propensity` in
 its line (ppd/records.py leaves them out at their defaults, so with exploration off the lines are as
-they always were). A served turn's TTFT and TPOT also feed the SLO controller (gateway/slo.py).
+they always were). A served turn 2+ on a path the decision chooses between (gateway/slo.py rule 4)
+also feeds its TTFT and TPOT to the SLO controller.
+Rule 3: the line says what happened, `error` in the gateway's words; a client gone before its answer
+ended is `ppd.records.CLIENT_DISCONNECTED` (the table refresh leaves such lines out of its evidence).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from gateway.metrics import GatewayMetrics
 from gateway.request_log import RequestLog
 from gateway.settings import LogSettings
-from gateway.slo import SloControl
+from gateway.slo import SloControl, routed
 from gateway.turn import TurnInputs, TurnOutcome
 from ppd.records import UncheckedRecord
 
@@ -110,7 +113,7 @@ class TurnReport:
             if outcome.last_token is not None and n_out > 1:
                 tpot = (outcome.last_token - (turn.start + outcome.ttft)) / (n_out - 1)
                 m.tpot.labels(outcome.path, turn.turn_class).observe(tpot)
-            if self._slo is not None:
+            if self._slo is not None and routed(turn.turn, outcome.path):
                 self._slo.observe(self._table_key, ttft_s=outcome.ttft, tpot_s=tpot, started=turn.start)
         if self._log is None:
             return

@@ -16,22 +16,67 @@ One line per request. Rules this module keeps:
    mode follows the one grammar of :mod:`ppd.modes`.
 3. ``to_json`` is deterministic (schema order, compact separators), so the same records give the same
    bytes.
+4. Labels are not empty, except the ``workload`` of a production line (``target_qps`` 0, a gateway
+   serving real traffic): production traffic comes from no named benchmark workload, and the table
+   builder files such a line by its token counts, as the decision service classifies a live request.
+   A benchmark record (``target_qps`` > 0) names its workload.
+5. ``CLIENT_DISCONNECTED`` is the ``error`` of a request whose client went away before its answer
+   ended: the request failed, but not because of its path or worker. ``worker_status_error`` words
+   the ``error`` of a worker's error status; ``client_caused`` tells both apart from the failures of a
+   path: a disconnect, or a worker's 4xx other than 408 and 429 (the request itself was refused: too
+   long, bad parameters; any path would refuse it), says nothing about the path it took.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from ppd.modes import ModeError, parse_mode
 
-__all__ = ["FIELDS", "OPTIONAL_FIELDS", "PATHS", "Record", "RecordError", "UncheckedRecord"]
+__all__ = [
+    "CLIENT_DISCONNECTED",
+    "FIELDS",
+    "OPTIONAL_FIELDS",
+    "PATHS",
+    "Record",
+    "RecordError",
+    "UncheckedRecord",
+    "client_caused",
+    "worker_status_error",
+]
 
 #: The path a single request actually took.
 PATHS: Final = frozenset({"pd", "local", "replica", "bidir"})
+#: The ``error`` of a request whose client went away before its answer ended (the gateway's words):
+#: no failure of the path or its worker, so no evidence about either.
+CLIENT_DISCONNECTED: Final = "client disconnected"
+_WORKER_STATUS = re.compile(r"worker .* answered HTTP (\d{3})")
+#: 4xx statuses a worker answers because of its own state, not the request's: a path's failures.
+_LOAD_STATUSES: Final = frozenset({408, 429})
+
+
+def worker_status_error(worker: str, status: int) -> str:
+    """The ``error`` of a request a worker answered with an error status (the gateway writes it)."""
+    return f"worker {worker} answered HTTP {status}"
+
+
+def client_caused(error: str | None) -> bool:
+    """Rule 5: the request failed because of its client (gone, or refused as a bad request), not its path."""
+    if error is None:
+        return False
+    if error == CLIENT_DISCONNECTED:
+        return True
+    match = _WORKER_STATUS.fullmatch(error)
+    if match is None:
+        return False
+    status = int(match.group(1))
+    return 400 <= status < 500 and status not in _LOAD_STATUSES
+
 
 _STR = "str"
 _INT = "int"
@@ -204,7 +249,8 @@ def _check_values(r: Record) -> None:
 
 def _check_labels(r: Record) -> None:
     for name in ("run_id", "shape", "model", "workload", "conversation_id"):
-        if not getattr(r, name):
+        # Rule 4: a production line (no target_qps) may leave its workload unlabelled.
+        if not getattr(r, name) and not (name == "workload" and r.target_qps == 0):
             raise RecordError(f"field {name!r} must not be empty")
     try:
         parse_mode(r.mode)

@@ -4,10 +4,24 @@ with a drift report.
 Rules:
 
 1. Evidence is every Turn-2+ record of the base table's shape and model whose mode is ``ppd`` (the
-   gateway's per-request routing, chosen or explored) or a static ``pd`` / ``local`` / ``bidir`` run,
-   filed under the path it took (``pd``, ``local`` or ``bidir``) in the cell the decision service's own
-   classifier gives (``build.axes_locator``). Other modes, the ``replica`` path, Turn-1 records and other
-   shapes/models are left out and counted. Exploration marks and propensities are not read: within one
+   gateway's per-request routing, chosen or explored) or a static ``pd`` / ``local`` / ``bidir``
+   benchmark run (one with a ``target_qps``), filed under the path it took (``pd``, ``local`` or
+   ``bidir``) in the cell the decision service's own classifier gives (``build.axes_locator``; a
+   production line by its token counts alone, whatever its ``workload`` label says, as the service
+   placed it; a benchmark record's label may name the class it measured). Who is trusted for what: the
+   gateway's own routing for the path, the workers for the latencies and failures; a client for
+   nothing. So these are left out and counted: other modes; a static mode in a production log (no
+   ``target_qps``: a client asked for that path with ``X-PPD-Mode``, the gateway did not choose it);
+   a request whose client went away (``error`` ``ppd.records.CLIENT_DISCONNECTED``) or that a worker
+   refused as a bad request (a 4xx but 408 and 429; ``ppd.records.client_caused``): no failure of the
+   path or its worker; the ``replica`` path; Turn-1 records; other shapes/models; and a line that
+   repeats one already read (the same request twice: a log given twice, a folder and a file in it, a
+   rotated copy). Each figure is bounded: a completed request whose TTFT or TPOT lies beyond
+   ``timeout_ms`` (default the base's benchmark timeout, ``censored_ttft_ms``, 30 s) counts as one that
+   did not complete in time (sent, not completed, its latencies left out), as the benchmark that built
+   the base counts a timeout; so one line moves a path's mean by at most ``timeout_ms / n`` and its
+   success rate by ``1 / n``, and no sum can overflow (the report notes how many). Exploration marks
+   and propensities are not read: within one
    cell the path a request took is either the table's answer for all of that cell's traffic or a seeded
    draw that does not depend on the request's figures, so the plain per-path mean is already the mean of
    that path over the cell's traffic (inverse-propensity weights would matter for the value of the routing
@@ -45,7 +59,8 @@ Rules:
    no spread at all any other gap is drift. A held cell's drift is reported too (what the logs
    show), though its figures stay.
 6. Deterministic: no clock. The build time is the newest record's start (as ``build`` does); the
-   provenance names the base (its version and provenance), the logs' digest and the rules' version.
+   provenance names the base (its version and provenance), the logs' digest (over the distinct
+   records), the timeout and the rules' version.
    Merge into the table the logs were *not* already merged into: the base is the offline-built
    table, kept apart from the published one (a refreshed table given as the base would count the same
    logs twice; the report warns).
@@ -71,6 +86,11 @@ Rules:
    ``pd TPOT x (1 + effect)`` after rules 3 and 7; rule 4 acts on the result. Exploration provides the
    arrivals of the path the table does not choose; Poisson arrivals provide the spread.
 
+Memory: ``refresh_table`` reads ``records`` once and keeps each distinct record and a 16-byte digest
+of it (the de-duplication set: one entry per distinct record, about 90 bytes in Python against the
+record's own few hundred; a repeated or bad line adds nothing); ``refresh_command.py`` feeds it the
+logs one bounded line at a time.
+
 The rules stay one module: they act in one pass on the same per-cell rows, and the property tests
 (order, sample minimum) hold the whole pass.
 """
@@ -93,6 +113,7 @@ import numpy.typing as npt
 from decision_service.header import BIDIR_FIGURES, BIDIR_LATENCIES, LATENCIES, Figure, TableHeader, Weights
 from decision_service.route import CellRule, Router, Verdict
 from decision_service.table import Table, TableSpec, encode_table
+from ppd.records import CLIENT_DISCONNECTED, client_caused
 from table_builder.aggregate import CellKey, ModeFigures
 from table_builder.build import axes_locator, bidir_figures, cell_row, iso_from_start_time
 from table_builder.records import Record
@@ -106,9 +127,13 @@ __all__ = [
 ]
 
 #: Goes into every refreshed table's provenance; bump when the rules change the bytes.
-REFRESH_VERSION: Final = "table_builder.refresh/3"
-#: Record modes whose Turn-2+ requests are evidence (rule 1).
+REFRESH_VERSION: Final = "table_builder.refresh/4"
+#: Record modes whose Turn-2+ requests are evidence (rule 1); in a production log (no target_qps) only
+#: ``ppd``.
 EVIDENCE_MODES: Final = frozenset({"ppd", "pd", "local", "bidir"})
+_LEFT_OUT_DISCONNECTED: Final = "client disconnected (no failure of the path)"
+_LEFT_OUT_REFUSED: Final = "a worker refused the request itself (4xx: no failure of the path)"
+_LEFT_OUT_DUPLICATE: Final = "duplicate line (the same request again)"
 #: The paths evidence is filed under; a cell is measured (or filled) from the first two.
 _PATHS: Final = ("pd", "local", "bidir")
 _BASE_PATHS: Final = ("pd", "local")
@@ -143,14 +168,19 @@ class _PathEvidence:
     ok: int = 0
     sent: int = 0
 
-    def add(self, r: Record) -> None:
+    def add(self, r: Record, timeout_ms: float) -> bool:
+        """Count ``r``; False when it completed with a latency beyond ``timeout_ms`` (rule 1), which
+        counts as a request that did not complete."""
         self.sent += 1
+        if r.ok and not _within(r, timeout_ms):
+            return False
         if r.ok:
             self.ok += 1
             if r.ttft_ms is not None:
                 self.ttft.append(r.ttft_ms)
             if r.tpot_ms is not None:
                 self.tpot.append(r.tpot_ms)
+        return True
 
     def figures(self) -> ModeFigures:
         return ModeFigures(
@@ -166,11 +196,34 @@ def _mean(values: Sequence[float]) -> float | None:
     return math.fsum(values) / len(values) if values else None
 
 
+def _within(r: Record, timeout_ms: float) -> bool:
+    """Rule 1: whether the request's TTFT and TPOT (where measured) lie within the timeout."""
+    return all(v is None or v <= timeout_ms for v in (r.ttft_ms, r.tpot_ms))
+
+
+def _distinct(records: Iterable[Record]) -> tuple[list[Record], int]:
+    """Rule 1: each request once, in the order met, and how many lines repeated one. The set holds a
+    16-byte digest per distinct record (what ``to_json`` writes), never a repeated or a left-out line's."""
+    seen: set[bytes] = set()
+    out: list[Record] = []
+    repeated = 0
+    for r in records:
+        digest = hashlib.blake2b(r.to_json().encode(), digest_size=16).digest()
+        if digest in seen:
+            repeated += 1
+        else:
+            seen.add(digest)
+            out.append(r)
+    return out, repeated
+
+
 @dataclass(frozen=True, slots=True)
 class _Evidence:
     cells: Mapping[CellKey, Mapping[str, _PathEvidence]]
     used: int
     left_out: Mapping[str, int]
+    #: Rule 1: evidence lines that completed with a latency beyond the timeout (counted as failures).
+    beyond: int
     newest: float | None
     runs: tuple[str, ...]
     #: Rule 8: each Turn-2+ evidence record's cell, path and start; every evidence record's (start,
@@ -179,11 +232,45 @@ class _Evidence:
     decodes: tuple[tuple[float, float, float, float], ...] = ()
 
 
-def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float) -> _Evidence:
+def _not_evidence(r: Record) -> str:
+    """Rule 1: why a record of the table's shape and model is no evidence of any turn ("" when it is)."""
+    if r.mode not in EVIDENCE_MODES:
+        return f"mode {r.mode} (evidence is ppd, pd, local and bidir)"
+    if r.target_qps <= 0 and r.mode != "ppd":
+        return f"mode {r.mode} in a production log (no target_qps: evidence there is ppd lines)"
+    if not r.ok and r.error == CLIENT_DISCONNECTED:
+        return _LEFT_OUT_DISCONNECTED
+    if not r.ok and client_caused(r.error):
+        return _LEFT_OUT_REFUSED
+    return ""
+
+
+def _not_decided(r: Record) -> str:
+    """Rule 1: why an evidence record is none of the decision's ("" when it is)."""
+    if r.turn < 2:
+        return "turn 1 (always PD; not part of the decision)"
+    if r.path not in _PATHS:
+        return f"path {r.path}"
+    return ""
+
+
+def _decode(r: Record, timeout_ms: float) -> tuple[float, float, float, float] | None:
+    """Rule 8: an evidence record's (start, decode start, decode end, TPOT), when it completed a
+    decode within the timeout."""
+    if not (r.ok and r.tpot_ms is not None and r.ttft_ms is not None and r.e2e_ms is not None):
+        return None
+    if not _within(r, timeout_ms) or r.e2e_ms <= r.ttft_ms:
+        return None
+    return r.start_time, r.start_time + r.ttft_ms / 1e3, r.start_time + r.e2e_ms / 1e3, r.tpot_ms
+
+
+def _gather(
+    records: Sequence[Record], header: TableHeader, qps_window_s: float, timeout_ms: float, repeated: int
+) -> _Evidence:
     """Rules 1 and 2: file each evidence record in its cell and path."""
     locate = axes_locator(header.axes)
+    left_out: Counter[str] = Counter({_LEFT_OUT_DUPLICATE: repeated} if repeated else {})
     ours: list[Record] = []
-    left_out: Counter[str] = Counter()
     for r in records:
         if r.shape == header.shape and r.model == header.model:
             ours.append(r)
@@ -191,31 +278,32 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
             left_out[f"other shape/model ({r.shape}/{r.model})"] += 1
     # Arrival times of the unlabelled (production) records, for rule 2's rate.
     # Rule 2: conversations per second, the table's unit: a conversation arrives with its Turn 1.
-    arrivals = sorted(r.start_time for r in ours if r.target_qps <= 0 and r.turn == 1)
-    if not arrivals:  # a log of later turns only: each line stands for its own arrival
-        arrivals = sorted(r.start_time for r in ours if r.target_qps <= 0)
+    # A log of later turns only: each line stands for its own arrival.
+    arrivals = sorted(r.start_time for r in ours if r.target_qps <= 0 and r.turn == 1) or sorted(
+        r.start_time for r in ours if r.target_qps <= 0
+    )
     cells: dict[CellKey, dict[str, _PathEvidence]] = {}
     used = 0
     runs: set[str] = set()
     located: list[tuple[CellKey, str, float]] = []
     decodes: list[tuple[float, float, float, float]] = []
+    beyond = 0
     for r in ours:
-        if r.mode not in EVIDENCE_MODES:
-            left_out[f"mode {r.mode} (evidence is ppd, pd, local and bidir)"] += 1
+        if why := _not_evidence(r):
+            left_out[why] += 1
             continue
-        if r.ok and r.tpot_ms is not None and r.ttft_ms is not None and (r.e2e_ms or 0.0) > r.ttft_ms:
-            assert r.e2e_ms is not None
-            begin, end = r.start_time + r.ttft_ms / 1e3, r.start_time + r.e2e_ms / 1e3
-            decodes.append((r.start_time, begin, end, r.tpot_ms))
-        if r.turn < 2:
-            left_out["turn 1 (always PD; not part of the decision)"] += 1
+        if (decode := _decode(r, timeout_ms)) is not None:
+            decodes.append(decode)
+        if why := _not_decided(r):
+            left_out[why] += 1
             continue
-        if r.path not in _PATHS:
-            left_out[f"path {r.path}"] += 1
-            continue
-        qps = r.target_qps if r.target_qps > 0 else _arrival_rate(arrivals, r.start_time, qps_window_s)
-        key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=qps, workload=r.workload)
-        cells.setdefault(key, {}).setdefault(r.path, _PathEvidence()).add(r)
+        if r.target_qps > 0:  # a benchmark run: its workload label may name the class it measured
+            key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=r.target_qps, workload=r.workload)
+        else:  # production: where the decision service's classifier put it, whatever its label
+            qps = _arrival_rate(arrivals, r.start_time, qps_window_s)
+            key = locate(n_ctx=r.n_ctx, n_in=r.n_in, n_out=r.n_out, qps=qps)
+        if not cells.setdefault(key, {}).setdefault(r.path, _PathEvidence()).add(r, timeout_ms):
+            beyond += 1
         located.append((key, r.path, r.start_time))
         used += 1
         runs.add(r.run_id)
@@ -228,6 +316,7 @@ def _gather(records: Sequence[Record], header: TableHeader, qps_window_s: float)
         cells={k: cells[k] for k in sorted(cells)},
         used=used,
         left_out=dict(sorted(left_out.items())),
+        beyond=beyond,
         newest=newest,
         runs=tuple(sorted(runs)),
         located=tuple(sorted(located)),
@@ -427,9 +516,10 @@ class _Candidates:
     interference: dict[str, float] = field(default_factory=dict)
 
 
-def _candidates(base: Table, evidence: _Evidence, z: float, replace: bool, interference: bool) -> _Candidates:
+def _candidates(  # noqa: PLR0917 (the evidence and each option of the refresh)
+    base: Table, evidence: _Evidence, z: float, replace: bool, interference: bool, timeout_ms: float
+) -> _Candidates:
     header = base.header
-    timeout_ms = float(header.provenance.get("censored_ttft_ms", _CENSORED_TTFT_MS))
     out = _Candidates()
     effects = _interference(evidence) if interference else {}
     for key, paths in evidence.cells.items():
@@ -526,21 +616,28 @@ def refresh_table(
     qps_window_s: float = 10.0,
     replace_drifted: bool = False,
     interference: bool = False,
+    timeout_ms: float | None = None,
 ) -> RefreshResult:
     """Merge the logged evidence in ``records`` into ``base`` (module rules 1-6; with
     ``replace_drifted``, rule 7; with ``interference``, rule 8).
 
-    ``qps_window_s``: rule 2's window for records without a target QPS.
+    ``qps_window_s``: rule 2's window for records without a target QPS. ``timeout_ms``: rule 1's
+    bound on a logged TTFT or TPOT (None: the base's benchmark timeout, ``censored_ttft_ms``).
+    ``records`` is read once, in one pass, keeping each distinct record (rule 1).
     """
     if min_samples < 1:
         raise ValueError(f"min_samples must be >= 1, got {min_samples}")
     if not (math.isfinite(qps_window_s) and qps_window_s > 0):
         raise ValueError(f"qps_window_s must be a positive number of seconds, got {qps_window_s}")
-    z = z_for(confidence)
-    records = list(records)
     header = base.header
-    evidence = _gather(records, header, qps_window_s)
-    cands = _candidates(base, evidence, z, replace_drifted, interference)
+    if timeout_ms is None:
+        timeout_ms = float(header.provenance.get("censored_ttft_ms", _CENSORED_TTFT_MS))
+    if not (math.isfinite(timeout_ms) and timeout_ms > 0):
+        raise ValueError(f"timeout_ms must be a positive number of milliseconds, got {timeout_ms}")
+    z = z_for(confidence)
+    records, repeated = _distinct(records)
+    evidence = _gather(records, header, qps_window_s, timeout_ms, repeated)
+    cands = _candidates(base, evidence, z, replace_drifted, interference, timeout_ms)
     figures, changes, held = _hold(base, cands, min_samples)
     names = sorted(header.profiles)
     flips = tuple(
@@ -561,6 +658,11 @@ def refresh_table(
         if not np.array_equal(row, base.figures[k.context, k.workload, k.qps])
     )
     notes = list(cands.notes)
+    if evidence.beyond:
+        notes.append(
+            f"{evidence.beyond} logged request(s) with a TTFT or TPOT beyond the {timeout_ms:g} ms timeout "
+            "counted as failures (not completed in time), their latencies left out"
+        )
     if header.provenance.get("source") == "refresh":
         notes.append(
             "the base is itself a refreshed table: logs already merged into it are counted again; "
@@ -583,7 +685,7 @@ def refresh_table(
         held=tuple(HeldCell(cell=_label(header, k), logged=n) for k, n in sorted(held.items())),
         notes=tuple(notes),
     )
-    new_header = _provenance(base, records, evidence, report, qps_window_s, replace_drifted)
+    new_header = _provenance(base, records, evidence, report, qps_window_s, timeout_ms, replace_drifted)
     if interference:  # absent when off: the bytes of a plain refresh are unchanged
         provenance = dict(new_header.provenance)
         provenance["interference"] = dict(sorted(cands.interference.items()))
@@ -597,6 +699,7 @@ def _provenance(  # noqa: PLR0917 (what the provenance records)
     evidence: _Evidence,
     report: DriftReport,
     qps_window_s: float,
+    timeout_ms: float,
     replace_drifted: bool,
 ) -> TableHeader:
     digest = hashlib.sha256()
@@ -613,6 +716,7 @@ def _provenance(  # noqa: PLR0917 (what the provenance records)
         "min_samples": report.min_samples,
         "confidence": report.confidence,
         "qps_window_s": qps_window_s,
+        "timeout_ms": timeout_ms,
         "cells": report.counts(),
         "left_out": dict(report.left_out),
         "flipped_cells": [f.cell for f in report.flips],

@@ -164,7 +164,7 @@ async def test_route_queries_carry_the_controllers_weights_and_finished_turns_fe
     assert [q.weights for q in decisions.queries] == [(1.0, 2.0), (1.0, 2.0)]
     assert deps.slo is not None
     state = deps.slo.states()["default"]
-    assert (state.ttft_samples, state.tpot_samples) == (3, 3), state  # every finished turn
+    assert (state.ttft_samples, state.tpot_samples) == (2, 2), state  # turns 2 and 3 (routed)
     # TTFT far over its target, TPOT room: the next Route request carries a lower w_tpot.
     _press(deps.slo, clock, "", ttft_s=1.0, seconds=2)
     await _conversation(forwarder, 2)
@@ -217,20 +217,18 @@ async def test_the_app_sends_the_weights_and_shows_the_state(
 
         await eventually(seen, what=f"{adjustments} moves and {samples} samples")
 
-    # Turn 1 is a sample. Turn 2's Route moves w_tpot (one step down) and empties the window; turn 2
-    # itself arrived before that move, so it is no sample (ppd/slo.py rule 4). Turn 3's Route finds
-    # no sample (no move); turn 3 arrived after the move: one sample.
+    # Turn 1 is no sample (always P/D: the weights do not route it; gateway/slo.py rule 4). Turn 2's
+    # Route finds no sample (no move); turn 2 is one. Turn 3's Route moves w_tpot (one step down) and
+    # empties the window; turn 3 arrived before that move, so it is no sample (ppd/slo.py rule 4).
+    # Turn 4's Route finds no sample (no move); turn 4 arrived after the move: one sample.
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
     reply = await stack.chat(messages, stream=True, max_tokens=6)
-    await observed(0, 1)
-    follow_up(messages, reply, "and then")
-    reply = await stack.chat(messages, stream=True, max_tokens=6)
-    await observed(1, 0)
-    follow_up(messages, reply, "and after")
-    reply = await stack.chat(messages, stream=True, max_tokens=6)
-    await observed(1, 1)
+    for moves, samples, then in ((0, 1, "and then"), (1, 0, "and after"), (1, 1, "and last")):
+        follow_up(messages, reply, then)
+        reply = await stack.chat(messages, stream=True, max_tokens=6)
+        await observed(moves, samples)
     weights = [(q.weights.w_ttft, q.weights.w_tpot) for q in decision.seen]
-    assert weights == [(1.0, 2.0 / 1.25)] * 2, weights
+    assert weights == [(1.0, 2.0), (1.0, 2.0 / 1.25), (1.0, 2.0 / 1.25)], weights
     health = await (await stack.http.get(stack.url + "/health")).json()
     table = health["slo"]["tables"]["default"]
     assert (table["ttft_samples"], table["adjustments"], table["reason"]) == (1, 1, "too_few_samples"), health

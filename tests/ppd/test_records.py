@@ -78,3 +78,14 @@ def test_the_bidirectional_path_is_a_valid_record_path() -> None:
 def test_a_mode_outside_the_grammar_is_refused(mode: str, why: str) -> None:
     with pytest.raises(RecordError, match=why):
         make_record(mode=mode)
+
+
+def test_only_a_production_line_may_leave_its_workload_unlabelled() -> None:
+    # The gateway's log as deployed: no target_qps, no workload label; the refresh classifies it.
+    production = make_record(target_qps=0.0, workload="")
+    assert Record.from_json(production.to_json()) == production
+    with pytest.raises(RecordError, match="'workload' must not be empty"):
+        make_record(target_qps=2.0, workload="")
+    for name in ("run_id", "shape", "model", "conversation_id"):
+        with pytest.raises(RecordError, match=f"{name!r} must not be empty"):
+            make_record(target_qps=0.0, **{name: ""})

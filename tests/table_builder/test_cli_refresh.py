@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from decision_service.table import Table, TableSpec, write_table
+from ppd.records import UncheckedRecord
 from table_builder.cli import main
 from table_builder.records import write_records
-from tests.support.records import base_table, logged
+from tests.support.records import base_table, logged, make_record
 
 KEY_FILE = "1P3D__llama-3.1-8b.ppdt"
 
@@ -46,6 +50,7 @@ def test_help_lists_every_flag() -> None:
         "--min-samples",
         "--confidence",
         "--qps-window",
+        "--timeout-ms",
         "--replace-drifted",
         "--interference",
         "--skip-bad-lines",
@@ -167,9 +172,117 @@ def test_missing_logs_are_exit_1(base: Path, tmp_path: Path, caplog: pytest.LogC
         ["--min-samples", "0"],
         ["--qps-window", "0"],
         ["--qps-window", "nan"],
+        ["--timeout-ms", "0"],
+        ["--timeout-ms", "inf"],
     ],
 )
 def test_bad_flags_are_usage_errors(extra: list[str], base: Path, logs: Path, tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["refresh", "--logs", str(logs), "--base", str(base), "--out", str(tmp_path / "o/"), *extra])
     assert exc.value.code == 2
+
+
+# --- hostile logs (issue 24) -------------------------------------------------------------------------
+
+
+def _report(capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    (line,) = [s for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
+    report: dict[str, Any] = json.loads(line)
+    return report
+
+
+def test_a_log_given_twice_counts_once(
+    base: Path, logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = logs / "gateway-0" / "requests.jsonl"
+    args = ["refresh", "--base", str(base), "--min-samples", "40", "--json"]
+    assert main([*args, "--logs", str(logs), "--out", str(tmp_path / "once.ppdt")]) == 0
+    once = _report(capsys)
+    # The folder and a file in it, the same file by two paths, and a rotated copy of its lines.
+    (logs / "gateway-0" / "requests-copy.jsonl").write_bytes(log.read_bytes())
+    twice = [str(logs), str(log), str(logs / "gateway-0" / ".." / "gateway-0" / "requests.jsonl")]
+    assert main([*args, "--logs", *twice, "--out", str(tmp_path / "twice.ppdt")]) == 0
+    report = _report(capsys)
+    assert (once["used"], report["used"]) == (20, 20)
+    assert report["left_out"] == {"duplicate line (the same request again)": 20}
+    assert report["flipped"] == 0  # 20 logged, not 40 or 60
+    assert Table.open(tmp_path / "twice.ppdt").figures.tobytes() == (
+        Table.open(tmp_path / "once.ppdt").figures.tobytes()
+    )
+
+
+@pytest.mark.parametrize("skip", [[], ["--skip-bad-lines"]])
+def test_schema_valid_lines_that_would_overflow_a_sum_do_not_stop_the_refresh(
+    skip: list[str], base: Path, logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = [
+        make_record(run_id="gateway", mode="ppd", path="pd", conversation_id=f"h{i}", tpot_ms=1.7e308)
+        for i in range(2)
+    ]
+    write_records(logs / "gateway-0" / "huge.jsonl", huge)
+    out = tmp_path / "t.ppdt"
+    args = ["refresh", "--logs", str(logs), "--base", str(base), "--out", str(out), "--json", *skip]
+    assert main(args) == 0
+    report = _report(capsys)
+    assert report["used"] == 22
+    assert any("beyond the 30000 ms timeout" in note for note in report["notes"])
+    assert math.isfinite(float(Table.open(out).figures[0, 6, 2].max()))
+    assert Table.open(out).header.provenance["timeout_ms"] == 30_000.0
+    capsys.readouterr()
+    assert main([*args, "--timeout-ms", "60000"]) == 0
+    assert Table.open(out).header.provenance["timeout_ms"] == 60_000.0
+
+
+def test_production_lines_as_the_gateway_writes_them_are_evidence(
+    base: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The gateway's request log as deployed: no target_qps, no workload label ([log] workload "").
+    folder = tmp_path / "gateways" / "ppd-gateway-0"
+    folder.mkdir(parents=True)
+    lines = []
+    for i in range(10):
+        for turn in (1, 2):
+            r = make_record(
+                run_id="gateway", mode="ppd", path="pd" if turn == 1 else "local", target_qps=0.0,
+                conversation_id=f"s{i}", turn=turn, n_ctx=0 if turn == 1 else 256,
+                start_time=1_767_300_000.0 + i + turn / 10,
+            )  # fmt: skip
+            fields = {**r.to_dict(), "workload": ""}
+            lines.append(json.dumps(UncheckedRecord(**fields).to_dict(), separators=(",", ":")) + "\n")
+    (folder / "requests.jsonl").write_text("".join(lines))
+    args = ["refresh", "--logs", str(folder.parent), "--base", str(base), "--out", str(tmp_path / "t.ppdt")]
+    assert main([*args, "--skip-bad-lines", "--json"]) == 0
+    report = _report(capsys)
+    assert (report["skipped_lines"], report["used"]) == (0, 10)
+
+
+def test_memory_stays_bounded_whatever_the_logs_hold(
+    base: Path, logs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad lines are counted (a few kept as examples), a line over the cap is never read whole, and a
+    line repeated is one digest: the peak is the same with megabytes of such lines as without."""
+
+    def peak(paths: list[Path]) -> int:
+        args = ["refresh", "--base", str(base), "--out", str(tmp_path / "t.ppdt"), "--skip-bad-lines"]
+        tracemalloc.start()
+        try:
+            assert main([*args, "--json", "--logs", *map(str, paths)]) == 0
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    peak([logs])  # imports and first-use caches, out of the comparison
+    clean = peak([logs])
+    capsys.readouterr()
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    (hostile / "blank.jsonl").write_bytes(b"\n" * 1_000_000)
+    (hostile / "long.jsonl").write_bytes(b'{"run_id": "' + b"x" * 3_000_000 + b'"}\n' + b"y" * 2_000_000)
+    line = make_record(run_id="gateway", mode="ppd", path="local", conversation_id="same").to_json()
+    (hostile / "repeated.jsonl").write_text((line + "\n") * 20_000)
+    assert sum(p.stat().st_size for p in hostile.iterdir()) > 10_000_000
+    grown = peak([logs, hostile]) - clean
+    assert grown < 2_000_000, f"peak grew by {grown} bytes"
+    report = _report(capsys)
+    assert report["skipped_lines"] == 1_000_002
+    assert report["left_out"]["duplicate line (the same request again)"] == 19_999

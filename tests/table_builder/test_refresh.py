@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from decision_service.header import FIGURES, Figure
 from decision_service.route import Router
 from decision_service.table import Table
+from ppd.records import CLIENT_DISCONNECTED, worker_status_error
 from table_builder.aggregate import CellKey
 from table_builder.build import axes_locator, default_header
 from table_builder.records import Record
@@ -517,3 +518,114 @@ def test_bidir_lines_that_all_failed_are_censored_named_and_change_no_answer() -
         f"{LABEL}: bidir completed 0/3 in the logs; its bidir TTFT is the timeout, 30000 ms"
     ]
     assert result.drift.flips == ()
+
+
+# --- hostile logs (issue 24): evidence only from the path, bounded, each request once -------------
+
+
+def test_a_client_that_disconnected_is_no_failure_of_the_path() -> None:
+    # 25 conversations whose client closed its streamed Turn 2 on the local path after the first
+    # event: the gateway logs them failed, but neither the path nor its worker failed.
+    gone = [
+        make_record(
+            run_id="gateway", mode="ppd", path="local", ok=False, error=CLIENT_DISCONNECTED,
+            conversation_id=f"gone{i}", start_time=1_767_300_100.0 + i,
+        )
+        for i in range(25)
+    ]  # fmt: skip
+    result = refresh(base_table(), [*logged("local", 20, ttft=40.0), *gone], min_samples=20)
+    assert result.drift.flips == ()
+    assert figures(result)["local_success"] == 1.0
+    assert figures(result)["local_samples"] == 4 + 20
+    assert result.drift.used == 20
+    assert result.drift.left_out == {"client disconnected (no failure of the path)": 25}
+
+
+@pytest.mark.parametrize(("status", "counts"), [(400, False), (413, False), (429, True), (503, True)])
+def test_a_request_the_worker_refused_is_no_failure_of_the_path(status: int, counts: bool) -> None:
+    # 25 requests a worker refused as bad (too long, bad parameters: any path would) say nothing
+    # about the local path; a 429 or a 5xx is the worker's own state and counts.
+    refused = [
+        make_record(
+            run_id="gateway", mode="ppd", path="local", ok=False, error=worker_status_error("D0", status),
+            conversation_id=f"bad{i}", start_time=1_767_300_100.0 + i,
+        )
+        for i in range(25)
+    ]  # fmt: skip
+    result = refresh(base_table(), [*logged("local", 20, ttft=40.0), *refused], min_samples=20)
+    assert (result.drift.flips != ()) is counts
+    assert (figures(result)["local_success"] < 1.0) is counts
+    assert result.drift.used == (45 if counts else 20)
+
+
+def test_static_mode_lines_of_production_logs_are_not_evidence() -> None:
+    # A production gateway's lines (no target_qps) in a static mode: a client asked for the path
+    # (X-PPD-Mode); only the gateway's own routing (ppd) is evidence there. Benchmark runs stay.
+    production = [
+        make_record(run_id="gateway", mode=mode, path=path, target_qps=0.0, conversation_id=f"{mode}{i}",
+                    ttft_ms=900.0, start_time=1_767_300_000.0 + i)
+        for i in range(20)
+        for mode, path in (("pd", "pd"), ("local", "local"), ("bidir", "bidir"))
+    ]  # fmt: skip
+    benchmark = make_record(run_id="static", mode="local", path="local", conversation_id="b", ttft_ms=40.0)
+    result = refresh(base_table(), [*production, benchmark], min_samples=1)
+    assert result.drift.used == 1
+    assert result.drift.flips == ()
+    assert result.drift.left_out == {
+        "mode bidir in a production log (no target_qps: evidence there is ppd lines)": 20,
+        "mode local in a production log (no target_qps: evidence there is ppd lines)": 20,
+        "mode pd in a production log (no target_qps: evidence there is ppd lines)": 20,
+    }
+
+
+def test_a_latency_beyond_the_timeout_is_a_failure_not_a_mean() -> None:
+    # One line of local TTFT 1e9 ms among 20 would have made local's mean 12 days.
+    wild = make_record(run_id="gateway", mode="ppd", path="local", conversation_id="wild", ttft_ms=1e9)
+    result = refresh(base_table(), [*logged("local", 20, ttft=40.0), wild], min_samples=20)
+    assert result.drift.flips == ()
+    got = figures(result)
+    assert got["local_ttft_ms"] == pytest.approx(40.0)
+    assert got["local_samples"] == 4 + 21
+    assert got["local_success"] == pytest.approx(24 / 25)  # timed out: sent, not completed
+    assert any("beyond the 30000 ms timeout" in note for note in result.drift.notes)
+    # The bound is the refresh's option; its default is the base's benchmark timeout.
+    tight = refresh_table(
+        base_table(), logged("local", 4, ttft=40.0), min_samples=1, confidence=0.99, timeout_ms=30.0
+    )
+    assert figures(tight)["local_success"] == pytest.approx(4 / 8)
+    with pytest.raises(ValueError, match="timeout_ms"):
+        refresh_table(base_table(), [], min_samples=1, confidence=0.99, timeout_ms=0.0)
+
+
+def test_overflowing_latencies_are_bounded_too() -> None:
+    huge = [
+        make_record(run_id="gateway", mode="ppd", path="pd", conversation_id=f"h{i}", tpot_ms=1.7e308)
+        for i in range(2)
+    ]
+    result = refresh(base_table(), huge)
+    assert figures(result)["pd_tpot_ms"] == 10.0
+    assert figures(result)["pd_success"] == pytest.approx(4 / 6)
+
+
+def test_a_line_repeated_counts_once() -> None:
+    line = make_record(run_id="gateway", mode="ppd", path="local", conversation_id="same", ttft_ms=400.0)
+    result = refresh(base_table(), [line] * 20, min_samples=20)
+    assert result.drift.flips == ()
+    assert result.drift.used == 1
+    assert result.drift.left_out == {"duplicate line (the same request again)": 19}
+    once, thrice = (Table.from_bytes(refresh(base_table(), [line] * n).encode()) for n in (1, 3))
+    assert once.figures.tobytes() == thrice.figures.tobytes()
+
+
+def test_a_production_lines_cell_comes_from_its_token_counts_not_its_workload_label() -> None:
+    # (16, 32) is the benchmark shape of `tiny`, which the live classifier calls small_bal: a
+    # production line is filed where the decision service placed it, whatever its label says.
+    lines = [
+        make_record(run_id="gateway", mode="ppd", path="local", target_qps=0.0, workload=workload,
+                    conversation_id=f"{workload}{i}", n_in=16, n_out=32, start_time=1_767_300_000.0 + i)
+        for i in range(3)
+        for workload in ("", "small_tiny")
+    ]  # fmt: skip
+    result = refresh(base_table(), lines)
+    assert result.drift.used == 6
+    assert [label.split("@")[0] for label in result.drift.one_path_only] == ["small/small_bal"]
