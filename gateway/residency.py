@@ -11,8 +11,9 @@ edge (gateway/kv_subscriber.py) feeds every batch here with its sequence number.
    cannot be decoded, a lost connection, or a first batch other than 0 make it unsynced: the set is
    dropped and :meth:`Residency.resident_blocks` answers None, so the caller falls back to today's
    belief (the session's KV is on its decode worker). It is synced again by a full resync (the
-   batches from 0 on without a gap, from the publisher's replay socket) or when the publisher
-   restarts (a batch with seq 0: a new vLLM process starts with an empty cache).
+   batches from 0 on without a gap, from the publisher's replay socket; the subscriber streams it
+   in with begin_resync / apply_events / end_resync and the worker answers None until the end) or
+   when the publisher restarts (a batch with seq 0: a new vLLM process starts with an empty cache).
 3. The resident context of a prompt on a worker is the longest prefix of the prompt's block hashes
    (``BlockHasher.chain`` of its token ids) that the worker holds.
 """
@@ -24,7 +25,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from ppd.kv_events import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, EventBatch, external_hash
+from ppd.kv_events import (
+    AllBlocksCleared,
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+    external_hash,
+)
 
 __all__ = ["Applied", "KvTracking", "Residency", "WorkerResidency"]
 
@@ -76,10 +85,17 @@ class Residency:
 
     def apply(self, worker: str, seq: int, batch: EventBatch) -> Applied:
         """One batch of the live stream (rule 2 decides whether it is applied)."""
+        applied = self.admit(worker, seq)
+        if applied in (Applied.OK, Applied.RESTART):
+            self.apply_events(worker, batch.events)
+        return applied
+
+    def admit(self, worker: str, seq: int) -> Applied:
+        """The sequence bookkeeping of :meth:`apply` alone: on OK or RESTART the caller applies the
+        batch's events next with :meth:`apply_events` (the subscriber does it in slices)."""
         st = self._w[worker]
         if seq == 0 and st.next_seq not in (None, 0):
             self._reset(st)
-            self._apply_events(st, batch)
             st.next_seq, st.synced = 1, True
             return Applied.RESTART
         if st.next_seq is None:
@@ -95,7 +111,6 @@ class Residency:
         if seq > st.next_seq:
             self.lost(worker)
             return Applied.GAP
-        self._apply_events(st, batch)
         st.next_seq = seq + 1
         return Applied.OK
 
@@ -112,20 +127,33 @@ class Residency:
         batches the replay already covered are then ignored as duplicates."""
         if any(seq != i for i, (seq, _) in enumerate(batches)):
             return False
-        # An empty replay means nothing was ever published (the buffer only ever drops its oldest).
-        st = self._w[worker]
-        self._reset(st)
+        self.begin_resync(worker)
         for _, batch in batches:
-            self._apply_events(st, batch)
-        st.next_seq, st.synced = len(batches), True
+            self.apply_events(worker, batch.events)
+        self.end_resync(worker, len(batches))
         return True
+
+    def begin_resync(self, worker: str) -> None:
+        """A full resync streamed in place (the subscriber applies the replay as it arrives): the
+        worker is unsynced with an empty set; the caller then feeds the replay's batches 0, 1, 2, ...
+        to :meth:`apply_events` and calls :meth:`end_resync`, or :meth:`lost` to give up. Nothing is
+        answered for the worker meanwhile."""
+        self.lost(worker)
+
+    def end_resync(self, worker: str, next_seq: int) -> None:
+        """The replay delivered batches 0 .. next_seq - 1 without a gap: synced. An empty replay
+        means nothing was ever published (the buffer only ever drops its oldest)."""
+        st = self._w[worker]
+        st.next_seq, st.synced = next_seq, True
 
     def _reset(self, st: WorkerResidency) -> None:
         st.blocks.clear()
 
-    def _apply_events(self, st: WorkerResidency, batch: EventBatch) -> None:
+    def apply_events(self, worker: str, events: Sequence[KvEvent]) -> None:
+        """Events of a batch :meth:`admit` accepted (or of a replay, between begin/end_resync)."""
+        st = self._w[worker]
         blocks = st.blocks
-        for event in batch.events:
+        for event in events:
             if isinstance(event, BlockStored):
                 if event.medium not in (None, "GPU"):
                     continue

@@ -141,6 +141,8 @@ def _decode_event(raw: Any) -> KvEvent:
     if not isinstance(raw, dict):
         raise KvEventError("an event must be a map")
     kind = raw.get("type")
+    if not isinstance(raw.get("medium"), str | None):
+        raise KvEventError("medium must be a string or nil")
     if kind == "BlockStored":
         tokens = raw.get("token_ids")
         size = raw.get("block_size")
@@ -173,11 +175,21 @@ def _decode_event(raw: Any) -> KvEvent:
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """Parse one payload frame; raises KvEventError for anything that is not a KVEventBatch."""
+    """Parse one payload frame; raises KvEventError for anything that is not a KVEventBatch (whatever
+    the decoder raised: msgpack raises TypeError for a map keyed by an array, for one)."""
+    try:
+        return _decode_batch(payload)
+    except KvEventError:
+        raise
+    except Exception as exc:  # any failure to decode is a malformed message
+        raise KvEventError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _decode_batch(payload: bytes) -> EventBatch:
     try:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise KvEventError(f"not msgpack: {exc}") from None
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise KvEventError(f"not msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, list) or len(raw) not in (2, 3):
         raise KvEventError("a batch must be an array [ts, events, data_parallel_rank]")
     ts, events = raw[0], raw[1]

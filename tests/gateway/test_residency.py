@@ -56,6 +56,23 @@ def test_joining_late_is_a_gap_and_an_empty_replay_is_a_fresh_publisher() -> Non
     assert r.resident_blocks("D0", [1]) == 0
 
 
+def test_a_streamed_resync_answers_nothing_until_its_end() -> None:
+    r = Residency(["D0"], max_blocks=100)
+    r.apply("D0", 0, stored(1))
+    r.begin_resync("D0")
+    assert r.resident_blocks("D0", [1]) is None
+    r.apply_events("D0", stored(1).events)
+    r.apply_events("D0", stored(2).events)
+    assert r.resident_blocks("D0", [1, 2]) is None  # half a replay is not an answer
+    assert r.apply("D0", 2, stored(3)) is Applied.UNSYNCED
+    r.end_resync("D0", 2)
+    assert r.resident_blocks("D0", [1, 2]) == 2
+    assert r.apply("D0", 1, stored(2)) is Applied.DUPLICATE
+    assert r.admit("D0", 2) is Applied.OK  # the caller applies the events (in slices)
+    r.apply_events("D0", stored(3).events)
+    assert r.resident_blocks("D0", [1, 2, 3]) == 3
+
+
 def test_a_restarted_publisher_starts_over_from_seq_0() -> None:
     r = Residency(["D0"], max_blocks=100)
     r.apply("D0", 0, stored(1))
@@ -115,6 +132,8 @@ def test_tracked_blocks_never_exceed_the_budget(ops: list[tuple[bool, int]], bud
         ({"endpoints": {"D0": ""}}, "ZMQ endpoints"),
         ({"endpoints": {"D0": "tcp://x:1"}, "replay_endpoints": {"D1": "tcp://x:2"}}, "needs an entry"),
         ({"nope": 1}, "unknown setting"),
+        ({"max_message_bytes": 0}, "must be positive"),
+        ({"replay_timeout_s": -1.0}, "must be positive"),
     ],
 )
 def test_kv_events_settings_are_checked(section: dict[str, object], message: str) -> None:
@@ -125,3 +144,4 @@ def test_kv_events_settings_are_checked(section: dict[str, object], message: str
 def test_kv_events_are_off_by_default() -> None:
     kv = Settings.from_mapping({}).kv_events
     assert (kv.endpoints, kv.hash_seed, kv.block_size) == ({}, "", 16)
+    assert (kv.max_message_bytes, kv.max_replay_bytes, kv.max_pending_bytes) == (4 << 20, 256 << 20, 64 << 20)

@@ -85,6 +85,8 @@ def test_a_partial_trailing_block_has_no_hash() -> None:
         ),
         msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": "x"}], 0]),
         msgpack.packb([1.0, [], "rank"]),
+        msgpack.packb([1.0, [{(1, 2): 1}], 0]),  # a map keyed by an array: msgpack raises TypeError
+        msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": [1]}], 0]),
     ],
 )
 def test_malformed_batches_are_refused(payload: bytes) -> None:
