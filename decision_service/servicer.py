@@ -33,10 +33,11 @@ from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, QueryError, Router, Verdict, check_query
 from decision_service.settings import DEFAULT_MAX_BATCH_ITEMS
 from decision_service.table import Figure, Table, Weights
-from decision_service.wire import Malformed, RateLimitedLog, exactly_one, lenient
+from decision_service.wire import Malformed, exactly_one, lenient
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
+from ppd.rate_limited_log import RateLimitedLog
 
 __all__ = ["BATCH_SLICE", "DecisionServicer", "add_to_server"]
 
@@ -54,6 +55,8 @@ _NO_TABLE: Final = ((UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE),)
 # Batch items decided between two turns of the event loop (about 0.2 ms of handler time on a quiet
 # core). A unary call needs several turns of the loop to be answered, each waiting for one slice.
 BATCH_SLICE: Final = 32
+#: One line at most this often for bad frames (README, "Failure policy at the wire").
+_BAD_FRAME_LOG_S: Final = 10.0
 
 
 class _Failure:
@@ -130,7 +133,7 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         self._metrics = metrics
         self._clock = clock
         self._max_batch_items = max_batch_items
-        self._bad_frames = bad_frame_log or RateLimitedLog(logger)
+        self._bad_frames = bad_frame_log or RateLimitedLog(logger, interval_s=_BAD_FRAME_LOG_S)
         self._decision_counter = metrics.decision_counter
         self._latency = metrics.route_latency
 

@@ -12,20 +12,19 @@ none comes. So the service registers its methods through this module instead:
 - the stream handler receives `Malformed` items like any other and answers each with an error item,
   so the stream stays open (the proto's contract);
 - each such client error is reported to the caller's `refused` hook (the servicer logs it through a
-  `RateLimitedLog`, one WARNING line at most every few seconds, never a traceback, and counts it).
+  `ppd.rate_limited_log.RateLimitedLog`, one WARNING line at most every 10 s, never a traceback,
+  and counts it).
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-__all__ = ["Malformed", "RateLimitedLog", "exactly_one", "lenient"]
+__all__ = ["Malformed", "exactly_one", "lenient"]
 
 _M = TypeVar("_M", bound=Message)
 _Req = TypeVar("_Req", bound=Message)
@@ -57,41 +56,6 @@ def lenient(message_type: type[_M]) -> Callable[[bytes], _M | Malformed]:
             return Malformed(name, str(exc) or "wire format is corrupt")
 
     return deserialize
-
-
-class RateLimitedLog:
-    """At most one line per `interval_s`; the next line says how many were left out meanwhile.
-
-    For events a client can cause at will (bad frames): the log stays readable whatever it sends.
-    """
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        *,
-        interval_s: float = 10.0,
-        level: int = logging.WARNING,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._logger = logger
-        self._interval_s = interval_s
-        self._level = level
-        self._clock = clock
-        self._next_at = float("-inf")
-        self._suppressed = 0
-
-    def log(self, message: str, *args: object) -> bool:
-        """Log `message % args` unless a line went out less than `interval_s` ago; True when logged."""
-        now = self._clock()
-        if now < self._next_at:
-            self._suppressed += 1
-            return False
-        self._next_at = now + self._interval_s
-        suppressed, self._suppressed = self._suppressed, 0
-        if suppressed:
-            message += f" ({suppressed} more like it in the last {self._interval_s:g} s not logged)"
-        self._logger.log(self._level, message, *args)
-        return True
 
 
 def exactly_one(

@@ -14,7 +14,6 @@ import pytest
 from decision_service.holder import TableHolder
 from decision_service.metrics import DecisionMetrics
 from decision_service.servicer import BATCH_SLICE, DecisionServicer
-from decision_service.wire import RateLimitedLog
 from ppd.decision.v1 import decision_pb2 as pb
 from tests.decision_service.harness import Running, start_server, turn2
 from tests.support.metrics import sample
@@ -171,17 +170,3 @@ async def test_a_max_size_batch_hands_the_loop_back_between_slices(
     slices = [seen[i : i + BATCH_SLICE] for i in range(0, len(seen), BATCH_SLICE)]
     assert all(len(set(part)) == 1 for part in slices)  # one slice runs without a break
     assert len({part[0] for part in slices}) == 4  # and the other task ran between every two
-
-
-def test_rate_limited_log_says_how_many_lines_it_left_out(caplog: pytest.LogCaptureFixture) -> None:
-    now = [0.0]
-    log = RateLimitedLog(logging.getLogger("tests.wire"), interval_s=10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="tests.wire"):
-        assert log.log("bad frame %d", 1)
-        assert [log.log("bad frame %d", n) for n in range(2, 6)] == [False] * 4
-        now[0] = 10.0
-        assert log.log("bad frame %d", 6)
-    assert [r.getMessage() for r in caplog.records] == [
-        "bad frame 1",
-        "bad frame 6 (4 more like it in the last 10 s not logged)",
-    ]
