@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -29,6 +28,7 @@ from gateway.deps import Deps
 from gateway.errors import (
     BadRequestError,
     GatewayError,
+    JsonTooDeepError,
     NotFoundError,
     NoWorkerError,
     PayloadTooLargeError,
@@ -38,7 +38,9 @@ from gateway.errors import (
 from gateway.forwarding import Forwarder
 from gateway.kv_subscriber import KvSubscriber
 from gateway.metrics import GatewayMetrics
-from gateway.pool import WorkerPool, WorkerSpec, names_address
+from gateway.openai_types import parse_json_object
+from gateway.own_address import refuse_own_services
+from gateway.pool import WorkerPool, WorkerSpec
 from gateway.ports import ClientRequest, DecisionClient, Upstream
 from gateway.probe import PoolMonitor
 from gateway.psi import QpsMeter, Tokenizers
@@ -52,12 +54,15 @@ from gateway.stream_upstream import ProtocolStreamUpstream
 from gateway.types import Clock, Endpoint, Role
 from gateway.upstream import HttpUpstream
 from ppd.kv_events import DEFAULT_NONE_HASH_SEED, BlockHasher
+from ppd.rate_limited_log import RateLimitedLog
 
 __all__ = ["DEPS", "create_app", "server_options"]
 
 log = logging.getLogger(__name__)
 DEPS = web.AppKey("deps", Deps)
 FORWARDER = web.AppKey("forwarder", Forwarder)
+# Lines about what any client can cause at will (a body nested too deep): one a minute at most.
+CLIENT_LOG = web.AppKey("client_log", RateLimitedLog)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PASSTHROUGH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
 
@@ -75,7 +80,7 @@ def _kv_tracking(
         return None, None
     residency = Residency(kv.endpoints, max_blocks=kv.max_blocks_per_worker)
     hasher = BlockHasher(kv.hash_seed or DEFAULT_NONE_HASH_SEED, kv.block_size)
-    return KvTracking(residency, hasher), KvSubscriber(residency, kv.endpoints, kv.replay_endpoints, metrics)
+    return KvTracking(residency, hasher), KvSubscriber.from_settings(residency, kv, metrics)
 
 
 def _upstream(settings: Settings) -> Upstream:
@@ -104,13 +109,19 @@ def create_app(
     """The gateway app. `upstream` and `decisions` default to the aiohttp and gRPC clients built from
     `settings` (with `metrics`, the app's registry); the app starts and closes whichever it holds."""
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors])
+    app[CLIENT_LOG] = RateLimitedLog(log)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         app_metrics = metrics or GatewayMetrics()
         workers = upstream or _upstream(settings)
         decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
         store, shared = _session_store(settings, sessions, app_metrics, clock)
-        pool = WorkerPool(settings.workers, heartbeat_expiry_s=settings.pool.heartbeat_expiry_s, clock=clock)
+        pool = WorkerPool(
+            settings.workers,
+            heartbeat_expiry_s=settings.pool.heartbeat_expiry_s,
+            clock=clock,
+            max_registered=settings.pool.max_registered_workers,
+        )
         qps = QpsMeter(
             window_s=settings.policy.qps_window_s, hysteresis=settings.policy.qps_hysteresis, clock=clock
         )
@@ -210,7 +221,9 @@ def _session_store(
         return given, None
     s = settings.sessions
     if s.redis_url:
-        shared = RedisSessionStore.connect(s, metrics, clock=clock)
+        shared = RedisSessionStore.connect(
+            s, metrics, clock=clock, max_id_length=settings.limits.max_id_length
+        )
         return shared, shared
     return InMemorySessionStore(ttl_s=s.ttl_s, max_entries=s.max_entries, clock=clock), None
 
@@ -239,6 +252,10 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
     try:
         response = await handler(request)
     except GatewayError as exc:
+        if isinstance(exc, JsonTooDeepError):
+            request.app[CLIENT_LOG].log(
+                "%s %s from %s answered 400: %s", request.method, request.path, request.remote, exc
+            )
         status, body = exc.to_openai_error()
         response = web.json_response(body, status=status)
     except web.HTTPRequestEntityTooLarge as exc:
@@ -330,13 +347,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
 
 async def _passthrough(request: web.Request) -> web.StreamResponse:
     deps = request.app[DEPS]
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise BadRequestError("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequestError("request body must be a JSON object")
+    body = parse_json_object(await request.read(), max_depth=deps.settings.limits.max_json_depth)
     headers: dict[str, str] = {}
     if deps.settings.worker_api_key:
         headers["Authorization"] = f"Bearer {deps.settings.worker_api_key}"
@@ -381,14 +392,11 @@ async def _list_workers(request: web.Request) -> web.StreamResponse:
 
 async def _register_worker(request: web.Request) -> web.StreamResponse:
     deps = _authorize(request)
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequestError("request body is not valid JSON") from None
-    if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("id", "role", "url")):
+    body = parse_json_object(await request.read(), max_depth=deps.settings.limits.max_json_depth)
+    if not all(isinstance(body.get(k), str) for k in ("id", "role", "url")):
         raise BadRequestError('expected {"id": str, "role": prefill|decode|replica, "url": str}')
     spec = WorkerSpec(body["id"], body["role"], body["url"].rstrip("/"))
-    _refuse_own_services(request, deps, spec.url)
+    await _refuse_own_services(request, deps, spec.url)
     new = deps.pool.register(spec)
     if new:
         log.info("worker %s (%s) registered at %s", spec.id, spec.role, spec.url)
@@ -398,19 +406,21 @@ async def _register_worker(request: web.Request) -> web.StreamResponse:
     )
 
 
-def _refuse_own_services(request: web.Request, deps: Deps, url: str) -> None:
-    """A worker URL naming this gateway (the address the registration arrived on, the bind host,
-    loopback) or the DecisionService's gRPC port would have the gateway call itself or speak HTTP/1
-    to gRPC."""
+async def _refuse_own_services(request: web.Request, deps: Deps, url: str) -> None:
+    """A worker URL reaching this gateway (its bind host, or the address the registration arrived on,
+    on this listener's port) or the DecisionService's gRPC port would have the gateway call itself or
+    speak HTTP/1 to gRPC: compared by resolved address (own_address.py)."""
+    own: list[tuple[str, int]] = []
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
     if isinstance(sockname, tuple) and len(sockname) >= 2:
-        host, port = str(sockname[0]), int(sockname[1])
-        if names_address(url, (host, deps.settings.host), port):
-            raise BadRequestError("worker url names this gateway's own address", param="url")
-    decision = deps.settings.decision.address.rpartition("///")[2]
-    host, sep, port_text = decision.rpartition(":")
-    if sep and port_text.isdigit() and names_address(url, (host,), int(port_text)):
-        raise BadRequestError("worker url names the DecisionService's gRPC address", param="url")
+        port = int(sockname[1])
+        own += [(deps.settings.host, port), (str(sockname[0]), port)]
+    await refuse_own_services(
+        url,
+        own=own,
+        decision_address=deps.settings.decision.address,
+        timeout_s=deps.settings.timeouts.connect_s,
+    )
 
 
 async def _deregister_worker(request: web.Request) -> web.StreamResponse:

@@ -2,9 +2,11 @@
 
     GatewayError                   every error carries an HTTP status hint and an OpenAI `type`
     ├── BadRequestError (400)      malformed JSON, wrong field types, missing messages
+    │   ├── JsonTooDeepError (400) a JSON body nested past limits.max_json_depth (logged, rate-limited)
     │   └── PayloadTooLargeError (413)  body over the configured limit
     ├── UnauthorizedError (401)    admin API without the right bearer token
     ├── NotFoundError (404)        unknown admin object
+    ├── ConflictError (409)        an admin registration the pool has no room for
     ├── NoWorkerError (503)        no live worker of a needed role; the message names the role
     ├── PrefillFailedError (503)   every P attempt failed and policy.prefill_failure = "error"
     └── UpstreamError              a worker failed
@@ -24,9 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ppd.records import worker_status_error
+
 __all__ = [
     "BadRequestError",
+    "ConflictError",
     "GatewayError",
+    "JsonTooDeepError",
     "NoWorkerError",
     "NotFoundError",
     "PayloadTooLargeError",
@@ -63,6 +69,16 @@ class PayloadTooLargeError(BadRequestError):
     status = 413
 
 
+class JsonTooDeepError(BadRequestError):
+    """A JSON body nested past `limits.max_json_depth` (limits.py rule 4)."""
+
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(
+            f"request body is JSON nested deeper than {max_depth} levels (limits.max_json_depth)"
+        )
+        self.max_depth = max_depth
+
+
 class UnauthorizedError(GatewayError):
     status = 401
     error_type = "AuthenticationError"
@@ -71,6 +87,11 @@ class UnauthorizedError(GatewayError):
 class NotFoundError(GatewayError):
     status = 404
     error_type = "NotFoundError"
+
+
+class ConflictError(GatewayError):
+    status = 409
+    error_type = "ConflictError"
 
 
 class NoWorkerError(GatewayError):
@@ -101,7 +122,7 @@ class UpstreamStatusError(UpstreamError):
     worker's own error body; server errors become 502 with ours."""
 
     def __init__(self, status: int, body: bytes, *, worker: str) -> None:
-        super().__init__(f"worker {worker} answered HTTP {status}", worker=worker)
+        super().__init__(worker_status_error(worker, status), worker=worker)
         self.upstream_status = status
         self.body = body
         if 400 <= status < 500:

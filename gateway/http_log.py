@@ -3,6 +3,8 @@
 flood the log. Here such a record becomes one concise WARNING line (client address, error class, its
 message with whitespace collapsed, cut short), at most one per `interval_s`; the next one says how many
 were left out. Every other record (a real bug in a handler) passes untouched, traceback included.
+`ppd.rate_limited_log.RateLimitedLog` is the same rule for the gateway's own lines about what a client
+(or a corrupt shared entry) can cause at will: a JSON body nested too deep, an unreadable session entry.
 """
 
 from __future__ import annotations

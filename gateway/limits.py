@@ -12,6 +12,12 @@ preamble and special tokens the gateway cannot see are left out; text holding a 
 Rule 3 (cost): the exact count runs only when a cheap upper bound (the text's UTF-8 bytes: a byte-level
 BPE token covers at least one byte; O(1) per ASCII string) says the request may not fit, so ordinary
 requests pay nothing for it (with a 128k-token model, only prompts over about 128 KB are counted).
+Rule 4 (nesting): every JSON body the gateway reads (completions, `/tokenize`, `/detokenize`, admin) is
+at most `limits.max_json_depth` levels deep (the body object is level 1), checked on the bytes right
+after parsing, before anything walks the value: the content key, the relay and the upstream client
+recurse per level (Python's own limit is 1000 frames; orjson writes at most 254 levels), so a deeper
+body is a 400, never a RecursionError. The check pairs the brackets outside strings (C-speed
+`bytes` operations, one pass per level; a body with fewer brackets than the limit is not scanned).
 """
 
 from __future__ import annotations
@@ -21,16 +27,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gateway.errors import BadRequestError
+from gateway.errors import BadRequestError, JsonTooDeepError
 from gateway.psi import message_text, request_limit
 
-__all__ = ["LimitSettings", "check_client_id", "check_model_length", "prompt_token_floor"]
+__all__ = [
+    "LimitSettings",
+    "check_client_id",
+    "check_json_depth",
+    "check_model_length",
+    "is_client_id",
+    "json_depth_exceeds",
+    "prompt_token_floor",
+]
 
 _CLIENT_ID = re.compile(r"[\x21-\x7e]+")
 # Tokens per message the gateway can be sure of: Llama-3's <|start_header_id|> role <|end_header_id|>
 # <|eot_id|> (ChatML's <|im_start|> role \n <|im_end|> likewise), never merged with the content.
 _FLOOR_TOKENS_PER_MESSAGE = 4
 _SPECIAL_MARKER = "<|"
+# Every byte but the four brackets (deleted), and the brackets as one kind of pair.
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_ONE_KIND = bytes.maketrans(b"{}", b"[]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +59,17 @@ class LimitSettings:
     # A connection that has not sent a whole request head this long after it opened (or after its
     # previous response) is closed; idle keep-alive connections close after the same time.
     header_timeout_s: float = 75.0
+    # Deepest nesting of arrays and objects in a JSON body (the body object is level 1); deeper -> 400.
+    max_json_depth: int = 128
 
 
 class _Counter(Protocol):
     def count(self, text: str) -> int: ...
+
+
+def is_client_id(value: object, *, max_length: int) -> bool:
+    """Rule 1's identifier: 1 to `max_length` printable ASCII characters, no spaces or controls."""
+    return isinstance(value, str) and len(value) <= max_length and _CLIENT_ID.fullmatch(value) is not None
 
 
 def check_client_id(value: object, name: str, *, max_length: int) -> str:
@@ -54,12 +78,34 @@ def check_client_id(value: object, name: str, *, max_length: int) -> str:
         raise BadRequestError(f"'{name}' must be a non-empty string", param=name)
     if len(value) > max_length:
         raise BadRequestError(f"'{name}' is longer than {max_length} characters", param=name)
-    if _CLIENT_ID.fullmatch(value) is None:
+    if not is_client_id(value, max_length=max_length):
         raise BadRequestError(
             f"'{name}' may hold only printable ASCII characters (no spaces or control characters)",
             param=name,
         )
     return value
+
+
+def json_depth_exceeds(raw: bytes, max_depth: int) -> bool:
+    """Whether the valid JSON `raw` nests arrays and objects more than `max_depth` levels deep."""
+    if raw.count(b"[") + raw.count(b"{") <= max_depth:
+        return False
+    # Outside strings only: escaped backslashes, then escaped quotes go; every other run between quotes
+    # is a string. (Valid JSON has no backslash outside a string.)
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[::2]).translate(_ONE_KIND, _NOT_BRACKETS)
+    # Each pass deletes the innermost pairs, one level of nesting: `depth` passes empty it.
+    for _ in range(max_depth):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
+
+
+def check_json_depth(raw: bytes, max_depth: int) -> None:
+    """JsonTooDeepError (a 400) when the valid JSON `raw` is nested past `max_depth` (rule 4)."""
+    if json_depth_exceeds(raw, max_depth):
+        raise JsonTooDeepError(max_depth)
 
 
 def check_model_length(

@@ -55,6 +55,13 @@ class GatewayMetrics:
             ["worker"],
             registry=r,
         )
+        self.kv_event_errors = Counter(
+            "ppd_gateway_kv_event_errors",
+            "KV event stream failures by kind (bad_message, connection_lost, replay_timeout, "
+            "replay_incomplete, replay_over_cap, buffer_over_cap, subscriber_restart)",
+            ["worker", "kind"],
+            registry=r,
+        )
         self.explorations = Counter(
             "ppd_gateway_explorations",
             "ppd-mode Turn 2+ requests sent down the path the table did not choose, by that path",
@@ -139,6 +146,13 @@ class GatewayMetrics:
             "Shared session store calls that failed (timeout, unreachable, error) and entries that could "
             "not be read (bad_entry), by cause",
             ["cause"],
+            registry=r,
+        )
+        self.session_store_bad_entries = Counter(
+            "ppd_gateway_session_store_bad_entries",
+            "Shared session store entries that could not be read and counted as missing, by reason "
+            "(too_large, wrong_type, not_json, too_deep, version, field)",
+            ["reason"],
             registry=r,
         )
         self.qps = Gauge(

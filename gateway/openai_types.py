@@ -8,6 +8,9 @@ those fields, so only D would refuse them, after P's prefill).
 Rule 3: the body is parsed with orjson, which refuses invalid Unicode (a lone surrogate such as
 "\\ud800", in any field) and NaN/Infinity, so the tokenizer and the session store never see them
 (integers beyond 64 bits, which no OpenAI field takes, arrive as floats).
+Rule 4: `parse_json_object` is the one reader of a client's JSON body (completions here, `/tokenize`,
+`/detokenize` and the admin API in app.py): a JSON object, nested at most `limits.max_json_depth`
+levels (limits.py rule 4), else a 400 before anything walks it.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import BadRequestError
-from gateway.limits import LimitSettings, check_client_id
+from gateway.errors import BadRequestError, JsonTooDeepError
+from gateway.limits import LimitSettings, check_client_id, check_json_depth, json_depth_exceeds
 from gateway.types import Endpoint, JsonObject
 
-__all__ = ["CompletionRequest", "parse_completion_request"]
+__all__ = ["CompletionRequest", "parse_completion_request", "parse_json_object"]
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens", "n")
 _LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
@@ -42,15 +45,24 @@ class CompletionRequest:
     session_id: str | None
 
 
-def parse_completion_request(
-    raw: bytes, endpoint: Endpoint, limits: LimitSettings = _DEFAULT_LIMITS
-) -> CompletionRequest:
+def parse_json_object(raw: bytes, *, max_depth: int) -> JsonObject:
+    """A client's JSON body (rule 4), or BadRequestError (JsonTooDeepError past `max_depth`)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if json_depth_exceeds(raw, max_depth):  # orjson stops at 1024 levels
+            raise JsonTooDeepError(max_depth) from None
         raise BadRequestError(f"request body is not valid JSON (or not valid UTF-8): {exc}") from None
     if not isinstance(body, dict):
         raise BadRequestError("request body must be a JSON object")
+    check_json_depth(raw, max_depth)
+    return body
+
+
+def parse_completion_request(
+    raw: bytes, endpoint: Endpoint, limits: LimitSettings = _DEFAULT_LIMITS
+) -> CompletionRequest:
+    body = parse_json_object(raw, max_depth=limits.max_json_depth)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequestError("'model' must be a non-empty string", param="model")

@@ -16,19 +16,20 @@ logs and listings: workers get `worker_api_key` instead), query or fragment. Err
 echo a URL's credentials.
 Rule 5: the served models' `max_model_len`, read from each worker's `/v1/models`, is kept per worker;
 a request is checked against the smallest one any worker serving its model declares.
+Rule 6: at most `max_registered` workers are registered at once (static ones not counted): every one
+costs a health probe per interval, so the admin API cannot make the gateway probe without bound.
 Concurrency: owned by one event loop; no locks.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 from urllib.parse import SplitResult, urlsplit
 
-from gateway.errors import BadRequestError, NoWorkerError
+from gateway.errors import BadRequestError, ConflictError, NoWorkerError
 from gateway.types import Clock, Role
 
 __all__ = [
@@ -38,7 +39,7 @@ __all__ = [
     "WorkerPool",
     "WorkerSpec",
     "WorkerView",
-    "names_address",
+    "is_worker_id",
     "redact_url",
 ]
 
@@ -62,13 +63,18 @@ class WorkerSpec:
     url: str
 
     def __post_init__(self) -> None:
-        if _WORKER_ID.fullmatch(self.id) is None:
+        if not is_worker_id(self.id):
             raise BadRequestError("worker id must be 1-128 characters of A-Z a-z 0-9 . _ : -", param="id")
         if self.role not in get_args(Role):
             raise BadRequestError(
                 f"worker role must be one of {get_args(Role)}, got {self.role!r}", param="role"
             )
         _check_url(self.url)
+
+
+def is_worker_id(value: object) -> bool:
+    """Rule 4's worker id: 1-128 of A-Z a-z 0-9 . _ : -"""
+    return isinstance(value, str) and _WORKER_ID.fullmatch(value) is not None
 
 
 def _split(url: str) -> SplitResult | None:
@@ -111,35 +117,6 @@ def _check_url(url: str) -> None:
         )
     if parts.query or parts.fragment or url.endswith(("?", "#")):
         raise BadRequestError(f"worker url must not have a query or fragment, got {shown!r}", param="url")
-
-
-def names_address(url: str, hosts: Iterable[str], port: int) -> bool:
-    """Whether a connection to `url` would reach a listener on `port` bound to one of `hosts`, as far
-    as names tell: localhost and 0.0.0.0 reach loopback, a wildcard bind is reached on any loopback."""
-    parts = _split(url)
-    if parts is None or not parts.hostname:
-        return False
-    if (parts.port or (443 if parts.scheme == "https" else 80)) != port:
-        return False
-    host = parts.hostname.lower()
-    known = {h.lower().strip("[]") for h in hosts}
-    kind = _kind(host)
-    if kind != "remote" and any(_kind(h) == "wildcard" for h in known):
-        return True
-    reached = {"127.0.0.1", "::1"} if kind in ("localhost", "wildcard") else {host}
-    return bool(reached & known)
-
-
-def _kind(host: str) -> str:
-    if host == "localhost":
-        return "localhost"
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return "remote"
-    if address.is_unspecified:
-        return "wildcard"
-    return "loopback" if address.is_loopback else "remote"
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,9 +190,17 @@ class _State:
 
 
 class WorkerPool:
-    def __init__(self, static: Sequence[WorkerSpec], *, heartbeat_expiry_s: float, clock: Clock) -> None:
+    def __init__(
+        self,
+        static: Sequence[WorkerSpec],
+        *,
+        heartbeat_expiry_s: float,
+        clock: Clock,
+        max_registered: int = 256,
+    ) -> None:
         self._clock = clock
         self._expiry = heartbeat_expiry_s
+        self._max_registered = max_registered
         self._workers: dict[str, _State] = {}
         self._picks = 0
         self._max_model_len: dict[str, int] = {}
@@ -226,7 +211,8 @@ class WorkerPool:
             self._workers[spec.id] = _State(spec, static=True, now=now)
 
     def register(self, spec: WorkerSpec) -> bool:
-        """Add a worker or renew its heartbeat; True when it is new."""
+        """Add a worker or renew its heartbeat; True when it is new. ConflictError when it is new and
+        `max_registered` workers are registered already (rule 6)."""
         state = self._workers.get(spec.id)
         now = self._clock()
         if state is not None:
@@ -237,6 +223,12 @@ class WorkerPool:
                 self.set_models(spec.id, None)
             state.last_heartbeat = now
             return False
+        registered = sum(not s.static for s in self._workers.values())
+        if registered >= self._max_registered:
+            raise ConflictError(
+                f"{registered} workers are registered, the most this gateway accepts "
+                f"(pool.max_registered_workers); deregister one or wait for one to expire"
+            )
         self._workers[spec.id] = _State(spec, static=False, now=now)
         return True
 

@@ -16,8 +16,14 @@ InMemorySessionStore with the same bounds), says so in one WARNING line and the 
 tries a real write every `redis_retry_s`; when one succeeds, the sessions learnt meanwhile are
 written back, one INFO line says so, and the gauge returns to 0. Conversations continue throughout;
 only the sharing pauses (a turn landing on another replica meanwhile starts over through P/D).
-Rule 4 (generic entries): values are `session_codec.DataclassCodec(Session)` bytes; an entry that does
-not decode (another version, corruption) counts as a miss, counted and logged at most once a minute.
+Rule 4 (generic entries): values are `session_codec.session_codec()` bytes; an entry that does not
+decode (another version, corruption, a value out of bounds: session_codec.py rule 3) counts as a miss,
+counted by reason and logged at most once a minute (the turn proceeds as a new conversation, as if the
+session had expired).
+Rule 5 (bounded reads): the read script checks the key's type and size inside Redis and returns no
+value of another type or over `MAX_ENTRY_BYTES` (just its size), so a huge entry never crosses the
+network or stalls a read past `redis_timeout_s`; it is a miss like any unreadable entry. A session
+whose own entry would exceed the bound is not written (counted, logged).
 """
 
 from __future__ import annotations
@@ -33,31 +39,48 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.limits import LimitSettings
 from gateway.metrics import GatewayMetrics
-from gateway.session_codec import CodecError, DataclassCodec
+from gateway.session_codec import Bounds, CodecError, session_codec
 from gateway.sessions import InMemorySessionStore, Session
 from gateway.settings import SessionSettings
 from gateway.types import Clock
+from ppd.rate_limited_log import RateLimitedLog
 
-__all__ = ["RedisSessionStore"]
+__all__ = ["MAX_ENTRY_BYTES", "RedisSessionStore"]
 
 log = logging.getLogger(__name__)
 
-# KEYS: entry, index. ARGV: ttl_ms. The value, its TTL renewed and its index score set to now.
+#: The largest entry a read takes from Redis (rule 5); a session's is a few hundred bytes.
+MAX_ENTRY_BYTES: Final = 1 << 20
+# Index scores are Redis's TIME in milliseconds with a microsecond fraction, built as a string (Lua
+# would print a number with 14 digits, dropping the fraction): uses within one millisecond keep their
+# order. The sweep's cutoff is in the same milliseconds.
+# KEYS: entry, index. ARGV: ttl_ms, max_bytes. The value, its TTL renewed and its index score set to
+# now; nil when there is none; -1 for a key of another type; the size of a value over max_bytes.
 _GET: Final = """
-local value = redis.call('GET', KEYS[1])
-if value then
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-  local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[2], t[1] * 1000 + math.floor(t[2] / 1000), KEYS[1])
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then
+  return false
 end
+if kind ~= 'string' then
+  return -1
+end
+local size = redis.call('STRLEN', KEYS[1])
+if size > tonumber(ARGV[2]) then
+  return size
+end
+local value = redis.call('GET', KEYS[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[2], t[1] .. string.format('%07.3f', t[2] / 1000), KEYS[1])
 return value
 """
 # KEYS: entry, index. ARGV: value, ttl_ms, max_entries. Returns the entries held after the write.
 _PUT: Final = """
 local t = redis.call('TIME')
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', KEYS[2], t[1] * 1000 + math.floor(t[2] / 1000), KEYS[1])
+redis.call('ZADD', KEYS[2], t[1] .. string.format('%07.3f', t[2] / 1000), KEYS[1])
 local held = redis.call('ZCARD', KEYS[2])
 local over = held - tonumber(ARGV[3])
 if over > 0 then
@@ -77,6 +100,7 @@ local dropped = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff)
 return {dropped, redis.call('ZCARD', KEYS[1])}
 """
 _BAD_ENTRY_LOG_S: Final = 60.0
+_ID_LENGTH: Final = LimitSettings().max_id_length
 _FAILURES: Final = (RedisError, OSError)
 _WRITE_BACK_ROUNDS: Final = 3
 
@@ -92,6 +116,7 @@ class RedisSessionStore:
         metrics: GatewayMetrics,
         *,
         clock: Clock,
+        max_id_length: int = _ID_LENGTH,
     ) -> None:
         self._redis = client
         self._s = settings
@@ -99,20 +124,24 @@ class RedisSessionStore:
         self._clock = clock
         self._ttl_ms = max(1, round(settings.ttl_s * 1000))
         self._index = settings.redis_prefix + "index"
-        self._codec = DataclassCodec(Session)
+        self._codec = session_codec(max_id_length=max_id_length, bounds=Bounds(max_bytes=MAX_ENTRY_BYTES))
         self._get = client.register_script(_GET)
         self._put = client.register_script(_PUT)
         self._expire = client.register_script(_EXPIRE)
         self._local = self._new_local()
         self._held = 0
         self.degraded = False
-        self._bad_entries = 0
-        self._bad_logged_at: float | None = None
+        self._bad_log = RateLimitedLog(log, interval_s=_BAD_ENTRY_LOG_S, clock=clock)
         metrics.session_store_degraded.set(0)
 
     @classmethod
     def connect(
-        cls, settings: SessionSettings, metrics: GatewayMetrics, *, clock: Clock
+        cls,
+        settings: SessionSettings,
+        metrics: GatewayMetrics,
+        *,
+        clock: Clock,
+        max_id_length: int = _ID_LENGTH,
     ) -> RedisSessionStore:
         """A store on `settings.redis_url`; connects lazily (no call is made here)."""
         client = aioredis.from_url(
@@ -122,7 +151,7 @@ class RedisSessionStore:
             # No retries inside the client: a failed call goes to local memory at once (Rule 3).
             retry=Retry(NoBackoff(), 0),
         )
-        return cls(client, settings, metrics, clock=clock)
+        return cls(client, settings, metrics, clock=clock, max_id_length=max_id_length)
 
     def _new_local(self) -> InMemorySessionStore:
         return InMemorySessionStore(ttl_s=self._s.ttl_s, max_entries=self._s.max_entries, clock=self._clock)
@@ -136,7 +165,9 @@ class RedisSessionStore:
     async def get(self, key: str) -> Session | None:
         if not self.degraded:
             try:
-                raw = await self._get(keys=[self._key(key), self._index], args=[self._ttl_ms])
+                raw = await self._get(
+                    keys=[self._key(key), self._index], args=[self._ttl_ms, MAX_ENTRY_BYTES]
+                )
             except _FAILURES as exc:
                 self._degrade(exc)
             else:
@@ -170,27 +201,39 @@ class RedisSessionStore:
 
     async def _write(self, key: str, session: Session) -> int:
         value = self._codec.encode(session)
+        if len(value) > MAX_ENTRY_BYTES:  # rule 5: no replica could read it back
+            self._metrics.session_store_bad_entries.labels("too_large").inc()
+            self._bad_log.log(
+                "session store: the entry of session %s is %d bytes, over the limit of %d: not written",
+                session.id, len(value), MAX_ENTRY_BYTES,
+            )  # fmt: skip
+            return self._held
         return int(
             await self._put(
                 keys=[self._key(key), self._index], args=[value, self._ttl_ms, self._s.max_entries]
             )
         )
 
-    def _decode(self, key: str, raw: bytes) -> Session | None:
+    def _decode(self, key: str, raw: bytes | int) -> Session | None:
+        """The entry's session; None (counted, logged) for one of another type (-1), over the size
+        bound (its size: the script did not send it) or that does not decode."""
         try:
+            if isinstance(raw, int):
+                if raw < 0:
+                    raise CodecError("the key holds another Redis type", reason="wrong_type")
+                raise CodecError(f"{raw} bytes, over the limit of {MAX_ENTRY_BYTES}", reason="too_large")
             return self._codec.decode(raw)
         except CodecError as exc:
-            self._metrics.session_store_errors.labels("bad_entry").inc()
-            self._bad_entries += 1
-            now = self._clock()
-            if self._bad_logged_at is None or now - self._bad_logged_at >= _BAD_ENTRY_LOG_S:
-                log.warning(
-                    "session store: %d entr%s in Redis could not be read and count as missing (last: %s: %s)",
-                    self._bad_entries, "y" if self._bad_entries == 1 else "ies", key, exc,
-                )  # fmt: skip
-                self._bad_logged_at = now
-                self._bad_entries = 0
+            self._bad(key, exc)
             return None
+
+    def _bad(self, key: str, exc: CodecError) -> None:
+        self._metrics.session_store_errors.labels("bad_entry").inc()
+        self._metrics.session_store_bad_entries.labels(exc.reason).inc()
+        self._bad_log.log(
+            "session store: an entry in Redis could not be read and counts as missing (%s: %s: %s)",
+            key, exc.reason, exc,
+        )  # fmt: skip
 
     def _degrade(self, exc: BaseException) -> None:
         self._metrics.session_store_errors.labels(_cause(exc)).inc()

@@ -129,3 +129,94 @@ def test_static_workers_with_credentials_are_refused_without_printing_them() -> 
         Settings.from_mapping({"workers": [worker]})
     assert "credentials" in str(info.value)
     assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.1",
+        "2130706433",
+        "0x7f000001",
+        "0177.0.0.1",
+        "0",
+        "[::ffff:127.0.0.1]",
+        "[::ffff:7f00:1]",
+        "localhost.",
+        "LOCALHOST",
+    ],
+)
+async def test_the_gateways_own_address_is_refused_however_it_is_spelt(
+    make_stack: StackFactory, host: str
+) -> None:
+    """Resolved addresses are compared, not names: each of these reaches 127.0.0.1 (`localhost.` where
+    a resolver answers for it; without one it does not resolve, which is refused too)."""
+    stack = await make_stack(admin_token=TOKEN)
+    reply = await _register(stack, url=f"http://{host}:{stack.server.port}")
+    assert reply.status == 400, reply.body
+    message = reply.body["error"]["message"]
+    assert "own address" in message or (host == "localhost." and "does not resolve" in message)
+    assert reply.body["error"]["param"] == "url"
+    assert stack.deps.pool.view().get("D9") is None
+
+
+@pytest.mark.parametrize("host", ["127.1", "[::ffff:127.0.0.1]", "LocalHost", "0"])
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "localhost:1", "dns:///localhost:1", "ipv4:127.0.0.1:1"])
+async def test_the_decision_services_address_is_refused_however_it_is_spelt(
+    make_stack: StackFactory, host: str, address: str
+) -> None:
+    stack = await make_stack(admin_token=TOKEN, decision={"address": address})
+    reply = await _register(stack, url=f"http://{host}:1")
+    assert reply.status == 400, reply.body
+    assert "DecisionService" in reply.body["error"]["message"]
+
+
+async def test_a_wildcard_bind_is_reached_on_every_local_address(make_stack: StackFactory) -> None:
+    """A gateway bound to 0.0.0.0 listens on every address of the host: loopback ones included."""
+    stack = await make_stack(admin_token=TOKEN, host="0.0.0.0")
+    port = stack.server.port
+    assert port is not None
+    for host in ("127.0.0.2", "127.0.0.1", "0.0.0.0"):
+        reply = await _register(stack, url=f"http://{host}:{port}")
+        assert reply.status == 400, (host, reply.body)
+    assert (await _register(stack, url=f"http://127.0.0.2:{port - 1}")).status == 201
+
+
+async def test_a_worker_host_that_does_not_resolve_is_a_400(make_stack: StackFactory) -> None:
+    stack = await make_stack(admin_token=TOKEN)
+    reply = await _register(stack, url="http://no-such-host.invalid:8000")
+    assert reply.status == 400
+    assert reply.body["error"]["param"] == "url"
+    assert "does not resolve" in reply.body["error"]["message"]
+    assert stack.deps.pool.view().get("D9") is None
+
+
+async def test_registered_workers_are_capped(make_stack: StackFactory) -> None:
+    stack = await make_stack(admin_token=TOKEN, pool={"max_registered_workers": 2})
+    assert (await _register(stack, id="R1")).status == 201
+    assert (await _register(stack, id="R2")).status == 201
+    full = await _register(stack, id="R3")
+    assert full.status == 409
+    assert "pool.max_registered_workers" in full.body["error"]["message"]
+    assert full.body["error"]["type"] == "ConflictError"
+    assert stack.deps.pool.view().get("R3") is None
+    assert (await _register(stack, id="R1")).status == 200  # a heartbeat is never refused
+    assert (await _call(stack, "DELETE", "/admin/workers/R1", AUTH)).status == 200
+    assert (await _register(stack, id="R3")).status == 201
+    assert Settings().pool.max_registered_workers == 256
+
+
+async def test_a_registration_nested_too_deep_is_a_400(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = await make_stack(admin_token=TOKEN)
+    raw = (
+        b'{"id": "D9", "role": "decode", "url": "http://127.0.0.1:9", "x": '
+        + b"[" * 1000
+        + b"]" * 1000
+        + b"}"
+    )
+    reply = await stack.post("/admin/workers", None, raw=raw, headers=AUTH)
+    assert reply.status == 400
+    assert "limits.max_json_depth" in reply.body["error"]["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert stack.deps.pool.view().get("D9") is None

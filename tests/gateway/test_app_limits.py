@@ -241,3 +241,86 @@ async def test_the_default_message_cap_is_2048(make_stack: StackFactory) -> None
     reply = await stack.chat(_user() * 2049)
     _refused(reply, "messages")
     assert _no_completions_reached(stack)
+
+
+# ---------------------------------------------------------------- JSON nesting depth
+
+
+def _nested(depth: int) -> str:
+    """A JSON array nested `depth` levels deep (valid JSON; orjson itself reads up to 1024)."""
+    return "[" * depth + "]" * depth
+
+
+def _deep_chat(where: str, depth: int) -> bytes:
+    """A chat body whose history holds `depth`-deep JSON in a message's content or tool_calls."""
+    nested = _nested(depth)
+    if where == "content":
+        history = f'{{"role": "user", "content": {nested}}}, {{"role": "assistant", "content": "a"}}'
+    else:
+        history = (
+            '{"role": "user", "content": "q"}, '
+            f'{{"role": "assistant", "content": "a", "tool_calls": {nested}}}'
+        )
+    messages = f'[{history}, {{"role": "user", "content": "x"}}]'
+    return f'{{"model": "{MODEL}", "max_tokens": 4, "messages": {messages}}}'.encode()
+
+
+def _no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize("where", ["content", "tool_calls"])
+async def test_json_nested_past_the_limit_is_a_400_naming_it(
+    make_stack: StackFactory, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = await make_stack()
+    reply = await stack.post(CHAT, None, raw=_deep_chat(where, 1000))
+    _refused(reply, None)
+    assert "nested deeper than 128 levels" in reply.body["error"]["message"]
+    assert "limits.max_json_depth" in reply.body["error"]["message"]
+    assert _no_completions_reached(stack)
+    assert len(stack.deps.sessions) == 0
+    _no_traceback(caplog)
+
+
+async def test_nesting_is_bounded_on_every_json_body_the_gateway_reads(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Completions, /tokenize and /detokenize (no token needed) alike."""
+    stack = await make_stack()
+    deep = _nested(1000)
+    bodies = {
+        "/v1/completions": f'{{"model": "{MODEL}", "prompt": "x", "max_tokens": 4, "logit_bias": {deep}}}',
+        "/tokenize": f'{{"model": "{MODEL}", "prompt": "x", "extra": {deep}}}',
+        "/detokenize": f'{{"model": "{MODEL}", "tokens": {deep}}}',
+    }
+    for path, raw in bodies.items():
+        reply = await stack.post(path, None, raw=raw.encode())
+        _refused(reply, None)
+        assert "nested deeper than 128 levels" in reply.body["error"]["message"], path
+    assert all(not w.seen for w in stack.workers.values())
+    _no_traceback(caplog)
+
+
+async def test_nesting_at_the_limit_is_served_and_the_limit_is_a_setting(make_stack: StackFactory) -> None:
+    stack = await make_stack(limits={"max_json_depth": 8})
+    # The body object is level 1, messages 2, a message 3, its content 4: 4 more levels reach 8.
+    at_limit = [{"role": "user", "content": [{"type": "text", "text": "x", "extra": [[[]]]}]}]
+    assert (await stack.chat(at_limit)).status == 200
+    over = [{"role": "user", "content": [{"type": "text", "text": "x", "extra": [[[[]]]]}]}]
+    reply = await stack.chat(over)
+    _refused(reply, None)
+    assert "nested deeper than 8 levels" in reply.body["error"]["message"]
+
+
+async def test_deep_json_is_logged_once_a_minute_at_most(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = await make_stack()
+    caplog.set_level(logging.INFO, logger="gateway")
+    for _ in range(5):
+        assert (await stack.post(CHAT, None, raw=_deep_chat("content", 900))).status == 400
+    lines = [r for r in caplog.records if "nested deeper" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.WARNING
+    _no_traceback(caplog)

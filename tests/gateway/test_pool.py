@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import BadRequestError, NoWorkerError
-from gateway.pool import Load, PoolView, WorkerPool, WorkerSpec, WorkerView, names_address, redact_url
+from gateway.pool import Load, PoolView, WorkerPool, WorkerSpec, WorkerView, redact_url
 from gateway.probe import load_from_metrics
 
 
@@ -162,27 +162,6 @@ def test_max_model_len_is_the_smallest_declared_and_forgotten_with_its_worker() 
     assert pool.max_model_len("m") == 8192
     pool.set_models("P0", None)
     assert pool.max_model_len("m") is None
-
-
-@pytest.mark.parametrize(
-    ("url", "hosts", "port", "expected"),
-    [
-        ("http://127.0.0.1:8000", ("127.0.0.1",), 8000, True),
-        ("http://127.0.0.1:8001", ("127.0.0.1",), 8000, False),
-        ("http://localhost:8000/v1", ("127.0.0.1",), 8000, True),
-        ("http://0.0.0.0:8000", ("127.0.0.1",), 8000, True),
-        ("http://127.0.0.2:8000", ("127.0.0.1",), 8000, False),
-        ("http://127.0.0.2:8000", ("0.0.0.0",), 8000, True),
-        ("http://[::1]:8000", ("::",), 8000, True),
-        ("http://10.0.0.5:8000", ("0.0.0.0",), 8000, False),
-        ("http://10.0.0.5:8000", ("10.0.0.5", "0.0.0.0"), 8000, True),
-        ("http://GW.example:80", ("gw.example",), 80, True),
-        ("https://gw.example", ("gw.example",), 443, True),
-        ("http://gw.example", ("gw.example",), 443, False),
-    ],
-)
-def test_names_address(url: str, hosts: tuple[str, ...], port: int, expected: bool) -> None:
-    assert names_address(url, hosts, port) is expected
 
 
 @pytest.mark.parametrize(

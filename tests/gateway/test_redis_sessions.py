@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.metrics import GatewayMetrics
 from gateway.redis_sessions import RedisSessionStore
-from gateway.sessions import Session
+from gateway.sessions import Session, content_key, explicit_key
 from gateway.settings import SessionSettings, Settings, SettingsError
+from tests.gateway.conftest import MODEL, Reply, Stack, StackFactory
+from tests.gateway.fake_decision import FakeDecision
 from tests.support.metrics import sample
 from tests.support.polling import eventually
 from tests.support.redis_server import RedisServer
@@ -281,3 +285,133 @@ async def test_a_write_back_that_fails_half_way_keeps_what_did_not_go_back(
         assert await raw.exists("ppd:sessions:a", "ppd:sessions:b") == 2
     finally:
         await replica.store.close()
+
+
+# ---------------------------------------------------------------- corrupt entries, through the gateway
+
+_TURN = [
+    {"role": "user", "content": "q"},
+    {"role": "assistant", "content": "a"},
+    {"role": "user", "content": "next"},
+]
+# An entry the request below continues (its history extends what the last turn was sent).
+_GOOD: dict[str, Any] = {
+    "id": "s1",
+    "worker": "D0",
+    "turns": 3,
+    "context_tokens": 120,
+    "output_lengths": [5, 6],
+    "history_key": content_key(MODEL, _TURN[:1]),
+    "history_messages": 1,
+}
+_MAX_ENTRY = 1 << 20  # the cap on an entry read from Redis (redis_sessions.MAX_ENTRY_BYTES)
+
+
+def _entry(**fields: Any) -> bytes:
+    return json.dumps({"v": 1, "f": {**_GOOD, **fields}}).encode()
+
+
+_CORRUPT = {
+    "nested": b'{"v": 1, "f": {"id": "s1", "turns": 3, "later": ' + b"[" * 1000 + b"]" * 1000 + b"}}",
+    "negative_history_messages": _entry(history_messages=-7),
+    "turns_past_int32": _entry(turns=2**70),
+    "output_length_past_float": _entry(output_lengths=[10**400]),
+    "id_with_crlf": _entry(id="s1\r\nX-Evil: 1"),
+    "id_of_a_megabyte": _entry(id="x" * 1_000_000),
+    "entry_over_the_cap": _entry(history_key="k" * (2 * _MAX_ENTRY)),
+    "decode_kv_params_nested": _entry(decode_kv_params="[" * 1000 + "]" * 1000),
+}
+
+
+_KEY = "ppd:sessions:" + explicit_key("s1")
+
+
+async def _shared_stack(make_stack: StackFactory, server: RedisServer, decision: FakeDecision) -> Stack:
+    """A gateway in ppd mode (so a Turn 2+ builds a RouteRequest) on the shared store."""
+    return await make_stack(
+        mode="ppd",
+        decision={"address": decision.address, "deadline_ms": 2000.0},
+        sessions={"redis_url": server.url},
+    )
+
+
+def _bad_entries(stack: Stack) -> float:
+    registry = stack.deps.metrics.registry
+    counted = [
+        sample(registry, "ppd_gateway_session_store_bad_entries_total", reason=r)
+        for r in ("too_large", "wrong_type", "not_json", "too_deep", "version", "field")
+    ]
+    return sum(c or 0.0 for c in counted)
+
+
+def _a_new_conversation(reply: Reply) -> None:
+    assert reply.status == 200, reply.body
+    assert reply.headers["X-PPD-Turn"] == "1"
+    assert reply.headers["X-PPD-Session-Id"] == "s1"
+
+
+async def test_the_good_entry_is_continued(
+    make_stack: StackFactory, server: RedisServer, raw: aioredis.Redis, decision: FakeDecision
+) -> None:
+    """The baseline the corrupt entries below are variations of."""
+    stack = await _shared_stack(make_stack, server, decision)
+    await raw.set(_KEY, _entry())
+    reply = await stack.chat(_TURN, headers={"X-Session-ID": "s1"})
+    assert (reply.status, reply.headers["X-PPD-Turn"]) == (200, "4")
+    assert decision.seen[-1].turn == 4
+
+
+@pytest.mark.parametrize("name", sorted(_CORRUPT))
+async def test_a_corrupt_entry_is_a_lost_session_counted_and_logged_once(
+    make_stack: StackFactory,
+    server: RedisServer,
+    raw: aioredis.Redis,
+    decision: FakeDecision,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+) -> None:
+    """Each entry once made the request a 500 (RecursionError, IndexError, an int32 overflow in the
+    RouteRequest, a float overflow, a header the client refuses, a read past the timeout)."""
+    stack = await _shared_stack(make_stack, server, decision)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            await raw.set(_KEY, _CORRUPT[name])
+            _a_new_conversation(await stack.chat(_TURN, headers={"X-Session-ID": "s1"}))
+    assert _bad_entries(stack) == 2
+    registry = stack.deps.metrics.registry
+    assert sample(registry, "ppd_gateway_session_store_errors_total", cause="bad_entry") == 2
+    assert sample(registry, "ppd_gateway_session_store_degraded") == 0
+    lines = [r for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 1, [r.getMessage()[:200] for r in lines]
+    assert "could not be read and counts as missing" in lines[0].getMessage()
+    assert len(lines[0].getMessage()) < 1000  # nothing of the entry echoed at length
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    # The turn wrote a good entry in its place: the next turn continues it.
+    written = await raw.get(_KEY)
+    assert isinstance(written, str)
+    assert json.loads(written)["f"]["turns"] == 1
+
+
+async def test_an_entry_over_the_cap_never_leaves_redis(
+    make_stack: StackFactory, server: RedisServer, raw: aioredis.Redis, decision: FakeDecision
+) -> None:
+    """A 16 MB entry is refused by its size inside Redis: its bytes are never sent to the gateway."""
+    stack = await _shared_stack(make_stack, server, decision)
+    await raw.set(_KEY, _entry(history_key="k" * (16 * _MAX_ENTRY)))
+    before = int((await raw.info("stats"))["total_net_output_bytes"])
+    _a_new_conversation(await stack.chat(_TURN, headers={"X-Session-ID": "s1"}))
+    sent = int((await raw.info("stats"))["total_net_output_bytes"]) - before
+    assert sent < 64 * 1024, sent
+    registry = stack.deps.metrics.registry
+    assert sample(registry, "ppd_gateway_session_store_bad_entries_total", reason="too_large") == 1
+
+
+async def test_a_key_of_another_redis_type_is_a_bad_entry_not_a_redis_failure(
+    make_stack: StackFactory, server: RedisServer, raw: aioredis.Redis, decision: FakeDecision
+) -> None:
+    stack = await _shared_stack(make_stack, server, decision)
+    await raw.rpush(_KEY, "not", "a", "string")
+    _a_new_conversation(await stack.chat(_TURN, headers={"X-Session-ID": "s1"}))
+    registry = stack.deps.metrics.registry
+    assert sample(registry, "ppd_gateway_session_store_bad_entries_total", reason="wrong_type") == 1
+    assert sample(registry, "ppd_gateway_session_store_degraded") == 0
