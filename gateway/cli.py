@@ -50,7 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         "(overrides [explore] epsilon; default 0: off)",
     )
     serve.add_argument(
-        "--explore-seed", type=int, metavar="N", help="seed of the per-request exploration draw (default 0)"
+        "--explore-seed",
+        type=int,
+        metavar="N",
+        help="seed of the per-request exploration draw (default: a random secret one per process)",
     )
     serve.add_argument(
         "--explore-max-per-worker-per-s",

@@ -16,7 +16,7 @@ session's D is gone is decided by plan.py alone.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` and the client through the `ClientConnection` of ports.py, so this module is
 unit-tested with fakes (tests/gateway/test_forwarding.py).
-It stays whole (about 500 lines): it is the request path in the order the rules above need, and its
+It stays whole (about 700 lines): it is the request path in the order the rules above need, and its
 steps share one turn's inputs, outcome and pool view; the parts that stand alone already live apart
 (sessions.find_session, psi.measure, plan, relay, turn_report).
 """
@@ -58,15 +58,23 @@ from gateway.plan import (
 from gateway.pool import PoolView, WorkerView
 from gateway.ports import ClientConnection, ClientRequest, LiveSignals, RouteQuery, UpstreamStream
 from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
-from gateway.relay import StreamRelay, Usage, answer_from_body, error_event, kv_params_from_body
+from gateway.relay import (
+    StreamRelay,
+    Usage,
+    answer_from_body,
+    client_body,
+    error_event,
+    kv_params_from_body,
+)
 from gateway.residency import KvTracking
 from gateway.routing import Decision, static_decision
-from gateway.sessions import Session, SessionMatch, explicit_key, find_session
+from gateway.sessions import Session, SessionMatch, explicit_key, find_session, prompt_fingerprint
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import TurnReport, provenance_headers
 from gateway.types import Role
-from ppd.explore import ExplorationPolicy
+from ppd.explore import ExplorationPolicy, secret_seed
 from ppd.modes import Mode, ModeError, parse_mode
+from ppd.records import CLIENT_DISCONNECTED
 
 __all__ = ["Forwarder"]
 
@@ -96,7 +104,12 @@ class Forwarder:
         self._report = TurnReport(
             deps.metrics, deps.request_log, s.log, slo=deps.slo, table_key=s.decision.table_key
         )
-        self._explorer = ExplorationPolicy(s.explore)
+        self._explorer = ExplorationPolicy(s.explore, default_seed=secret_seed())
+        if s.explore.seed is None and s.explore.epsilon > 0:
+            log.info(
+                "explore.seed is not set: this process drew a random secret one "
+                "(set explore.seed for draws that repeat across runs)"
+            )
         self._worker_headers: tuple[tuple[str, str], ...] = (
             (("Authorization", f"Bearer {s.worker_api_key}"),) if s.worker_api_key else ()
         )
@@ -125,6 +138,7 @@ class Forwarder:
             model=req.model,
             messages=req.messages,
             new_id=d.new_id,
+            prompt=req.body.get("prompt") if req.endpoint == "completions" else None,
         )
         if match.reset:
             d.metrics.session_resets.labels(match.reset).inc()
@@ -155,7 +169,7 @@ class Forwarder:
             session_id=match.session_id,
             turn=match.turn,
             psi=psi,
-            workload=request.headers.get(WORKLOAD_HEADER, self._s.log.workload),
+            workload=self._s.log.workload_label(request.headers.get(WORKLOAD_HEADER)),
             chain=match.chain,
             session_reset=match.reset,
         )
@@ -183,7 +197,7 @@ class Forwarder:
             outcome.error = exc.message
             raise
         except asyncio.CancelledError:
-            outcome.error = outcome.error or "client disconnected"
+            outcome.error = outcome.error or CLIENT_DISCONNECTED
             raise
         finally:
             d.metrics.inflight.dec()
@@ -196,13 +210,32 @@ class Forwarder:
                 check_client_id(value, name, max_length=self._s.limits.max_id_length)
 
     def _mode(self, headers: Mapping[str, str]) -> Mode:
+        """The configured mode, or the client's X-PPD-Mode where the operator allows it
+        (`allow_mode_header`; off by default: the header is then not read at all). A mode the header
+        names that this gateway cannot serve is the client's error (400), not a missing worker (503)."""
         override = headers.get(MODE_HEADER)
-        if override is None or not self._s.allow_mode_header:
+        if override is None:
+            return self._s.mode
+        if not self._s.allow_mode_header:
+            log.debug("%s ignored (allow_mode_header is off); mode %s", MODE_HEADER, self._s.mode)
             return self._s.mode
         try:
-            return parse_mode(override, loose=True)
+            mode = parse_mode(override, loose=True)
         except ModeError as exc:
             raise BadRequestError(str(exc), param=MODE_HEADER) from None
+        role: Role = "replica" if mode.kind == "replica" else "decode"
+        if not self._d.pool.count(role, live=False):
+            raise BadRequestError(
+                f"{MODE_HEADER} {mode}: this gateway's pool has no {role} workers",
+                param=MODE_HEADER,
+            )
+        if mode.kind == "bidir" and not self._s.routing.bidir:
+            raise BadRequestError(
+                f"{MODE_HEADER} bidir: this gateway's workers do not run vLLM's bidirectional KV mode "
+                "(routing.bidir is off)",
+                param=MODE_HEADER,
+            )
+        return mode
 
     # ------------------------------------------------------------------ ψ
 
@@ -449,7 +482,7 @@ class Forwarder:
             turn, outcome, answer, usage, completion_chunks=None, kv_params=kv_params_from_body(body)
         )
         outcome.ok = True
-        await client.reply(reply.body, provenance_headers(turn, outcome))
+        await client.reply(client_body(reply.body, body), provenance_headers(turn, outcome))
 
     async def _stream(
         self, client: ClientConnection, turn: TurnInputs, outcome: TurnOutcome, p: Plan, call: UpstreamCall
@@ -507,7 +540,7 @@ class Forwarder:
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             upstream.close()
             metrics.stream_errors.labels("client_disconnected").inc()
-            outcome.error = "client disconnected"
+            outcome.error = CLIENT_DISCONNECTED
             outcome.ok = False
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -595,12 +628,18 @@ class Forwarder:
         outcome.completion_tokens = completion
         base = turn.session if turn.session is not None else Session(turn.session_id)
         chain = turn.chain
+        if chain is not None:
+            history_key, history_length = chain.key(), len(turn.req.messages)
+        else:  # completions: the next prompt must start with this one and its answer
+            history_key, history_length = prompt_fingerprint(
+                turn.req.model, turn.req.body.get("prompt"), answer
+            )
         after = base.after_turn(
             worker=outcome.decode_worker,
             prompt_tokens=prompt,
             completion_tokens=completion,
-            history_key=chain.key() if chain is not None else "",
-            history_messages=len(turn.req.messages) if chain is not None else 0,
+            history_key=history_key,
+            history_messages=history_length,
             decode_kv_params=json.dumps(kv_params, separators=(",", ":")) if kv_params else "",
             decode_kv_expires_at=d.wall_clock() + self._s.routing.bidir_params_ttl_s if kv_params else 0.0,
         )

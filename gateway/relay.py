@@ -4,8 +4,10 @@
 records the answer text, `usage`, the worker's `kv_transfer_params` (a decode worker's, on its final
 chunk, in vLLM's bidirectional mode: docs/vllm-protocol.md 3.4), errors and the end marker. Rule: the
 client gets every event the worker sent, in order, except the usage-only chunk the gateway itself
-asked for (`strip_usage`).
-`answer_from_body` and `kv_params_from_body` do the same for a non-streaming answer.
+asked for (`strip_usage`), and without a worker's `kv_transfer_params` (its host, port, engine id
+and block ids are for the gateway alone: the event that carries them is re-encoded without them).
+`answer_from_body` and `kv_params_from_body` do the same for a non-streaming answer, and
+`client_body` is that answer as the client gets it.
 The hot path (one call per relayed chunk): a chunk of whole one-line `data: ` events, as vLLM sends
 them, is read straight off its bytes (orjson on each payload; no line parser, no event objects) and
 the very bytes object that came in is what goes out; anything else takes the sans-I/O parser (sse.py).
@@ -14,6 +16,7 @@ Both paths learn and pass on exactly the same (tests/gateway/test_relay.py, a pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any, Final
@@ -22,7 +25,7 @@ import orjson
 
 from gateway.sse import DONE, SSEEvent, SSEParser, encode_data, encode_event
 
-__all__ = ["StreamRelay", "Usage", "answer_from_body", "error_event", "kv_params_from_body"]
+__all__ = ["StreamRelay", "Usage", "answer_from_body", "client_body", "error_event", "kv_params_from_body"]
 
 _DONE_BYTES = b"data: [DONE]\n\n"
 
@@ -83,6 +86,21 @@ def kv_params_from_body(body: Any) -> dict[str, Any] | None:
     return dict(params) if isinstance(params, Mapping) else None
 
 
+def _dumps(obj: Any) -> bytes:
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # integers beyond 64 bits, lone surrogates: the stdlib writes them exactly
+        return json.dumps(obj, separators=(",", ":")).encode("ascii")
+
+
+def client_body(raw: bytes, body: Any) -> bytes:
+    """A non-streaming answer as the client gets it: the worker's bytes (`raw`, parsed as `body`),
+    re-encoded without `kv_transfer_params` when it carries some (the relay's rule)."""
+    if not isinstance(body, dict) or body.get(_KV_FIELD) is None:
+        return raw
+    return _dumps({k: v for k, v in body.items() if k != _KV_FIELD})
+
+
 def _loads(data: str) -> Any:
     try:
         return orjson.loads(data)
@@ -101,6 +119,11 @@ def error_event(message: str, *, error_type: str = "BadGatewayError", code: int 
 _DATA = b"data: "
 _DONE_DATA = DONE.encode()
 _DONE_MARK: Final = object()  # the [DONE] event among parsed ones
+# What becomes of one observed event: passed on as it came, dropped, or re-encoded (the parsed
+# object, changed by _observe).
+_PASS: Final = 0
+_DROP: Final = 1
+_REWRITE: Final = 2
 
 
 class StreamRelay:
@@ -161,61 +184,77 @@ class StreamRelay:
                 objs.append(orjson.loads(payload))
             except orjson.JSONDecodeError:
                 return None
+        return self._pass_on(data, payloads, objs)
+
+    def _pass_on(self, data: bytes, payloads: list[bytes], objs: list[Any]) -> tuple[bytes, bool]:
+        """`_plain` once every event parsed: observe each; the chunk as it came unless one is dropped
+        or re-encoded."""
         content = False
         kept: list[bytes] | None = None
         for i, obj in enumerate(objs):
             if obj is _DONE_MARK:
                 self.done = True
-                keep = True
+                action = _PASS
             else:
-                keep, got = self._observe(obj)
+                action, got = self._observe(obj)
                 content = content or got
-            if not keep and kept is None:
+            if action == _PASS:
+                if kept is not None:
+                    kept.append(b"data: " + payloads[i] + b"\n\n")
+                continue
+            if kept is None:
                 kept = [b"data: " + p + b"\n\n" for p in payloads[:i]]
-            elif keep and kept is not None:
-                kept.append(b"data: " + payloads[i] + b"\n\n")
+            if action == _REWRITE:
+                kept.append(b"data: " + _dumps(obj) + b"\n\n")
         return (data, content) if kept is None else (b"".join(kept), content)
 
-    def _observe(self, obj: Any) -> tuple[bool, bool]:
-        """Learn from one parsed event: (pass it on, it carried answer content)."""
+    def _observe(self, obj: Any) -> tuple[int, bool]:
+        """Learn from one parsed event: (_PASS, _DROP or _REWRITE it, it carried answer content).
+        _REWRITE: `obj` was changed (its `kv_transfer_params` removed) and goes on re-encoded."""
         if not isinstance(obj, dict):
-            return True, False
+            return _PASS, False
+        action = _PASS
         if "error" in obj:
             err = obj["error"]
             msg = err.get("message") if isinstance(err, Mapping) else err
             self.error = str(msg)
         if obj.get(_KV_FIELD) is not None:  # null on every chunk but D's final one in bidir mode
             self.kv_params = kv_params_from_body(obj) or self.kv_params
+            del obj[_KV_FIELD]
+            action = _REWRITE
         usage = obj.get("usage")
         if usage is not None:
             parsed = Usage.parse(usage)
             if parsed is not None:
                 self.usage = parsed
                 if self._strip_usage and obj.get("choices") == []:
-                    return False, False
+                    return _DROP, False
         text = _choice_text(_first_choice(obj.get("choices")))
         if text:
             self._parts.append(text)
             self.chunks += 1
-            return True, True
-        return True, False
+            return action, True
+        return action, False
 
     def _events(self, events: list[SSEEvent], raw: bytes) -> tuple[bytes, bool]:
         """Observe each event; pass the worker's bytes on unchanged unless an event is dropped."""
         content = False
-        dropped = False
+        changed = False
         kept: list[SSEEvent] = []
         for event in events:
             if event.data == DONE:
                 self.done = True
                 kept.append(event)
                 continue
-            keep, got = self._observe(_loads(event.data))
+            obj = _loads(event.data)
+            action, got = self._observe(obj)
             content = content or got
-            if keep:
+            if action == _PASS:
                 kept.append(event)
-            else:
-                dropped = True
-        if not dropped:
+                continue
+            changed = True
+            if action == _REWRITE:
+                kept.append(dataclasses.replace(event, data=_dumps(obj).decode("utf-8")))
+        if not changed:
             return raw, content
         return b"".join(encode_event(e) for e in kept), content

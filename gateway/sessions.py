@@ -11,7 +11,16 @@ overrides the content key; the state under it is the latest turn of that convers
 chat history that extends it: every session keeps the content key of the messages its last turn was sent
 (and how many), and a request whose first that-many messages hash differently, or that has no answer
 after them, does not continue it (`history_extends`; the caller then treats it as a fork or a new
-conversation). `find_session` applies rules 1 and 2 to a request.
+conversation). A completions prompt continues it only if it starts with what the last turn was sent and
+answered: a text prompt with that prompt and the answer's text, a token-id prompt with that prompt's ids
+(`prompt_extends`, over `prompt_fingerprint`); otherwise it is a new conversation. The gateway does not
+see the answer's token ids, so a token-id continuation (and one of a session without a fingerprint)
+never gets the session's stored D params (`decode_kv_params`, used by the bidir path): with them P
+would compute the request's tokens on top of whatever KV those params name. Likewise a chat request
+naming a session gets them only when the answer in its history is the one the gateway returned (the
+content key of the history up to that answer names the same state, `_answer_matches`): someone who
+knows a session's id and its user messages but not its answer is served without them (full PD).
+`find_session` applies rules 1 and 2 to a request.
 Rule 3 (bounded memory): entries expire after an idle TTL and the store never holds more than
 `max_entries` (least recently used goes first), whatever the traffic.
 """
@@ -41,6 +50,8 @@ __all__ = [
     "explicit_key",
     "find_session",
     "history_extends",
+    "prompt_extends",
+    "prompt_fingerprint",
     "split_history",
 ]
 
@@ -61,7 +72,8 @@ class Session:
     # Output lengths of the most recent turns, oldest first.
     output_lengths: tuple[int, ...] = field(default=())
     # The content key of every message the last turn was sent (chat), and how many there were: a request
-    # continues this session only if its history starts with them (rule 2). "" / 0: not known.
+    # continues this session only if its history starts with them (rule 2). Completions: the key of
+    # the prefix the next prompt must start with (`prompt_fingerprint`) and its length. "" / 0: not known.
     history_key: str = ""
     history_messages: int = 0
     # vLLM bidirectional mode (docs/vllm-protocol.md 3.4): the `kv_transfer_params` that `worker` returned
@@ -281,7 +293,8 @@ def history_extends(
 ) -> bool | None:
     """Feeds `messages[:upto]` (the request's history) to `chain` and says on the way whether they
     continue what `session` was last sent: they start with those messages (same content key) and an
-    answer follows them. None: the session keeps no fingerprint (a completions turn, an older entry)."""
+    answer follows them. None: the session keeps no fingerprint (an older entry); a completions turn's
+    never matches a chat history (`prompt_fingerprint`)."""
     n = session.history_messages
     if not n or not session.history_key:
         chain.extend(messages[:upto])
@@ -292,6 +305,52 @@ def history_extends(
     same = chain.extend(messages[:n]).key() == session.history_key
     chain.extend(messages[n:upto])
     return same
+
+
+def _prompt_units(prompt: Any) -> str | list[int] | None:
+    """A completions prompt as its text or its token ids (one of either inside a list too); None for
+    anything else."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+def _prompt_key(model: str, units: str | list[int]) -> str:
+    pieces: list[bytes] = []
+    _field(pieces, model)
+    if isinstance(units, str):
+        _field(pieces, units)
+        return "t:" + hashlib.sha256(b"".join(pieces)).hexdigest()[:32]
+    _field(pieces, ",".join(map(str, units)))
+    return "i:" + hashlib.sha256(b"".join(pieces)).hexdigest()[:32]
+
+
+def prompt_fingerprint(model: str, prompt: Any, answer: str) -> tuple[str, int]:
+    """Rule 2 for completions: (key, length) of what the next prompt of the session must start with:
+    a text prompt followed by the answer's text (characters), or a token-id prompt's ids (the answer's
+    ids are not known here); ("", 0) for a prompt of another form."""
+    units = _prompt_units(prompt)
+    if units is None:
+        return "", 0
+    if isinstance(units, str):
+        units += answer
+    return _prompt_key(model, units), len(units)
+
+
+def prompt_extends(session: Session, model: str, prompt: Any) -> bool | None:
+    """Whether a completions `prompt` continues `session` (rule 2): it starts with the fingerprinted
+    prefix. None: the session keeps no fingerprint (an older entry)."""
+    if not session.history_key:
+        return None
+    units = _prompt_units(prompt)
+    n = session.history_messages
+    if units is None or len(units) < n:
+        return False
+    return _prompt_key(model, units[:n]) == session.history_key
 
 
 def content_key(model: str, messages: Sequence[Mapping[str, Any]]) -> str:
@@ -325,6 +384,19 @@ class SessionMatch:
         return self.history_end if self.session is not None else 0
 
 
+async def _answer_matches(
+    store: SessionStore, session: Session, model: str, messages: Sequence[Mapping[str, Any]]
+) -> bool:
+    """Rule 2 for D params: the history up to the answer after the session's last messages is the
+    content key the gateway stored that turn's state under, with the same params (not evicted, not
+    another answer)."""
+    n = session.history_messages
+    if n >= len(messages):
+        return False
+    found = await store.get(content_key(model, messages[: n + 1]))
+    return found is not None and found.decode_kv_params == session.decode_kv_params
+
+
 async def find_session(
     store: SessionStore,
     *,
@@ -333,10 +405,12 @@ async def find_session(
     model: str,
     messages: Sequence[Mapping[str, Any]],
     new_id: Callable[[], str],
+    prompt: Any = None,
 ) -> SessionMatch:
-    """Rules 1 and 2 for one request. A named session whose history the request does not extend (a
-    reused id, an edit) is a fork from the earlier state this exact history names, if one is known,
-    else a new conversation; `reset` says which."""
+    """Rules 1 and 2 for one request (`prompt`: a completions request's). A named session whose
+    history the request does not extend (a reused id, an edit) is a fork from the earlier state this
+    exact history names, if one is known, else a new conversation; `reset` says which. A completions
+    prompt that does not extend it is a new conversation."""
     history_end = split_history(messages)[0] if messages else 0
     session: Session | None = None
     chain: KeyChain | None = None
@@ -351,9 +425,17 @@ async def find_session(
             found = await store.get(chain.key()) if history_end else None
             session = replace(found, id=explicit) if found is not None else None
             reset = "fork" if found is not None else "new_history"
+        elif session.decode_kv_params and not await _answer_matches(store, session, model, messages):
+            session = replace(session, decode_kv_params="", decode_kv_expires_at=0.0)
         if not explicit and history_end:
             session = await store.get(chain.key())
         chain.extend(messages[history_end:])
+    elif session is not None:
+        extends = prompt_extends(session, model, prompt)
+        if extends is False:
+            session, reset = None, "new_history"
+        elif extends is None or not isinstance(_prompt_units(prompt), str):
+            session = replace(session, decode_kv_params="", decode_kv_expires_at=0.0)
     return SessionMatch(
         explicit_id=explicit,
         session=session,

@@ -166,6 +166,8 @@ class PoolSettings:
     unhealthy_after: int = 2
     heartbeat_expiry_s: float = 30.0
     scrape_metrics: bool = True
+    # Workers registered through the admin API at once (static ones not counted); more -> 409.
+    max_registered_workers: int = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,11 +185,22 @@ class KvEventSettings:
     block_size: int = 16
     # Blocks tracked per worker; past it the oldest stored is forgotten (residency under-estimated).
     max_blocks_per_worker: int = 1_000_000
+    # A replay that sends nothing this long is given up (the worker stays unsynced; retried later).
+    replay_timeout_s: float = 5.0
+    # Largest frame taken from a publisher or replay socket (ZMQ_MAXMSGSIZE); a larger one drops the
+    # connection (counted, unsynced, reconnected). A vLLM step's batch is far below it.
+    max_message_bytes: int = 4 << 20
+    # Bytes one full resync may deliver; past it the replay is given up (a replay without its end).
+    max_replay_bytes: int = 256 << 20
+    # Bytes of live batches held while a replay is pending; past it the replay is given up.
+    max_pending_bytes: int = 64 << 20
 
     def validate(self) -> None:
         kv = self
         if kv.block_size <= 0 or kv.max_blocks_per_worker <= 0:
             raise SettingsError("kv_events.block_size and kv_events.max_blocks_per_worker must be positive")
+        if min(kv.replay_timeout_s, kv.max_message_bytes, kv.max_replay_bytes, kv.max_pending_bytes) <= 0:
+            raise SettingsError("kv_events.replay_timeout_s and max_*_bytes must be positive")
         if not isinstance(kv.endpoints, dict) or not isinstance(kv.replay_endpoints, dict):
             raise SettingsError(
                 "kv_events.endpoints and replay_endpoints must be tables (worker id = endpoint)"
@@ -207,8 +220,17 @@ class LogSettings:
     run_id: str = ""
     shape: str = ""
     model: str = ""
+    # Every line's workload label ("" in production: the table refresh files a line by its token
+    # counts). With workload_header, a request's X-PPD-Workload header replaces it (benchmark runs
+    # through the gateway); off, a client cannot choose the label the refresh reads.
     workload: str = ""
+    workload_header: bool = False
     target_qps: float = 0.0
+
+    def workload_label(self, header: str | None) -> str:
+        """A request's workload label: its X-PPD-Workload header where allowed (an empty header is
+        none), else ``workload``."""
+        return (header if self.workload_header else None) or self.workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +251,9 @@ _SLO_BASE_KEYS = ("base_w_ttft", "base_w_tpot")
 class Settings:
     host: str = "127.0.0.1"
     mode: Mode = field(default_factory=lambda: Mode("ppd"))
-    # Requests may choose their routing mode with the X-PPD-Mode header (for benchmarking).
-    allow_mode_header: bool = True
+    # Requests may choose their routing mode with the X-PPD-Mode header: a benchmarking aid for a
+    # gateway whose clients are trusted (ppd-up turns it on). Off: the header is ignored.
+    allow_mode_header: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     # Bearer token for /admin/*; empty disables the admin API.
     admin_token: str = ""
@@ -341,9 +364,16 @@ class Settings:
             raise SettingsError("slo.base_w_ttft must be >= 0 and slo.base_w_tpot positive")
         self.kv_events.validate()
         limits = self.limits
-        if limits.max_messages < 1 or limits.max_id_length < 1 or limits.header_timeout_s <= 0:
+        if (
+            limits.max_messages < 1
+            or limits.max_id_length < 1
+            or limits.header_timeout_s <= 0
+            or not 1 <= limits.max_json_depth <= 200  # orjson writes at most 254 levels
+            or self.pool.max_registered_workers < 0
+        ):
             raise SettingsError(
-                "limits.max_messages and limits.max_id_length must be >= 1, limits.header_timeout_s positive"
+                "limits.max_messages and limits.max_id_length must be >= 1, limits.header_timeout_s "
+                "positive, limits.max_json_depth 1 to 200, pool.max_registered_workers >= 0"
             )
 
 

@@ -80,7 +80,10 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="mode label of the records: pd, local, ppd, replica, fraction:<x> (default ppd)",
     )
     run.add_argument(
-        "--send-mode", action="store_true", help="also ask our gateway for --mode per request (X-PPD-Mode)"
+        "--send-mode",
+        action="store_true",
+        help="also ask our gateway for --mode per request (X-PPD-Mode; honoured where the gateway sets "
+        "allow_mode_header = true, as ppd-up does)",
     )
     run.add_argument("--shape", default="1P3D", help="deployment shape label for the records (default 1P3D)")
     run.add_argument("--model-label", default="llama-3.1-8b", help="model label for the records")

@@ -8,7 +8,11 @@ Rules:
 
 1. The draw is a seeded hash (BLAKE2b-64 of ``seed`` and ``request_key``) mapped into [0, 1): the same
    request explores or not whatever the order requests arrive in, run after run. It explores when the
-   draw is below ε.
+   draw is below ε. The seed is secret where clients could exploit knowing it (they choose their
+   session ids, so with a known seed they choose which of their turns explore): ``seed`` unset
+   (None) means the policy's ``default_seed``, which the gateway draws at random per process
+   (``secret_seed``) and the virtual-time simulator leaves at 0, so its runs stay reproducible; a
+   seed set in the settings is used as is (reproducible experiments).
 2. Bounds on the harm; a request outside them is not eligible and takes the chosen path (propensity 1):
    - never into a path whose cell fails the table's success SLO (``alternative_allowed`` is False:
      the decision core says so, and says False for turn 1 and for cells without measurements);
@@ -26,24 +30,26 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 from dataclasses import dataclass
 
-__all__ = ["Exploration", "ExplorationPolicy", "ExploreSettings", "explore_draw"]
+__all__ = ["Exploration", "ExplorationPolicy", "ExploreSettings", "explore_draw", "secret_seed"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExploreSettings:
-    """ε (share of eligible Turn 2+ requests that explore, 0..1; 0 = off), the draw's seed, and the
-    cap on explorations per worker and second. Raises ``ValueError`` naming a bad value."""
+    """ε (share of eligible Turn 2+ requests that explore, 0..1; 0 = off), the draw's seed (None: not
+    set, rule 1), and the cap on explorations per worker and second. Raises ``ValueError`` naming a
+    bad value."""
 
     epsilon: float = 0.0
-    seed: int = 0
+    seed: int | None = None
     max_per_worker_per_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.epsilon) and 0.0 <= self.epsilon <= 1.0):
             raise ValueError(f"explore epsilon must be within 0..1, got {self.epsilon!r}")
-        if type(self.seed) is not int or self.seed < 0:
+        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ValueError(f"explore seed must be an integer >= 0, got {self.seed!r}")
         rate = self.max_per_worker_per_s
         if not (math.isfinite(rate) and rate >= 0.0):
@@ -58,6 +64,11 @@ class Exploration:
     explored: bool
     local: bool
     propensity: float
+
+
+def secret_seed() -> int:
+    """Rule 1: a seed no client can know (64 random bits from the OS)."""
+    return secrets.randbits(64)
 
 
 def explore_draw(seed: int, request_key: str) -> float:
@@ -77,10 +88,12 @@ class _Bucket:
 class ExplorationPolicy:
     """Rules 1-3 for one gateway or one simulated cluster (the buckets are its only state)."""
 
-    __slots__ = ("_buckets", "_burst", "_settings")
+    __slots__ = ("_buckets", "_burst", "_seed", "_settings")
 
-    def __init__(self, settings: ExploreSettings) -> None:
+    def __init__(self, settings: ExploreSettings, *, default_seed: int = 0) -> None:
+        """``default_seed``: the seed when ``settings.seed`` is not set (rule 1)."""
         self._settings = settings
+        self._seed = settings.seed if settings.seed is not None else default_seed
         rate = settings.max_per_worker_per_s
         self._burst = max(1.0, rate) if rate > 0 else 0.0
         self._buckets: dict[str, _Bucket] = {}
@@ -103,7 +116,7 @@ class ExplorationPolicy:
         eps = self._settings.epsilon
         if eps <= 0.0 or not alternative_allowed or guard_active or not self._has_token(worker, now):
             return Exploration(explored=False, local=chosen_local, propensity=1.0)
-        if explore_draw(self._settings.seed, request_key) < eps:
+        if explore_draw(self._seed, request_key) < eps:
             self._buckets[worker].tokens -= 1.0
             return Exploration(explored=True, local=not chosen_local, propensity=eps)
         return Exploration(explored=False, local=chosen_local, propensity=1.0 - eps)

@@ -129,8 +129,9 @@ def levels(capacity: float, fractions: Sequence[float]) -> tuple[float, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Attach:
-    """A stack already running: a gateway (mode ppd, table key ``<topology>/<model_label>``) and the
-    decision service it asks, which serves the folder ``tables`` (rule 3's table is published there)."""
+    """A stack already running: a gateway (mode ppd, ``allow_mode_header = true``, table key
+    ``<topology>/<model_label>``) and the decision service it asks, which serves the folder ``tables``
+    (rule 3's table is published there)."""
 
     gateway_url: str
     decision_port: int

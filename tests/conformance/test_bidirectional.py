@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.conformance.workers import Cluster
+from tests.conformance.workers import Cluster, http
 from tests.gateway.processes import Process, start
 from tests.support.gateway_config import worker_tables
 
@@ -75,15 +75,11 @@ def test_turn_two_takes_the_bidirectional_path_and_p_pulls_the_history_from_d(
         messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
         return headers, answer
 
-    # Turn 1: P/D; D1 keeps its blocks and returns their params on the final answer.
+    # Turn 1: P/D; D1 keeps its blocks and returns their params on the final answer, to the gateway
+    # alone: it keeps them for Turn 2, the client's answer carries none (their shape: the test below).
     first, answer = turn(None, ANSWER_TOKENS)
     assert (first["X-PPD-Path"], first["X-PPD-Decode-Worker"]) == ("pd", "D1")
-    params = answer["kv_transfer_params"]
-    assert params["do_remote_decode"] is True
-    assert params["do_remote_prefill"] is False
-    assert params["remote_blocks_expiry_time"] is not None
-    assert params["remote_block_ids"]
-    assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"] + ANSWER_TOKENS - 1
+    assert answer.get("kv_transfer_params") is None
 
     # Turn 2: P0 gets D1's params, pulls the history from D1, appends; D1 pulls the result back.
     p_before, d_before = cluster.by_source("P0"), cluster.by_source("D1")
@@ -110,3 +106,31 @@ def test_turn_two_takes_the_bidirectional_path_and_p_pulls_the_history_from_d(
     third, answer3 = turn("And the end?", 4)
     assert (third["X-PPD-Path"], third["X-PPD-Turn"], third["X-PPD-Decode-Worker"]) == ("bidir", "3", "D1")
     assert answer3["choices"][0]["finish_reason"] == "length"
+
+
+def test_d_in_bidirectional_mode_returns_its_blocks_params_after_a_p_leg(cluster: Cluster) -> None:
+    """What the gateway keeps from D1's answer (the protocol, worker to worker): D's own params."""
+    if cluster.process is None:
+        pytest.skip("an external cluster may not run bidirectional_kv_xfer on P0 and D1")
+    body: dict[str, Any] = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} Tell me a long story."}],
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    p_leg = body | {
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    first = http(cluster.url("P0") + "/v1/chat/completions", p_leg)
+    assert first.status == 200, first.body
+    d_leg = body | {"max_tokens": ANSWER_TOKENS, "kv_transfer_params": first.json()["kv_transfer_params"]}
+    second = http(cluster.url("D1") + "/v1/chat/completions", d_leg)
+    assert second.status == 200, second.body
+    answer = second.json()
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_decode"] is True
+    assert params["do_remote_prefill"] is False
+    assert params["remote_blocks_expiry_time"] is not None
+    assert params["remote_block_ids"]
+    assert params["remote_num_tokens"] == answer["usage"]["prompt_tokens"] + ANSWER_TOKENS - 1

@@ -32,7 +32,8 @@ BLOCK = 32
 @pytest.fixture(scope="session")
 def gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     tmp: Path = tmp_path_factory.mktemp(f"gateway-{cluster.engine}")
-    lines = ['mode = "ppd"', "", "[decision]", 'address = "127.0.0.1:1"', "deadline_ms = 200.0", ""]
+    lines = ['mode = "ppd"', "allow_mode_header = true", ""]  # the tests force a mode (X-PPD-Mode)
+    lines += ["[decision]", 'address = "127.0.0.1:1"', "deadline_ms = 200.0", ""]
     lines += ["[pool]", "health_interval_s = 0.5", ""]
     lines += [*worker_tables(cluster.workers), ""]
     config = tmp / "gateway.toml"

@@ -37,7 +37,8 @@ def stack(cluster: Cluster, tmp_path: Path) -> Iterator[tuple[Process, Process, 
         tmp_path, "decision",
     )  # fmt: skip
     topology = _topology(cluster)
-    lines = ['mode = "ppd"', "", "[decision]", f'address = "127.0.0.1:{decision.ready["grpc"]}"']
+    lines = ['mode = "ppd"', "allow_mode_header = true", "", "[decision]"]  # pd and local runs ask
+    lines += [f'address = "127.0.0.1:{decision.ready["grpc"]}"']
     lines += [f'table_key = "{topology}/{MODEL_LABEL}"', ""]
     lines += [*worker_tables(cluster.workers), ""]
     config = tmp_path / "gateway.toml"

@@ -333,6 +333,14 @@ def test_gateway_config_passes_the_gateways_own_check(overlay: str, tmp_path: Pa
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_lets_no_client_choose_its_routing_mode(overlay: str) -> None:
+    """A deployed gateway serves clients it does not trust: X-PPD-Mode is a benchmarking aid, off."""
+    from gateway.settings import Settings
+
+    assert Settings.from_mapping(gateway_config(rendered(overlay))).allow_mode_header is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_gateway_lists_every_worker_pod_with_its_role_and_port(overlay: str) -> None:
     docs = rendered(overlay)
     config = gateway_config(docs)

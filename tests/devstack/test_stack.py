@@ -106,6 +106,7 @@ def test_gateway_config_comes_from_the_ready_lines() -> None:
     text = gateway_config(StackSettings(mode="fraction:0.5"), CLUSTER, {"grpc": 7001, "metrics": 7002})
     config = tomllib.loads(text)
     assert config["mode"] == "fraction:0.5"
+    assert config["allow_mode_header"] is True  # benchmarks ask for their mode (ppd-bench --send-mode)
     assert config["decision"] == {"address": "127.0.0.1:7001", "table_key": "1P3D/llama-3.1-8b"}
     assert config["workers"] == CLUSTER["workers"]
     with pytest.raises(ValueError, match="no workers"):

@@ -56,6 +56,7 @@ async def _stack(profile: Profile) -> AsyncIterator[_Stack]:
     await group.start()
     config: dict[str, Any] = {
         "mode": "pd",
+        "allow_mode_header": True,  # each test names the mode it provokes (X-PPD-Mode)
         "workers": [w.describe() for w in group.workers],
         "pool": {"health_interval_s": 3600.0},
         "sessions": {"sweep_interval_s": 3600.0},

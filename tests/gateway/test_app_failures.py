@@ -81,7 +81,7 @@ async def test_oversize_body_is_a_413(make_stack: StackFactory) -> None:
 
 
 async def test_bad_mode_header_is_a_400(make_stack: StackFactory) -> None:
-    stack = await make_stack()
+    stack = await make_stack(allow_mode_header=True)
     reply = await stack.chat([{"role": "user", "content": "x"}], headers={"X-PPD-Mode": "fraction:7"})
     assert reply.status == 400
     assert _no_completions_reached(stack)

@@ -63,13 +63,50 @@ async def test_ppd_mode_falls_back_when_the_service_is_down(make_stack: StackFac
     assert samples(text, "ppd_gateway_decision_fallbacks_total")
 
 
-async def test_mode_header_overrides_the_config(make_stack: StackFactory) -> None:
-    stack = await make_stack(mode="local")
+async def test_mode_header_overrides_the_config_where_the_operator_allows_it(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(mode="local", allow_mode_header=True)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     first = await stack.chat(messages)
     follow_up(messages, first, "again")
     second = await stack.chat(messages, headers={"X-PPD-Mode": "pd"})
     assert (second.path, second.reason, second.headers["X-PPD-Mode"]) == ("pd", "mode_pd", "pd")
+
+
+async def test_the_mode_header_is_ignored_by_default(make_stack: StackFactory) -> None:
+    """A client does not choose its routing unless the operator allows it (allow_mode_header): the
+    header is not read at all, and the response's X-PPD-Mode names the mode that was used."""
+    stack = await make_stack(mode="local")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages, headers={"X-PPD-Mode": "replica"})
+    assert (first.status, first.path, first.headers["X-PPD-Mode"]) == (200, "pd", "local")
+    follow_up(messages, first, "again")
+    second = await stack.chat(messages, headers={"X-PPD-Mode": "pd"})
+    assert (second.path, second.reason, second.headers["X-PPD-Mode"]) == ("local", "mode_local", "local")
+    follow_up(messages, second, "more")
+    third = await stack.chat(messages, headers={"X-PPD-Mode": "fraction:7"})  # not even parsed
+    assert (third.status, third.path) == (200, "local")
+
+
+@pytest.mark.parametrize(
+    ("roles", "mode", "header", "says"),
+    [
+        (None, "local", "replica", "no replica workers"),
+        (None, "local", "bidir", "routing.bidir"),
+        ({"R0": "replica"}, "replica", "pd", "no decode workers"),
+        ({"R0": "replica"}, "replica", "ppd", "no decode workers"),
+    ],
+)
+async def test_a_mode_header_the_pool_cannot_serve_is_a_400(
+    make_stack: StackFactory, roles: dict[str, str] | None, mode: str, header: str, says: str
+) -> None:
+    stack = await make_stack(roles, mode=mode, allow_mode_header=True)
+    reply = await stack.chat([{"role": "user", "content": "hello"}], headers={"X-PPD-Mode": header})
+    assert reply.status == 400, reply.body
+    assert reply.body["error"]["param"] == "X-PPD-Mode"
+    assert says in reply.body["error"]["message"]
+    assert all(not w.completions() for w in stack.workers.values())
 
 
 async def test_fraction_mode_is_stable_per_conversation(make_stack: StackFactory) -> None:
@@ -185,9 +222,17 @@ async def test_completions_endpoint_with_session_id(make_stack: StackFactory) ->
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 3, "session_id": "c1"}
     first = await stack.post("/v1/completions", body)
     assert (first.status, first.path) == (200, "pd")
-    second = await stack.post("/v1/completions", body | {"prompt": "Once more", "stream": True})
+    # A follow-up prompt is the last one, its answer, then more (what the decode worker holds).
+    follow = "Once" + first.text + " more"
+    second = await stack.post("/v1/completions", body | {"prompt": follow, "stream": True})
     assert (second.status, second.path, second.headers["X-PPD-Turn"]) == (200, "local", "2")
     assert second.events[-1] == "[DONE]"
+    third = await stack.post("/v1/completions", body | {"prompt": "Once more"})  # not an extension
+    assert (third.path, third.headers["X-PPD-Turn"], third.headers["X-PPD-Session-Reset"]) == (
+        "pd",
+        "1",
+        "new_history",
+    )
 
 
 async def test_session_survives_idle_below_ttl_and_the_store_is_bounded(make_stack: StackFactory) -> None:
@@ -289,7 +334,14 @@ async def test_metrics_show_decisions_ttft_and_sessions(make_stack: StackFactory
 async def test_request_log_writes_benchmark_records(make_stack: StackFactory, tmp_path: Path) -> None:
     path = tmp_path / "requests.jsonl"
     stack = await make_stack(
-        mode="local", log={"request_log": str(path), "run_id": "r1", "shape": "2P2D", "target_qps": 2.0}
+        mode="local",
+        log={
+            "request_log": str(path),
+            "run_id": "r1",
+            "shape": "2P2D",
+            "target_qps": 2.0,
+            "workload_header": True,  # a benchmark's operator lets its clients label their lines
+        },
     )
     messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
     first = await stack.chat(messages, stream=True, max_tokens=5)

@@ -4,6 +4,7 @@ request-log fields; each bound provoked; and with epsilon = 0 the request log ex
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from gateway.ports import ClientRequest
 from gateway.request_log import RequestLog
 from gateway.routing import Decision
 from gateway.settings import Settings, SettingsError
-from ppd.explore import ExploreSettings
+from ppd.explore import ExploreSettings, explore_draw
 from ppd.records import FIELDS
 from tests.gateway.conftest import StackFactory
 from tests.gateway.fake_decision import FakeDecision
@@ -126,6 +127,23 @@ async def test_the_draw_is_seeded_per_session_and_turn_and_chosen_turns_carry_th
         assert ("X-PPD-Explored" in client.headers) is line["explored"]
 
 
+async def test_without_a_seed_each_gateway_draws_a_secret_one(caplog: pytest.LogCaptureFixture) -> None:
+    """No explore.seed set: each gateway process draws a random one at start-up and logs that it did
+    (never the value), so a client cannot compute from a session id whether its turns explore."""
+    explore = {"epsilon": 0.5, **UNCAPPED}
+    runs = []
+    with caplog.at_level(logging.INFO, logger="gateway.forwarding"):
+        for _ in range(2):
+            forwarder, _ = forwarder_on_fakes(_config(explore), decisions=FakeDecisions(ALLOWED_LOCAL))
+            clients = [await _conversation(forwarder, f"s{i}") for i in range(32)]
+            runs.append([c.headers.get("X-PPD-Explored") == "1" for c in clients])
+    assert runs[0] != runs[1]  # two gateways disagree (equal by chance: 2**-32)
+    assert [explore_draw(0, f"s{i}#2") < 0.5 for i in range(32)] not in runs  # not the seed-0 draw
+    told = [r.getMessage() for r in caplog.records if "explore.seed" in r.getMessage()]
+    assert len(told) == 2
+    assert "random" in told[0]
+
+
 @pytest.mark.parametrize(
     ("decision", "why"),
     [
@@ -160,6 +178,7 @@ async def test_the_cap_per_decode_worker_and_second() -> None:
 
 def test_settings_and_flags() -> None:
     assert Settings().explore == ExploreSettings()
+    assert Settings().explore.seed is None  # not set: a secret random seed per process
     s = Settings.from_mapping({"explore": {"epsilon": 0.05, "seed": 7, "max_per_worker_per_s": 2}})
     assert s.explore == ExploreSettings(epsilon=0.05, seed=7, max_per_worker_per_s=2.0)
     for bad, match in (

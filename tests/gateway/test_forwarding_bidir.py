@@ -55,7 +55,13 @@ def _request(messages: list[dict[str, Any]], *, stream: bool = False, mode: str 
 
 def _setup(upstream: FakeUpstream, **routing: Any) -> tuple[Forwarder, Any, ManualClock]:
     wall = ManualClock(START)
-    config = {"mode": "bidir", "served_model": MODEL, "workers": WORKERS, "routing": routing}
+    config = {
+        "mode": "bidir",
+        "allow_mode_header": True,
+        "served_model": MODEL,
+        "workers": WORKERS,
+        "routing": routing,
+    }
     forwarder, deps = forwarder_on_fakes(config, upstream=upstream, wall_clock=wall)
     return forwarder, deps, wall
 

@@ -16,12 +16,11 @@ import zmq.asyncio
 from aiohttp.test_utils import TestServer
 from prometheus_client import generate_latest
 
-from gateway.app import DEPS, create_app
+from gateway.app import DEPS
 from gateway.deps import Deps
 from gateway.kv_subscriber import KvSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.residency import Residency
-from gateway.settings import Settings
 from ppd.kv_events import (
     END_SEQ,
     BlockHasher,
@@ -34,6 +33,7 @@ from ppd.kv_events import (
 from simulator.server.worker_group import WorkerGroup
 from tests.gateway.fake_decision import FakeDecision
 from tests.simulator.client import start_group
+from tests.support.gateway_app import served_gateway
 from tests.support.metrics import sample, total
 from tests.support.polling import eventually
 
@@ -93,14 +93,8 @@ async def gateway(workers: WorkerGroup, decision: FakeDecision) -> AsyncIterator
             "block_size": 16,
         },
     }
-    server = TestServer(create_app(Settings.from_mapping(config)), host="127.0.0.1", port=0)
-    await server.start_server()
-    http = aiohttp.ClientSession()
-    try:
+    async with served_gateway(config) as (server, http):
         yield Gateway(server, http)
-    finally:
-        await http.close()
-        await server.close()
 
 
 async def _tokens(http: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]]) -> list[int]:

@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import UpstreamStatusError, error_body
-from gateway.relay import StreamRelay, answer_from_body, error_event, kv_params_from_body
+from gateway.relay import StreamRelay, answer_from_body, client_body, error_event, kv_params_from_body
 
 
 def _sse(*objs: Any) -> bytes:
@@ -109,11 +109,18 @@ def test_ds_kv_params_on_the_final_chunk_or_body_are_recorded() -> None:
     final = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], "kv_transfer_params": params}
     out, _ = relay.feed(b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in (first, final)))
     assert relay.kv_params == params
-    assert b"kv_transfer_params" in out  # passed on unchanged
+    # Never passed on to the client: the final chunk goes on without them, the others unchanged.
+    without = {k: v for k, v in final.items() if k != "kv_transfer_params"}
+    compact = json.dumps(without, separators=(",", ":")).encode()
+    assert out == f"data: {json.dumps(first)}\n\n".encode() + b"data: " + compact + b"\n\n"
     assert StreamRelay(strip_usage=False).kv_params is None
     assert kv_params_from_body({"kv_transfer_params": params}) == params
     assert kv_params_from_body({"kv_transfer_params": None}) is None
     assert kv_params_from_body([1]) is None
+    answer = {"id": "c", "text": "\u00e9", "kv_transfer_params": params}
+    assert json.loads(client_body(json.dumps(answer).encode(), answer)) == {"id": "c", "text": "\u00e9"}
+    plain = json.dumps({"id": "c", "kv_transfer_params": None}).encode()
+    assert client_body(plain, json.loads(plain)) is plain  # nothing to hide: the worker's very bytes
 
 
 _text = st.text(st.characters(codec="utf-8"), max_size=6) | st.sampled_from(
@@ -139,6 +146,7 @@ _chunk_obj = st.fixed_dictionaries(
         "usage": st.none() | st.just(USAGE["usage"]),
         "error": st.just({"message": "boom"}),
         "object": st.just("chat.completion.chunk"),
+        "kv_transfer_params": st.none() | st.just({"do_remote_decode": True, "remote_block_ids": [[1]]}),
     },
 )
 
@@ -151,6 +159,7 @@ def _learned(relay: StreamRelay) -> tuple[Any, ...]:
         relay.done,
         relay.error,
         None if usage is None else (usage.prompt_tokens, usage.completion_tokens),
+        relay.kv_params,
     )
 
 
@@ -195,6 +204,7 @@ def test_whole_events_learn_and_pass_on_exactly_what_any_split_does(
     out_byte = b"".join(by_byte.feed(stream[i : i + 1])[0] for i in range(len(stream)))
     assert out_event == out_whole == out_byte
     assert _learned(by_event) == _learned(whole) == _learned(by_byte)
+    assert b'"kv_transfer_params":{' not in out_event.replace(b" ", b"")  # never reach the client
 
 
 def test_vllm_content_chunks_are_passed_on_as_they_came() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -228,3 +229,73 @@ async def test_find_session_continues_forks_or_starts_a_conversation() -> None:
         store, explicit="named", endpoint="chat", model="m", messages=other, new_id=lambda: next(ids)
     )
     assert (reused.session, reused.session_id, reused.turn, reused.reset) == (None, "named", 1, "new_history")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "continues", "keeps_d_params"),
+    [
+        ("Once upon a time there was more", True, True),  # prompt + answer + more
+        ("Once upon a time", True, True),  # exactly the prompt and its answer
+        (["Once upon a time there"], True, True),  # one prompt in a list
+        ("Once", False, False),  # the prompt without the answer
+        ("Once upon a dime there was", False, False),  # another answer
+        ("Something else entirely", False, False),
+        ([1, 2, 3], False, False),  # token ids after a text prompt
+    ],
+)
+async def test_a_completions_prompt_continues_a_named_session_only_by_extending_it(
+    prompt: Any, continues: bool, keeps_d_params: bool
+) -> None:
+    from gateway.sessions import InMemorySessionStore, find_session, prompt_fingerprint
+
+    key, length = prompt_fingerprint("m", "Once", " upon a time")
+    assert length == len("Once upon a time")
+    last = Session("c1", worker="D0", turns=1).after_turn(
+        worker="D0",
+        prompt_tokens=1,
+        completion_tokens=4,
+        history_key=key,
+        history_messages=length,
+        decode_kv_params='{"do_remote_decode":true}',
+        decode_kv_expires_at=99.0,
+    )
+    store = InMemorySessionStore(ttl_s=60.0, max_entries=100, clock=lambda: 0.0)
+    await store.put(explicit_key("c1"), last)
+    match = await find_session(
+        store,
+        explicit="c1",
+        endpoint="completions",
+        model="m",
+        messages=(),
+        new_id=lambda: "x",
+        prompt=prompt,
+    )
+    assert (match.turn, match.reset) == ((3, "") if continues else (1, "new_history"))
+    assert (match.session is not None and bool(match.session.decode_kv_params)) is keeps_d_params
+
+
+async def test_token_id_and_unfingerprinted_completions_continue_without_ds_params() -> None:
+    """The gateway cannot check a token-id prompt's answer part (it does not see the answer's ids),
+    nor anything for an entry without a fingerprint: they continue, but never on the stored params."""
+    from gateway.sessions import InMemorySessionStore, find_session, prompt_fingerprint
+
+    key, length = prompt_fingerprint("m", [5, 6, 7], "ignored")
+    assert length == 3
+    held = Session(
+        "ids", worker="D0", turns=1, decode_kv_params='{"do_remote_decode":true}', decode_kv_expires_at=99.0
+    )
+    store = InMemorySessionStore(ttl_s=60.0, max_entries=100, clock=lambda: 0.0)
+    await store.put(explicit_key("ids"), replace(held, history_key=key, history_messages=3))
+    await store.put(explicit_key("old"), replace(held, id="old"))
+    for explicit, prompt, turn in (("ids", [5, 6, 7, 8, 9], 2), ("ids", [5, 6], 1), ("old", "anything", 2)):
+        match = await find_session(
+            store,
+            explicit=explicit,
+            endpoint="completions",
+            model="m",
+            messages=(),
+            new_id=lambda: "x",
+            prompt=prompt,
+        )
+        assert match.turn == turn, (explicit, prompt)
+        assert match.session is None or match.session.decode_kv_params == ""
