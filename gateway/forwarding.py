@@ -197,7 +197,8 @@ class Forwarder:
             outcome.error = exc.message
             raise
         except asyncio.CancelledError:
-            outcome.error = outcome.error or CLIENT_DISCONNECTED
+            if not outcome.delivered:
+                outcome.error = outcome.error or CLIENT_DISCONNECTED
             raise
         finally:
             d.metrics.inflight.dec()
@@ -483,6 +484,7 @@ class Forwarder:
         )
         outcome.ok = True
         await client.reply(client_body(reply.body, body), provenance_headers(turn, outcome))
+        outcome.delivered = True
 
     async def _stream(
         self, client: ClientConnection, turn: TurnInputs, outcome: TurnOutcome, p: Plan, call: UpstreamCall
@@ -539,9 +541,10 @@ class Forwarder:
             await client.end()
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             upstream.close()
-            metrics.stream_errors.labels("client_disconnected").inc()
-            outcome.error = CLIENT_DISCONNECTED
-            outcome.ok = False
+            if not outcome.delivered:
+                metrics.stream_errors.labels("client_disconnected").inc()
+                outcome.error = CLIENT_DISCONNECTED
+                outcome.ok = False
             if isinstance(exc, asyncio.CancelledError):
                 raise
 
@@ -579,6 +582,7 @@ class Forwarder:
                 await self._complete(turn, outcome, relay)
             if out:
                 await client.write(out)
+                outcome.delivered = outcome.ok and relay.done
                 if outcome.overhead is None and outcome.decode_sent is not None:
                     # Everything since arrival, minus the time the workers had the request.
                     waited = outcome.prefill_wait + (received - outcome.decode_sent)

@@ -58,4 +58,7 @@ class TurnOutcome:
     decode_sent: float | None = None
     overhead: float | None = None
     ok: bool = False
+    # The whole answer ([DONE] included) was handed to the client: a client that leaves after it
+    # (closing before the worker ended its response) left a served turn, no disconnect.
+    delivered: bool = False
     error: str | None = None

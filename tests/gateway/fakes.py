@@ -4,6 +4,7 @@ client's connection), `ManualClock`, and `forwarder_on_fakes` to put them togeth
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -75,6 +76,9 @@ class FakeStream:
     broken_by: str = ""
     worker: str = ""
     closed: bool = False
+    # Set: after its parts the stream stays open until the test cancels the handler (the client
+    # left while the worker had not yet ended its response).
+    held: asyncio.Event | None = None
 
     def chunks(self) -> AsyncIterator[bytes]:
         return self._iterate()
@@ -82,6 +86,9 @@ class FakeStream:
     async def _iterate(self) -> AsyncIterator[bytes]:
         for part in self.parts:
             yield part
+        if self.held is not None:
+            self.held.set()
+            await asyncio.Event().wait()
         if self.broken_by:
             raise UpstreamBrokenError(self.broken_by, worker=self.worker)
 
@@ -97,6 +104,7 @@ class FakeUpstream:
     answer: str = "hello there"
     stream_parts: list[bytes] | None = None
     stream_broken_by: str = ""
+    stream_held: asyncio.Event | None = None
     unreachable: set[str] = field(default_factory=set)
     failing: set[str] = field(default_factory=set)
     tokenize_count: int | None = None
@@ -129,7 +137,7 @@ class FakeUpstream:
     async def open_stream(self, call: UpstreamCall) -> FakeStream:
         self._check(call)
         parts = self.stream_parts if self.stream_parts is not None else sse(chunk("hel"), chunk("lo"))
-        return FakeStream(list(parts), self.stream_broken_by, call.worker)
+        return FakeStream(list(parts), self.stream_broken_by, call.worker, held=self.stream_held)
 
     async def get(self, url: str) -> JsonReply:
         return JsonReply(404, b"", "")

@@ -267,6 +267,28 @@ async def test_a_client_gone_mid_stream_closes_the_upstream() -> None:
     assert _sample(deps, "ppd_gateway_requests_in_flight") == 0
 
 
+async def test_a_client_that_leaves_after_the_whole_answer_is_no_disconnect(tmp_path: Path) -> None:
+    # The client read [DONE] and closed its connection while the worker had not yet ended its
+    # response (aiohttp then cancels the handler): the turn was served in full, and is logged so.
+    held = asyncio.Event()
+    upstream = FakeUpstream(stream_parts=sse(chunk("a"), chunk("b")), stream_held=held)
+    log_path = tmp_path / "requests.jsonl"
+    log = RequestLog(str(log_path))
+    forwarder, deps = forwarder_on_fakes(_config("local"), upstream=upstream, request_log=log)
+    client = FakeClient()
+    handler = asyncio.ensure_future(forwarder.handle(_request(FIRST, stream=True), client))
+    await held.wait()
+    assert client.events[-1] == "[DONE]"
+    handler.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    log.close()
+    (line,) = [json.loads(x) for x in log_path.read_text().splitlines()]
+    assert (line["ok"], line["error"]) == (True, None)
+    assert _sample(deps, "ppd_gateway_stream_errors_total", cause="client_disconnected") == 0
+    assert _sample(deps, "ppd_gateway_requests_in_flight") == 0
+
+
 class _SlowTokenizer(FakeUpstream):
     """A worker whose /tokenize answers only when `release` is set."""
 
