@@ -32,6 +32,7 @@ __all__ = [
     "RecordError",
     "RecordWriter",
     "RecordsError",
+    "parse_line",
     "read_records",
     "scan_records",
     "write_records",
@@ -60,6 +61,21 @@ class RecordsError(ValueError):
         super().__init__(f"{len(problems)} bad record(s):\n{shown}{more}")
 
 
+def parse_line(raw: bytes, complete: bool) -> tuple[Record | None, str]:
+    """One JSONL line's record, or why it is bad; `complete`: the line ended with its newline."""
+    try:
+        text = raw.decode("utf-8").rstrip("\n").removesuffix("\r")
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 text: {exc.reason} at byte {exc.start}"
+    if not text.strip():
+        return None, "blank line (one JSON record per line expected)"
+    try:
+        return Record.from_json(text), ""
+    except RecordError as exc:
+        last = "" if complete else " (last line has no newline: was the writer interrupted?)"
+        return None, exc.reason + last
+
+
 def scan_records(path: str | os.PathLike[str]) -> tuple[list[Record], list[BadRecord]]:
     """All good records of a JSONL file and every bad line, each with its 1-based line number."""
     p = Path(path)
@@ -67,23 +83,10 @@ def scan_records(path: str | os.PathLike[str]) -> tuple[list[Record], list[BadRe
     problems: list[BadRecord] = []
     with p.open("rb") as fh:
         for number, raw in enumerate(fh, start=1):
-            complete = raw.endswith(b"\n")
-            try:
-                text = raw.decode("utf-8").rstrip("\n").removesuffix("\r")
-            except UnicodeDecodeError as exc:
-                problems.append(
-                    BadRecord(str(p), number, f"not UTF-8 text: {exc.reason} at byte {exc.start}")
-                )
-                continue
-            if not text.strip():
-                problems.append(BadRecord(str(p), number, "blank line (one JSON record per line expected)"))
-                continue
-            try:
-                records.append(Record.from_json(text))
-            except RecordError as exc:
-                reason = exc.reason
-                if not complete:
-                    reason += " (last line has no newline: was the writer interrupted?)"
+            record, reason = parse_line(raw, raw.endswith(b"\n"))
+            if record is not None:
+                records.append(record)
+            else:
                 problems.append(BadRecord(str(p), number, reason))
     return records, problems
 

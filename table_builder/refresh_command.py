@@ -22,7 +22,7 @@ from typing import Final
 from decision_service.table import Table, TableError, write_table
 from table_builder.flags import positive_int
 from table_builder.publish import record_paths, resolve_out
-from table_builder.records import BadRecord, Record, RecordError
+from table_builder.records import BadRecord, Record, parse_line
 
 __all__ = ["MAX_LINE_BYTES", "add_parser"]
 
@@ -62,7 +62,7 @@ class _LogScan:
                     while raw and not raw.endswith(b"\n"):
                         raw = fh.readline(MAX_LINE_BYTES)
                 else:
-                    record, reason = _parse(raw, complete)
+                    record, reason = parse_line(raw, complete)
                     if record is not None:
                         yield record
                         continue
@@ -72,21 +72,6 @@ class _LogScan:
                     self.named.append(BadRecord(str(path), number, reason))
                 else:
                     self.unnamed[str(path)] = self.unnamed.get(str(path), 0) + 1
-
-
-def _parse(raw: bytes, complete: bool) -> tuple[Record | None, str]:
-    """One line's record, or why it is bad (``table_builder/records.py``'s reasons)."""
-    try:
-        text = raw.decode("utf-8").rstrip("\n").removesuffix("\r")
-    except UnicodeDecodeError as exc:
-        return None, f"not UTF-8 text: {exc.reason} at byte {exc.start}"
-    if not text.strip():
-        return None, "blank line (one JSON record per line expected)"
-    try:
-        return Record.from_json(text), ""
-    except RecordError as exc:
-        last = "" if complete else " (last line has no newline: was the writer interrupted?)"
-        return None, exc.reason + last
 
 
 def _distinct_paths(paths: Sequence[Path]) -> list[Path]:
