@@ -18,7 +18,7 @@ No transport here: workers are reached through the `Upstream`, the DecisionServi
 unit-tested with fakes (tests/gateway/test_forwarding.py).
 It stays whole (about 700 lines): it is the request path in the order the rules above need, and its
 steps share one turn's inputs, outcome and pool view; the parts that stand alone already live apart
-(sessions.find_session, psi.measure, plan, relay, turn_report).
+(session_lookup.find_session, psi.measure, plan, relay, turn_report).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ from gateway.relay import (
 )
 from gateway.residency import KvTracking
 from gateway.routing import Decision, static_decision
-from gateway.sessions import Session, SessionMatch, explicit_key, find_session, prompt_fingerprint
+from gateway.session_lookup import SessionMatch, find_session, remember_turn
+from gateway.sessions import Session, prompt_fingerprint
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import TurnReport, provenance_headers
 from gateway.types import Role
@@ -139,7 +140,10 @@ class Forwarder:
             messages=req.messages,
             new_id=d.new_id,
             prompt=req.body.get("prompt") if req.endpoint == "completions" else None,
+            max_candidates=self._s.sessions.prefix_candidates,
         )
+        if match.lookup:
+            d.metrics.session_lookups.labels(match.lookup).inc()
         if match.reset:
             d.metrics.session_resets.labels(match.reset).inc()
         static = static_decision(mode, turn=match.turn, session_id=match.session_id)
@@ -250,7 +254,7 @@ class Forwarder:
             return None
         body: dict[str, Any] = {"model": req.model, "add_special_tokens": False}
         if req.endpoint == "chat":
-            body["messages"] = list(req.messages[match.history_end :])
+            body["messages"] = list(req.messages[match.new_messages_from :])
             body["add_generation_prompt"] = False
         else:
             body["prompt"] = req.body.get("prompt", "")
@@ -619,8 +623,9 @@ class Forwarder:
         completion_chunks: int | None,
         kv_params: Mapping[str, Any] | None = None,
     ) -> None:
-        """The session after this turn, under its explicit id and under the content key of the
-        history + this answer; with D's returned params (bidirectional mode) and their expiry."""
+        """The session after this turn (session_lookup.remember_turn: under its explicit id, the
+        content key of what it was sent and that + this answer); with D's returned params
+        (bidirectional mode) and their expiry."""
         d = self._d
         if usage is not None:
             prompt, completion = usage.prompt_tokens, usage.completion_tokens
@@ -632,8 +637,10 @@ class Forwarder:
         outcome.completion_tokens = completion
         base = turn.session if turn.session is not None else Session(turn.session_id)
         chain = turn.chain
+        answer_key = ""
         if chain is not None:
             history_key, history_length = chain.key(), len(turn.req.messages)
+            answer_key = chain.fork().add({"role": "assistant", "content": answer}).key()
         else:  # completions: the next prompt must start with this one and its answer
             history_key, history_length = prompt_fingerprint(
                 turn.req.model, turn.req.body.get("prompt"), answer
@@ -644,14 +651,11 @@ class Forwarder:
             completion_tokens=completion,
             history_key=history_key,
             history_messages=history_length,
+            answer_key=answer_key,
             decode_kv_params=json.dumps(kv_params, separators=(",", ":")) if kv_params else "",
             decode_kv_expires_at=d.wall_clock() + self._s.routing.bidir_params_ttl_s if kv_params else 0.0,
         )
-        if turn.explicit_id:
-            await d.sessions.put(explicit_key(turn.explicit_id), after)
-        if chain is not None:
-            key = chain.fork().add({"role": "assistant", "content": answer}).key()
-            await d.sessions.put(key, after)
+        await remember_turn(d.sessions, after, explicit_id=turn.explicit_id)
         if outcome.rebound:
             d.metrics.rebinds.inc()
 

@@ -119,6 +119,13 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.session_lookups = Counter(
+            "ppd_gateway_session_lookups",
+            "Chat requests that looked their session up by content, by result (exact: the state of "
+            "the whole history; prefix: an earlier turn's, the later ones never seen here; miss: none)",
+            ["result"],
+            registry=r,
+        )
         self.rebinds = Counter(
             "ppd_gateway_session_rebinds", "Sessions moved to another decode worker", registry=r
         )

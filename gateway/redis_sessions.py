@@ -1,8 +1,10 @@
 """The shared session store of several gateway replicas, on Redis (`[sessions] redis_url`).
 
-Rule 1 (atomic): every operation on an entry is one Lua script, so Redis runs it whole and alone:
-a read renews the entry's TTL and its place in the LRU index; a write sets the value with its TTL,
-indexes it and trims the store to `max_entries` in the same step. No replica ever sees a value
+Rule 1 (atomic): every operation is one Lua script over one or several entries (`get_many`: a chat
+request's candidate keys, session_lookup.py rule 2; `put_many`: the keys of one turn's state), so
+Redis runs it whole and alone, in one round trip: a read renews each found entry's TTL and its place
+in the LRU index; a write sets the value under each key with its TTL, indexes them and trims the
+store to `max_entries` in the same step. No replica ever sees a value
 without its TTL, an index without its entry, or a store over its bound. Two replicas finishing a turn
 of one conversation at once: the later write wins, as within one replica.
 Rule 2 (bounded): each entry expires `ttl_s` after its last read or write (PX); a sorted set
@@ -20,9 +22,10 @@ Rule 4 (generic entries): values are `session_codec.session_codec()` bytes; an e
 decode (another version, corruption, a value out of bounds: session_codec.py rule 3) counts as a miss,
 counted by reason and logged at most once a minute (the turn proceeds as a new conversation, as if the
 session had expired).
-Rule 5 (bounded reads): the read script checks the key's type and size inside Redis and returns no
+Rule 5 (bounded reads): the read script checks each key's type and size inside Redis and returns no
 value of another type or over `MAX_ENTRY_BYTES` (just its size), so a huge entry never crosses the
-network or stalls a read past `redis_timeout_s`; it is a miss like any unreadable entry. A session
+network or stalls a read past `redis_timeout_s`; it is a miss like any unreadable entry. One read
+returns at most 2 x `sessions.prefix_candidates` values. A session
 whose own entry would exceed the bound is not written (counted, logged).
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Final
 
 import redis.asyncio as aioredis
@@ -56,35 +60,48 @@ MAX_ENTRY_BYTES: Final = 1 << 20
 # Index scores are Redis's TIME in milliseconds with a microsecond fraction, built as a string (Lua
 # would print a number with 14 digits, dropping the fraction): uses within one millisecond keep their
 # order. The sweep's cutoff is in the same milliseconds.
-# KEYS: entry, index. ARGV: ttl_ms, max_bytes. The value, its TTL renewed and its index score set to
-# now; nil when there is none; -1 for a key of another type; the size of a value over max_bytes.
+# KEYS: entries..., index. ARGV: ttl_ms, max_bytes. For each entry: the value, its TTL renewed and its
+# index score set to now; nil (false) when there is none; -1 for a key of another type; the size of a
+# value over max_bytes.
 _GET: Final = """
-local kind = redis.call('TYPE', KEYS[1])['ok']
-if kind == 'none' then
-  return false
-end
-if kind ~= 'string' then
-  return -1
-end
-local size = redis.call('STRLEN', KEYS[1])
-if size > tonumber(ARGV[2]) then
-  return size
-end
-local value = redis.call('GET', KEYS[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+local index = KEYS[#KEYS]
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[2], t[1] .. string.format('%07.3f', t[2] / 1000), KEYS[1])
-return value
+local now = t[1] .. string.format('%07.3f', t[2] / 1000)
+local out = {}
+for i = 1, #KEYS - 1 do
+  local key = KEYS[i]
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then
+    out[i] = false
+  elseif kind ~= 'string' then
+    out[i] = -1
+  else
+    local size = redis.call('STRLEN', key)
+    if size > tonumber(ARGV[2]) then
+      out[i] = size
+    else
+      out[i] = redis.call('GET', key)
+      redis.call('PEXPIRE', key, ARGV[1])
+      redis.call('ZADD', index, now, key)
+    end
+  end
+end
+return out
 """
-# KEYS: entry, index. ARGV: value, ttl_ms, max_entries. Returns the entries held after the write.
+# KEYS: entries..., index. ARGV: value, ttl_ms, max_entries. The value under every entry; returns the
+# entries held after the write.
 _PUT: Final = """
+local index = KEYS[#KEYS]
 local t = redis.call('TIME')
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('ZADD', KEYS[2], t[1] .. string.format('%07.3f', t[2] / 1000), KEYS[1])
-local held = redis.call('ZCARD', KEYS[2])
+local now = t[1] .. string.format('%07.3f', t[2] / 1000)
+for i = 1, #KEYS - 1 do
+  redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+  redis.call('ZADD', index, now, KEYS[i])
+end
+local held = redis.call('ZCARD', index)
 local over = held - tonumber(ARGV[3])
 if over > 0 then
-  local oldest = redis.call('ZPOPMIN', KEYS[2], over)
+  local oldest = redis.call('ZPOPMIN', index, over)
   for i = 1, #oldest, 2 do
     redis.call('DEL', oldest[i])
   end
@@ -163,29 +180,38 @@ class RedisSessionStore:
         return len(self._local) if self.degraded else self._held
 
     async def get(self, key: str) -> Session | None:
-        if not self.degraded:
+        return (await self.get_many((key,)))[0]
+
+    async def get_many(self, keys: Sequence[str]) -> list[Session | None]:
+        raws: list[bytes | int | None] = [None] * len(keys)
+        if keys and not self.degraded:
             try:
-                raw = await self._get(
-                    keys=[self._key(key), self._index], args=[self._ttl_ms, MAX_ENTRY_BYTES]
+                raws = await self._get(
+                    keys=[*map(self._key, keys), self._index], args=[self._ttl_ms, MAX_ENTRY_BYTES]
                 )
             except _FAILURES as exc:
                 self._degrade(exc)
-            else:
-                if raw is not None:
-                    session = self._decode(key, raw)
-                    if session is not None:
-                        return session
-        # Degraded, or a miss: what this replica learnt while Redis was away (empty otherwise).
-        return self._local.get_now(key)
+        found: list[Session | None] = []
+        for key, raw in zip(keys, raws, strict=True):
+            session = self._decode(key, raw) if raw is not None else None
+            # Degraded, or a miss: what this replica learnt while Redis was away (empty otherwise).
+            found.append(session if session is not None else self._local.get_now(key))
+        return found
 
     async def put(self, key: str, session: Session) -> None:
+        await self.put_many((key,), session)
+
+    async def put_many(self, keys: Sequence[str], session: Session) -> None:
+        if not keys:
+            return
         if not self.degraded:
             try:
-                self._held = int(await self._write(key, session))
+                self._held = int(await self._write(keys, session))
                 return
             except _FAILURES as exc:
                 self._degrade(exc)
-        self._local.put_now(key, session)
+        for key in keys:
+            self._local.put_now(key, session)
 
     async def expire(self) -> int:
         dropped = self._local.expire_now()
@@ -199,7 +225,7 @@ class RedisSessionStore:
         self._held = int(held)
         return dropped + int(gone)
 
-    async def _write(self, key: str, session: Session) -> int:
+    async def _write(self, keys: Sequence[str], session: Session) -> int:
         value = self._codec.encode(session)
         if len(value) > MAX_ENTRY_BYTES:  # rule 5: no replica could read it back
             self._metrics.session_store_bad_entries.labels("too_large").inc()
@@ -210,7 +236,7 @@ class RedisSessionStore:
             return self._held
         return int(
             await self._put(
-                keys=[self._key(key), self._index], args=[value, self._ttl_ms, self._s.max_entries]
+                keys=[*map(self._key, keys), self._index], args=[value, self._ttl_ms, self._s.max_entries]
             )
         )
 
@@ -260,7 +286,7 @@ class RedisSessionStore:
                 pending, self._local = self._local, self._new_local()
                 try:
                     for key, session in pending.items():
-                        self._held = await self._write(key, session)
+                        self._held = await self._write((key,), session)
                         written += 1
                 except _FAILURES:
                     for key, session in pending.items():  # keep what did not go back

@@ -6,7 +6,9 @@ int, float, str, tuples (`tuple[X, ...]`, `tuple[X, Y]`), lists, dicts with str 
 these. A field of any other type is refused when the codec is built (at start-up), never at run time.
 Rule 2 (versioned): one JSON object `{"v": VERSION, "f": {field: value}}`. Fields an older replica
 does not know are ignored, fields it misses take their defaults, so replicas of two versions can
-share one store during a rolling update. Another `v`, bad JSON, or values of the wrong shape are a
+share one store during a rolling update (`Session.answer_key` came so, with VERSION unchanged: an
+older replica ignores it, and reads an entry under a sent key "s:" never, as it never looks one up).
+Another `v`, bad JSON, or values of the wrong shape are a
 `CodecError` (the store counts them and treats the entry as missing).
 Rule 3 (bounded, never trusted): an entry is data another process wrote (another replica, another
 version, anyone with access to Redis), so decoding checks every value before the gateway uses it, and

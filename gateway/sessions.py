@@ -1,28 +1,41 @@
-"""Conversation sessions: what the gateway remembers between turns, and how a request finds it.
+"""Conversation sessions: what the gateway remembers between turns, and the keys that find it
+(session_lookup.py applies these rules to a request and remembers a finished turn).
 
-Rule 1 (content addressing): a chat request's session key is a strong hash (SHA-256, 128 bits kept)
-of (model, the messages up to and including the last assistant message). After a turn completes, the
-key of (all messages + the answer actually returned) points at the new state of the same session. So
-a follow-up finds its session; an edit or regeneration of the last user turn finds the state *before*
-that turn (the same prefix); a fork from an older turn finds that older state; and two conversations
-that merely start alike ("hi") never share a key until their histories are identical.
+Rule 1 (content addressing): a chat history's content key is a strong hash (SHA-256, 128 bits kept)
+of (model, its messages), computed message by message (`KeyChain`). After a turn completes, its state
+is stored under the key of (the messages it was sent + the answer actually returned: the answer key,
+`Session.answer_key`) and under the same hash of the messages it was sent alone (`sent_key`, rule 4).
+A request finds its session by the longest stored prefix of its history that ends right before an
+assistant message (session_lookup.py rule 2). So a follow-up finds its session; an edit or
+regeneration of the last user turn finds the state *before* that turn (the same prefix); a fork from
+an older turn finds that older state; a history whose latest turns were answered elsewhere finds the
+latest state this gateway knows; and two conversations that merely start alike ("hi") never share a
+session while the gateway saw their answers: one sent history answered two ways has two answer keys,
+and a sent-key state is taken only for the answer it returned (or when it knows none, rule 4).
 Rule 2 (explicit ids): an `X-Session-ID` header, or a `session_id` / `conversation_id` body field,
 overrides the content key; the state under it is the latest turn of that conversation, but only for a
 chat history that extends it: every session keeps the content key of the messages its last turn was sent
 (and how many), and a request whose first that-many messages hash differently, or that has no answer
-after them, does not continue it (`history_extends`; the caller then treats it as a fork or a new
+after them, does not continue it (session_lookup.history_extends; it is then a fork or a new
 conversation). A completions prompt continues it only if it starts with what the last turn was sent and
 answered: a text prompt with that prompt and the answer's text, a token-id prompt with that prompt's ids
 (`prompt_extends`, over `prompt_fingerprint`); otherwise it is a new conversation. The gateway does not
 see the answer's token ids, so a token-id continuation (and one of a session without a fingerprint)
 never gets the session's stored D params (`decode_kv_params`, used by the bidir path): with them P
 would compute the request's tokens on top of whatever KV those params name. Likewise a chat request
-naming a session gets them only when the answer in its history is the one the gateway returned (the
-content key of the history up to that answer names the same state, `_answer_matches`): someone who
-knows a session's id and its user messages but not its answer is served without them (full PD).
-`find_session` applies rules 1 and 2 to a request.
+gets them only when the answer in its history is the one the gateway returned (the key of its history
+up to that answer is the session's `answer_key`): someone who knows a session's id and its user
+messages but not its answer is served without them (full PD), and so is every request continuing a
+state whose answer the front door never saw.
 Rule 3 (bounded memory): entries expire after an idle TTL and the store never holds more than
-`max_entries` (least recently used goes first), whatever the traffic.
+`max_entries` (least recently used goes first), whatever the traffic. A chat turn writes two entries
+(three with an explicit id), so `max_entries` holds about half as many chat turns as entries.
+Rule 4 (sessions without the answer, issue 25): a front door that never sees the answer (Envoy
+streaming it, with the gateway's core as its endpoint picker) can compute `sent_key` of what it
+sends, and nothing else; a state stored by it has no `answer_key`. Sent keys ("s:") live apart
+from content keys ("c:"), whose history may end with the same messages. The trade-off: a client that
+edits the assistant's answer continues such a state; the worker's KV then no longer matches the
+text, which costs only performance (vLLM's prefix cache misses from the edit on), never correctness.
 """
 
 from __future__ import annotations
@@ -30,28 +43,30 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from gateway.types import Clock, Endpoint
+from gateway.types import Clock
 
 if TYPE_CHECKING:
     from hashlib import _Hash
 
 __all__ = [
+    "CONTENT_PREFIX",
     "MAX_OUTPUT_HISTORY",
+    "SENT_PREFIX",
     "InMemorySessionStore",
     "KeyChain",
     "Session",
-    "SessionMatch",
     "SessionStore",
     "content_key",
     "explicit_key",
-    "find_session",
-    "history_extends",
+    "is_chat_key",
     "prompt_extends",
     "prompt_fingerprint",
+    "prompt_is_text",
+    "sent_key",
     "split_history",
 ]
 
@@ -76,6 +91,10 @@ class Session:
     # the prefix the next prompt must start with (`prompt_fingerprint`) and its length. "" / 0: not known.
     history_key: str = ""
     history_messages: int = 0
+    # Chat: the content key of the messages the last turn was sent + the answer it returned (rule 1's
+    # answer key), so a history is known to carry that answer without another lookup (rule 2's D
+    # params, rule 4); "" when the front door that served the turn never saw the answer.
+    answer_key: str = ""
     # vLLM bidirectional mode (docs/vllm-protocol.md 3.4): the `kv_transfer_params` that `worker` returned
     # on the last turn's final chunk, as JSON text ("" when it returned none), and the wall-clock time
     # (seconds since the epoch, so replicas sharing a store agree) after which the gateway no longer
@@ -96,6 +115,7 @@ class Session:
         completion_tokens: int,
         history_key: str = "",
         history_messages: int = 0,
+        answer_key: str = "",
         decode_kv_params: str = "",
         decode_kv_expires_at: float = 0.0,
     ) -> Session:
@@ -108,6 +128,7 @@ class Session:
             output_lengths=outputs,
             history_key=history_key,
             history_messages=history_messages,
+            answer_key=answer_key,
             decode_kv_params=decode_kv_params,
             decode_kv_expires_at=decode_kv_expires_at,
         )
@@ -120,7 +141,15 @@ class SessionStore(Protocol):
 
     async def get(self, key: str) -> Session | None: ...
 
+    async def get_many(self, keys: Sequence[str]) -> list[Session | None]:
+        """Each key's session (None: no entry), in one call (one round trip for a shared store)."""
+        ...
+
     async def put(self, key: str, session: Session) -> None: ...
+
+    async def put_many(self, keys: Sequence[str], session: Session) -> None:
+        """The same session under every key, in one call."""
+        ...
 
     async def expire(self) -> int:
         """Drop idle entries now; returns how many went."""
@@ -159,8 +188,15 @@ class InMemorySessionStore:
     async def get(self, key: str) -> Session | None:
         return self.get_now(key)
 
+    async def get_many(self, keys: Sequence[str]) -> list[Session | None]:
+        return [self.get_now(key) for key in keys]
+
     async def put(self, key: str, session: Session) -> None:
         self.put_now(key, session)
+
+    async def put_many(self, keys: Sequence[str], session: Session) -> None:
+        for key in keys:
+            self.put_now(key, session)
 
     async def expire(self) -> int:
         return self.expire_now()
@@ -258,11 +294,42 @@ class KeyChain:
         self._h.update(b"".join(pieces))
         return self
 
+    def extend_marking(
+        self, messages: Sequence[Mapping[str, Any]], marks: Iterable[int]
+    ) -> dict[int, tuple[str, str]]:
+        """Feeds `messages` like `extend`, and for each index i in `marks` (within them) returns the key
+        just before `messages[i]` and the key just after it: one pass, each message hashed once."""
+        keys: dict[int, tuple[str, str]] = {}
+        start = 0
+        for i in sorted({m for m in marks if 0 <= m < len(messages)}):
+            before = self.extend(messages[start:i]).key()
+            keys[i] = (before, self.add(messages[i]).key())
+            start = i + 1
+        self.extend(messages[start:])
+        return keys
+
     def fork(self) -> KeyChain:
         return KeyChain("", _h=self._h.copy())
 
     def key(self) -> str:
-        return "c:" + self._h.hexdigest()[:32]
+        return CONTENT_PREFIX + self._h.hexdigest()[:32]
+
+
+#: Rule 1's keys: content keys ("c:": a history up to and including an answer, and what a turn was
+#: sent as `Session.history_key`), the same hash as the key of a turn's sent messages ("s:", rule 4).
+CONTENT_PREFIX: Final = "c:"
+SENT_PREFIX: Final = "s:"
+
+
+def sent_key(history_key: str) -> str:
+    """The store key of a chat turn's state under the content key of the messages it was sent (rule 4):
+    apart from every answer key, whose history may end with the same messages."""
+    return SENT_PREFIX + history_key.removeprefix(CONTENT_PREFIX)
+
+
+def is_chat_key(history_key: str) -> bool:
+    """Whether a session's `history_key` is a chat history's content key (not a completions prompt's)."""
+    return history_key.startswith(CONTENT_PREFIX)
 
 
 def _field(pieces: list[bytes], text: str) -> None:
@@ -286,25 +353,6 @@ def _content_text(content: Any) -> str:
         return "".join(p["text"] for p in content)
     # Images, audio, ...: the parts themselves, marked so they never equal a plain text.
     return "\x00json:" + _canonical_json(content)
-
-
-def history_extends(
-    session: Session, chain: KeyChain, messages: Sequence[Mapping[str, Any]], upto: int
-) -> bool | None:
-    """Feeds `messages[:upto]` (the request's history) to `chain` and says on the way whether they
-    continue what `session` was last sent: they start with those messages (same content key) and an
-    answer follows them. None: the session keeps no fingerprint (an older entry); a completions turn's
-    never matches a chat history (`prompt_fingerprint`)."""
-    n = session.history_messages
-    if not n or not session.history_key:
-        chain.extend(messages[:upto])
-        return None
-    if n >= upto or messages[n].get("role") != "assistant":
-        chain.extend(messages[:upto])
-        return False
-    same = chain.extend(messages[:n]).key() == session.history_key
-    chain.extend(messages[n:upto])
-    return same
 
 
 def _prompt_units(prompt: Any) -> str | list[int] | None:
@@ -341,6 +389,11 @@ def prompt_fingerprint(model: str, prompt: Any, answer: str) -> tuple[str, int]:
     return _prompt_key(model, units), len(units)
 
 
+def prompt_is_text(prompt: Any) -> bool:
+    """A completions prompt whose answer's text the gateway can check (not token ids)."""
+    return isinstance(_prompt_units(prompt), str)
+
+
 def prompt_extends(session: Session, model: str, prompt: Any) -> bool | None:
     """Whether a completions `prompt` continues `session` (rule 2): it starts with the fingerprinted
     prefix. None: the session keeps no fingerprint (an older entry)."""
@@ -359,89 +412,3 @@ def content_key(model: str, messages: Sequence[Mapping[str, Any]]) -> str:
 
 def explicit_key(session_id: str) -> str:
     return "x:" + hashlib.blake2b(session_id.encode("utf-8"), digest_size=16).hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class SessionMatch:
-    """Which session a request continues, and what it adds."""
-
-    # The session id the client named (header or body); None when none was named.
-    explicit_id: str | None
-    # The session this request continues; None for a new conversation (turn 1).
-    session: Session | None
-    session_id: str
-    turn: int
-    # Index of the first message this turn adds (chat); the messages before it are the history.
-    history_end: int
-    # The content-key chain over every message of the request (chat only): + the answer = next key.
-    chain: KeyChain | None
-    # Why a named session was not continued ("fork", "new_history"); "" when it was (or none was named).
-    reset: str
-
-    @property
-    def new_messages_from(self) -> int:
-        """The index of the first message ψ counts: the whole request for a new conversation."""
-        return self.history_end if self.session is not None else 0
-
-
-async def _answer_matches(
-    store: SessionStore, session: Session, model: str, messages: Sequence[Mapping[str, Any]]
-) -> bool:
-    """Rule 2 for D params: the history up to the answer after the session's last messages is the
-    content key the gateway stored that turn's state under, with the same params (not evicted, not
-    another answer)."""
-    n = session.history_messages
-    if n >= len(messages):
-        return False
-    found = await store.get(content_key(model, messages[: n + 1]))
-    return found is not None and found.decode_kv_params == session.decode_kv_params
-
-
-async def find_session(
-    store: SessionStore,
-    *,
-    explicit: str | None,
-    endpoint: Endpoint,
-    model: str,
-    messages: Sequence[Mapping[str, Any]],
-    new_id: Callable[[], str],
-    prompt: Any = None,
-) -> SessionMatch:
-    """Rules 1 and 2 for one request (`prompt`: a completions request's). A named session whose
-    history the request does not extend (a reused id, an edit) is a fork from the earlier state this
-    exact history names, if one is known, else a new conversation; `reset` says which. A completions
-    prompt that does not extend it is a new conversation."""
-    history_end = split_history(messages)[0] if messages else 0
-    session: Session | None = None
-    chain: KeyChain | None = None
-    reset = ""
-    if explicit:
-        session = await store.get(explicit_key(explicit))
-    if endpoint == "chat":
-        chain = KeyChain(model)
-        if session is None:
-            chain.extend(messages[:history_end])
-        elif explicit and history_extends(session, chain, messages, history_end) is False:
-            found = await store.get(chain.key()) if history_end else None
-            session = replace(found, id=explicit) if found is not None else None
-            reset = "fork" if found is not None else "new_history"
-        elif session.decode_kv_params and not await _answer_matches(store, session, model, messages):
-            session = replace(session, decode_kv_params="", decode_kv_expires_at=0.0)
-        if not explicit and history_end:
-            session = await store.get(chain.key())
-        chain.extend(messages[history_end:])
-    elif session is not None:
-        extends = prompt_extends(session, model, prompt)
-        if extends is False:
-            session, reset = None, "new_history"
-        elif extends is None or not isinstance(_prompt_units(prompt), str):
-            session = replace(session, decode_kv_params="", decode_kv_expires_at=0.0)
-    return SessionMatch(
-        explicit_id=explicit,
-        session=session,
-        session_id=session.id if session is not None else (explicit or new_id()),
-        turn=session.turns + 1 if session is not None else 1,
-        history_end=history_end,
-        chain=chain,
-        reset=reset,
-    )

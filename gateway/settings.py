@@ -157,6 +157,9 @@ class SessionSettings:
     # a saturated 2-core test machine's gateway at 200 streams).
     redis_timeout_s: float = 1.0
     redis_retry_s: float = 1.0
+    # Chat lookups try the latest this-many prefixes of a history that end right before an answer,
+    # two keys each in one store call (gateway/session_lookup.py rule 2).
+    prefix_candidates: int = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,9 +347,7 @@ class Settings:
         if not 0 < self.decision.health_reopen_s <= self.decision.health_reopen_max_s:
             raise SettingsError("need 0 < decision.health_reopen_s <= decision.health_reopen_max_s")
         self.upstream.validate()
-        if self.sessions.ttl_s <= 0 or self.sessions.max_entries <= 0:
-            raise SettingsError("sessions.ttl_s and sessions.max_entries must be positive")
-        _check_shared_sessions(self.sessions)
+        _check_sessions(self.sessions)
         if self.max_body_bytes <= 0:
             raise SettingsError("max_body_bytes must be positive")
         self.routing.validate()
@@ -400,7 +401,9 @@ def _slo_section(raw: Any) -> SloConfig:
     return SloConfig(SloSettings(**controller), **_section(SloConfig, base, "slo"))
 
 
-def _check_shared_sessions(sessions: SessionSettings) -> None:
+def _check_sessions(sessions: SessionSettings) -> None:
+    if sessions.ttl_s <= 0 or sessions.max_entries <= 0 or not 1 <= sessions.prefix_candidates <= 64:
+        raise SettingsError("sessions.ttl_s and max_entries must be positive, prefix_candidates 1 to 64")
     if not sessions.redis_url:
         return
     if not sessions.redis_url.startswith(("redis://", "rediss://", "unix://")):

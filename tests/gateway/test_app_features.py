@@ -152,6 +152,60 @@ async def test_conversations_starting_alike_are_separate_sessions(make_stack: St
     assert (c.path, c.headers["X-PPD-Turn"]) == ("pd", "1")  # no KV anywhere for an unknown history
 
 
+async def test_session_lookups_are_counted_by_outcome(make_stack: StackFactory) -> None:
+    """exact: the state of the request's whole history; prefix: an earlier one (turns after it were
+    never seen here); miss: none. A first turn looks nothing up."""
+    stack = await make_stack(mode="local")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+    first = await stack.chat(messages)
+    follow_up(messages, first, "question A")
+    second = await stack.chat(messages)
+    assert second.headers["X-PPD-Turn"] == "2"
+    # Two more turns this gateway never saw (answered elsewhere): the longest known state is turn 1's.
+    unseen = [*messages, {"role": "assistant", "content": "from elsewhere"}, {"role": "user", "content": "B"}]
+    third = await stack.chat(unseen)
+    assert (third.headers["X-PPD-Turn"], third.headers["X-PPD-Session-Id"]) == (
+        "2",
+        first.headers["X-PPD-Session-Id"],
+    )
+    stranger = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "never said"}]
+    fourth = await stack.chat([*stranger, {"role": "user", "content": "x"}])
+    assert fourth.headers["X-PPD-Turn"] == "1"
+    registry = stack.deps.metrics.registry
+    counted = {
+        r: sample(registry, "ppd_gateway_session_lookups_total", result=r)
+        for r in ("exact", "prefix", "miss")
+    }
+    assert counted == {"exact": 1, "prefix": 1, "miss": 1}
+
+
+async def test_a_turn_remembered_without_its_answer_is_continued(make_stack: StackFactory) -> None:
+    """What the Envoy picker will do: remember a turn by what it was sent, never seeing the answer.
+    The follow-up, sent to this gateway's HTTP port, continues that session on its decode worker."""
+    from gateway.session_lookup import remember_turn
+    from gateway.sessions import KeyChain, Session
+
+    stack = await make_stack(mode="local")
+    sent = [{"role": "user", "content": "tell me a story"}]
+    after = Session("picked-1").after_turn(
+        worker="D1",
+        prompt_tokens=12,
+        completion_tokens=30,
+        history_key=KeyChain(MODEL).extend(sent).key(),
+        history_messages=len(sent),
+    )
+    await remember_turn(stack.deps.sessions, after, explicit_id=None)
+    reply = await stack.chat([*sent, {"role": "assistant", "content": "Once upon a time"},
+                              {"role": "user", "content": "and then?"}])  # fmt: skip
+    assert reply.status == 200, reply.body
+    assert (reply.path, reply.headers["X-PPD-Turn"], reply.headers["X-PPD-Session-Id"]) == (
+        "local",
+        "2",
+        "picked-1",
+    )
+    assert reply.headers["X-PPD-Decode-Worker"] == "D1"
+
+
 @pytest.mark.parametrize("where", ["header", "session_id", "conversation_id"])
 async def test_explicit_session_id_overrides_content(make_stack: StackFactory, where: str) -> None:
     stack = await make_stack(mode="local")
@@ -327,7 +381,8 @@ async def test_metrics_show_decisions_ttft_and_sessions(make_stack: StackFactory
     tpot = "ppd_gateway_time_per_output_token_seconds_count"
     assert sample(text, ttft, path="local", turn_class="later") == 1
     assert sample(text, tpot, path="pd", turn_class="first") == 1
-    assert sample(text, "ppd_gateway_sessions") == 2
+    # Two chat turns, two entries each: under what the turn was sent and under that + its answer.
+    assert sample(text, "ppd_gateway_sessions") == 4
     assert sample(text, "ppd_gateway_token_counts_total", source="exact") == 2
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -415,3 +415,65 @@ async def test_a_key_of_another_redis_type_is_a_bad_entry_not_a_redis_failure(
     registry = stack.deps.metrics.registry
     assert sample(registry, "ppd_gateway_session_store_bad_entries_total", reason="wrong_type") == 1
     assert sample(registry, "ppd_gateway_session_store_degraded") == 0
+
+
+# ---------------------------------------------------------------- sessions without the answer (issue 25)
+
+
+async def test_a_chat_lookup_is_one_round_trip_for_every_candidate(replicas: list[Replica]) -> None:
+    """The longest stored prefix of an 8-turn history is found with one command to Redis, counted on
+    the real client (one EVALSHA carrying every candidate's keys)."""
+    from gateway.session_lookup import find_session, remember_turn
+    from gateway.sessions import KeyChain
+
+    writer, reader = replicas[0].store, replicas[1].store
+    history: list[dict[str, Any]] = [{"role": "user", "content": "q0"}]
+    for t in range(1, 9):
+        history += [{"role": "assistant", "content": f"r{t}"}, {"role": "user", "content": f"q{t}"}]
+    sent = history[:5]  # the state after turn 3, remembered by what it was sent
+    after = Session("s1", worker="D1", turns=2).after_turn(
+        worker="D1",
+        prompt_tokens=5,
+        completion_tokens=5,
+        history_key=KeyChain(MODEL).extend(sent).key(),
+        history_messages=len(sent),
+    )
+    await remember_turn(writer, after, explicit_id=None)
+
+    async def find() -> Any:
+        return await find_session(
+            reader, explicit=None, endpoint="chat", model=MODEL, messages=history, new_id=lambda: "new"
+        )
+
+    await find()  # the first call loads the script into Redis (a NOSCRIPT round trip, once)
+    client = reader._redis
+    commands: list[str] = []
+    real: Callable[..., Awaitable[Any]] = client.execute_command
+
+    async def counting(*args: Any, **options: Any) -> Any:
+        commands.append(str(args[0]))
+        return await real(*args, **options)
+
+    client.execute_command = counting  # type: ignore[method-assign]
+    match = await find()
+    assert commands == ["EVALSHA"]
+    assert (match.session_id, match.turn, match.history_end, match.lookup) == ("s1", 4, 6, "prefix")
+
+
+async def test_replicas_share_a_session_found_without_the_answer_key(
+    make_stack: StackFactory, server: RedisServer, raw: aioredis.Redis
+) -> None:
+    """Turn 1 on one gateway replica, its answer-keyed entry gone (as if the front door never saw the
+    answer): the follow-up on the other replica finds the session under what turn 1 was sent."""
+    a = await make_stack(mode="local", sessions={"redis_url": server.url})
+    b = await make_stack(mode="local", sessions={"redis_url": server.url})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello there"}]
+    first = await a.chat(messages)
+    messages += [{"role": "assistant", "content": first.text}]
+    assert await raw.delete("ppd:sessions:" + content_key(MODEL, messages)) == 1
+    second = await b.chat([*messages, {"role": "user", "content": "more"}])
+    assert (second.path, second.headers["X-PPD-Turn"]) == ("local", "2")
+    assert second.headers["X-PPD-Session-Id"] == first.headers["X-PPD-Session-Id"]
+    assert second.headers["X-PPD-Decode-Worker"] == first.headers["X-PPD-Decode-Worker"]
+    registry = b.deps.metrics.registry
+    assert sample(registry, "ppd_gateway_session_lookups_total", result="exact") == 1

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.session_lookup import history_extends
 from gateway.sessions import (
     MAX_OUTPUT_HISTORY,
     InMemorySessionStore,
@@ -14,7 +15,6 @@ from gateway.sessions import (
     Session,
     content_key,
     explicit_key,
-    history_extends,
     split_history,
 )
 
@@ -180,7 +180,8 @@ def test_a_history_extends_a_session_only_through_what_it_was_sent() -> None:
     def check(messages: list[dict[str, Any]]) -> tuple[bool | None, str]:
         upto = split_history(messages)[0]
         chain = KeyChain(M)
-        verdict = history_extends(session, chain, messages, upto)
+        marks = chain.extend_marking(messages[:upto], [session.history_messages])
+        verdict = history_extends(session, marks, messages, upto)
         assert chain.key() == content_key(M, messages[:upto])  # the history is fed exactly once
         return verdict, chain.key()
 
@@ -192,11 +193,12 @@ def test_a_history_extends_a_session_only_through_what_it_was_sent() -> None:
     assert check([u("A"), a("one"), u("b"), a("two"), u("c")])[0] is False
     assert check([*sent, u("more"), a("two"), u("c")])[0] is False  # no answer right after what was sent
     unknown = Session("s", turns=2)
-    assert history_extends(unknown, KeyChain(M), [u("x")], 0) is None
+    assert history_extends(unknown, {}, [u("x")], 0) is None
 
 
 async def test_find_session_continues_forks_or_starts_a_conversation() -> None:
-    from gateway.sessions import InMemorySessionStore, KeyChain, explicit_key, find_session
+    from gateway.session_lookup import find_session
+    from gateway.sessions import InMemorySessionStore, KeyChain, explicit_key
 
     store = InMemorySessionStore(ttl_s=60.0, max_entries=100, clock=lambda: 0.0)
     ids = iter(["new1", "new2", "new3"])
@@ -246,7 +248,8 @@ async def test_find_session_continues_forks_or_starts_a_conversation() -> None:
 async def test_a_completions_prompt_continues_a_named_session_only_by_extending_it(
     prompt: Any, continues: bool, keeps_d_params: bool
 ) -> None:
-    from gateway.sessions import InMemorySessionStore, find_session, prompt_fingerprint
+    from gateway.session_lookup import find_session
+    from gateway.sessions import InMemorySessionStore, prompt_fingerprint
 
     key, length = prompt_fingerprint("m", "Once", " upon a time")
     assert length == len("Once upon a time")
@@ -277,7 +280,8 @@ async def test_a_completions_prompt_continues_a_named_session_only_by_extending_
 async def test_token_id_and_unfingerprinted_completions_continue_without_ds_params() -> None:
     """The gateway cannot check a token-id prompt's answer part (it does not see the answer's ids),
     nor anything for an entry without a fingerprint: they continue, but never on the stored params."""
-    from gateway.sessions import InMemorySessionStore, find_session, prompt_fingerprint
+    from gateway.session_lookup import find_session
+    from gateway.sessions import InMemorySessionStore, prompt_fingerprint
 
     key, length = prompt_fingerprint("m", [5, 6, 7], "ignored")
     assert length == 3

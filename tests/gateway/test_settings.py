@@ -66,6 +66,8 @@ max_entries = 10
         ({"decision": {"fallback": "maybe"}}, "fallback"),
         ({"policy": {"prefill_attempts": 0}}, "prefill_attempts"),
         ({"sessions": {"max_entries": 0}}, "positive"),
+        ({"sessions": {"prefix_candidates": 0}}, "prefix_candidates"),
+        ({"sessions": {"prefix_candidates": 65}}, "prefix_candidates"),
         ({"workers": [{"id": "a", "role": "decode", "url": "x"}]}, "url"),
         ({"workers": [{"id": "a", "role": "decode", "url": "http://a:1"}] * 2}, "duplicate"),
         ({"decision": 3}, "must be a table"),
