@@ -132,20 +132,7 @@ class Forwarder:
         )
         mode = self._mode(request.headers)
         view = d.pool.view()
-        match = await find_session(
-            d.sessions,
-            explicit=request.headers.get(SESSION_HEADER) or req.session_id,
-            endpoint=req.endpoint,
-            model=req.model,
-            messages=req.messages,
-            new_id=d.new_id,
-            prompt=req.body.get("prompt") if req.endpoint == "completions" else None,
-            max_candidates=self._s.sessions.prefix_candidates,
-        )
-        if match.lookup:
-            d.metrics.session_lookups.labels(match.lookup).inc()
-        if match.reset:
-            d.metrics.session_resets.labels(match.reset).inc()
+        match = await self._find_session(request, req)
         static = static_decision(mode, turn=match.turn, session_id=match.session_id)
         ask = static is None and not decode_gone(match.session, view)
         measure_psi = functools.partial(
@@ -207,6 +194,25 @@ class Forwarder:
         finally:
             d.metrics.inflight.dec()
             self._report.finish(turn, outcome, end=d.timer())
+
+    async def _find_session(self, request: ClientRequest, req: CompletionRequest) -> SessionMatch:
+        """The session this request continues (session_lookup.py), with its lookup counted."""
+        d = self._d
+        match = await find_session(
+            d.sessions,
+            explicit=request.headers.get(SESSION_HEADER) or req.session_id,
+            endpoint=req.endpoint,
+            model=req.model,
+            messages=req.messages,
+            new_id=d.new_id,
+            prompt=req.body.get("prompt") if req.endpoint == "completions" else None,
+            max_candidates=self._s.sessions.prefix_candidates,
+        )
+        if match.lookup:
+            d.metrics.session_lookups.labels(match.lookup).inc()
+        if match.reset:
+            d.metrics.session_resets.labels(match.reset).inc()
+        return match
 
     def _check_id_headers(self, headers: Mapping[str, str]) -> None:
         for name in (SESSION_HEADER, WORKLOAD_HEADER):
