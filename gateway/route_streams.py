@@ -123,11 +123,18 @@ def _end_of(exc: grpc.aio.AioRpcError) -> StreamEnd:
     return StreamEnd("unavailable" if code == grpc.StatusCode.UNAVAILABLE else "error", retry=True)
 
 
+async def _half_close(call: _Call) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.CancelledError):
+        await call.done_writing()
+
+
 class _Stream:
     """One open RouteStream: its call, the requests written and not yet answered (in order), its
     reader, how it ended (None while open), and whether a request on it timed out (stale)."""
 
-    __slots__ = ("answered", "call", "end", "opened_at", "reader", "retired", "slot", "stale", "waiters")
+    __slots__ = (
+        "answered", "call", "end", "half_close", "opened_at", "reader", "retired", "slot", "stale", "waiters",
+    )  # fmt: skip
 
     def __init__(self, call: _Call, slot: int, opened_at: float) -> None:
         self.call = call
@@ -135,6 +142,7 @@ class _Stream:
         self.opened_at = opened_at
         self.waiters: collections.deque[_Waiter] = collections.deque()
         self.reader: asyncio.Task[None] | None = None
+        self.half_close: asyncio.Task[None] | None = None
         self.end: StreamEnd | None = None
         self.answered = False
         self.retired = False
@@ -201,11 +209,11 @@ class RouteStreams:
         if stream is not None and stream.end is None:
             if not stream.stale and self._clock() - stream.opened_at < self._max_age_s:
                 return stream
-            # Retired: no new requests; half-closed, so the service answers what it holds and ends it.
+            # Retired: no new requests; half-closed, so the service answers what it holds and ends it
+            # (in a task of its own: a frozen backend must not hold this slot's lock).
             self._slots[slot] = None
             stream.retired = True
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                await stream.call.done_writing()
+            stream.half_close = asyncio.create_task(_half_close(stream.call), name=f"route-stream-{slot}-end")
         call: _Call = self._stub.RouteStream()
         stream = _Stream(call, slot, self._clock())
         stream.reader = asyncio.create_task(self._read(stream), name=f"route-stream-{slot}")
@@ -260,7 +268,8 @@ class RouteStreams:
         for stream in streams:
             stream.call.cancel()
         for stream in streams:
-            if stream.reader is not None:
-                stream.reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await stream.reader
+            for task in (stream.reader, stream.half_close):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
