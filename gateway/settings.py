@@ -62,7 +62,7 @@ class DecisionSettings:
     address: str = ""
     deadline_ms: float = 5.0
     # A pool of RouteStreams (route_streams.py) instead of one unary Route call per request (false).
-    stream: bool = False
+    stream: bool = True
     streams: int = 0  # streams in the pool; 0 = one per address the target names or resolves to
     # Seconds before a stream is retired (its successor lands on the next round_robin backend).
     stream_max_age_s: float = 30.0

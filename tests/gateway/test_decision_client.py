@@ -488,6 +488,7 @@ def test_the_stream_pool_is_sized_one_stream_per_address() -> None:
     assert stream_pool_size("unix:/tmp/decision.sock", "round_robin") == 1
     # pick_first sends every call to one address: one stream is all it can use.
     assert stream_pool_size("ipv4:127.0.0.1:1,127.0.0.1:2", "pick_first") == 1
+    assert Settings.from_mapping({}).decision.stream is True  # RouteStreams by default; false: unary
     assert Settings.from_mapping({}).decision.streams == 0
     assert Settings.from_mapping({"decision": {"streams": 3}}).decision.streams == 3
     with pytest.raises(SettingsError, match="streams"):
