@@ -21,6 +21,9 @@ stream on the next ready backend. Requests take the streams in turn.
   their first answer) does the pool pause opening, `BACKOFF_FIRST_S` doubling up to `BACKOFF_MAX_S`;
   `paused()` tells the caller to make unary calls meanwhile, so the service's return is seen by the
   next request. The first answer on a stream ends the backoff.
+A request never touches a call from its own task: it queues itself on the stream, whose one writer
+task writes (a cancelled write would cancel the call for every request on it), and waits for its
+answer, matched first-in-first-out by the stream's reader task.
 Talks gRPC only; every time comes from the injected clock.
 """
 
@@ -123,26 +126,34 @@ def _end_of(exc: grpc.aio.AioRpcError) -> StreamEnd:
     return StreamEnd("unavailable" if code == grpc.StatusCode.UNAVAILABLE else "error", retry=True)
 
 
-async def _half_close(call: _Call) -> None:
-    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.CancelledError):
+async def _write(stream: _Stream) -> None:
+    """A stream's one writer: its requests in order, then (at None) the half-close."""
+    call = stream.call
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        while (request := await stream.outbox.get()) is not None:
+            await call.write(request)
         await call.done_writing()
+    # Past a write that failed the call has ended: its reader answers every waiter with the end.
 
 
 class _Stream:
-    """One open RouteStream: its call, the requests written and not yet answered (in order), its
-    reader, how it ended (None while open), and whether a request on it timed out (stale)."""
+    """One open RouteStream: its call, its requests not yet written (`outbox`, in order; None asks the
+    writer to half-close), those not yet answered (`waiters`, the same order), its reader and writer
+    tasks, how it ended (None while open), and whether a request on it timed out (stale)."""
 
     __slots__ = (
-        "answered", "call", "end", "half_close", "opened_at", "reader", "retired", "slot", "stale", "waiters",
+        "answered", "call", "end", "opened_at", "outbox", "reader", "retired", "slot", "stale", "waiters",
+        "writer",
     )  # fmt: skip
 
     def __init__(self, call: _Call, slot: int, opened_at: float) -> None:
         self.call = call
         self.slot = slot
         self.opened_at = opened_at
+        self.outbox: asyncio.Queue[decision_pb2.RouteRequest | None] = asyncio.Queue()
         self.waiters: collections.deque[_Waiter] = collections.deque()
         self.reader: asyncio.Task[None] | None = None
-        self.half_close: asyncio.Task[None] | None = None
+        self.writer: asyncio.Task[None] | None = None
         self.end: StreamEnd | None = None
         self.answered = False
         self.retired = False
@@ -164,7 +175,6 @@ class RouteStreams:
         self._clock = clock
         self._max_age_s = max_age_s
         self._slots: list[_Stream | None] = [None] * max(1, size)
-        self._locks = [asyncio.Lock() for _ in self._slots]
         self._streams: set[_Stream] = set()  # every stream whose reader still runs (retired ones too)
         self._turn = 0
         self._failed_opens = 0
@@ -181,21 +191,17 @@ class RouteStreams:
         return self._clock() < self._paused_until
 
     async def send(self, request: decision_pb2.RouteRequest) -> decision_pb2.RouteResponse | StreamEnd:
-        """Writes `request` to the next stream and waits for its answer, or for the stream's end.
-        No deadline of its own: the caller bounds it (a late answer resolves a future nobody awaits)."""
+        """Queues `request` on the next stream and waits for its answer, or for the stream's end.
+        No deadline of its own: the caller bounds it (a late answer resolves a future nobody awaits).
+        The request's task never touches the call: grpc.aio cancels a call whose write is cancelled,
+        which would end the stream for every request on it and raise CancelledError in the next one
+        to write (read as its client leaving). The stream's writer task writes instead."""
         slot = self._turn
         self._turn = (slot + 1) % len(self._slots)
+        stream = self._current(slot)
         waiter: _Waiter = asyncio.get_running_loop().create_future()
-        async with self._locks[slot]:
-            stream = await self._current(slot)
-            stream.waiters.append(waiter)
-            try:
-                await stream.call.write(request)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                # The call ended under the write. Its reader answers every waiter with the end; if it
-                # has already finished, this one is answered here.
-                if stream.end is not None and not waiter.done():
-                    waiter.set_result(stream.end)
+        stream.waiters.append(waiter)  # no await between these two: answers stay in request order
+        stream.outbox.put_nowait(request)
         try:
             return await asyncio.shield(waiter)
         except asyncio.CancelledError:
@@ -204,19 +210,20 @@ class RouteStreams:
             stream.stale = True
             raise
 
-    async def _current(self, slot: int) -> _Stream:
+    def _current(self, slot: int) -> _Stream:
         stream = self._slots[slot]
         if stream is not None and stream.end is None:
             if not stream.stale and self._clock() - stream.opened_at < self._max_age_s:
                 return stream
-            # Retired: no new requests; half-closed, so the service answers what it holds and ends it
-            # (in a task of its own: a frozen backend must not hold this slot's lock).
+            # Retired: no new requests; its writer half-closes it after the requests it holds, so the
+            # service answers those and ends it (a frozen backend holds up only that stream).
             self._slots[slot] = None
             stream.retired = True
-            stream.half_close = asyncio.create_task(_half_close(stream.call), name=f"route-stream-{slot}-end")
+            stream.outbox.put_nowait(None)
         call: _Call = self._stub.RouteStream()
         stream = _Stream(call, slot, self._clock())
-        stream.reader = asyncio.create_task(self._read(stream), name=f"route-stream-{slot}")
+        stream.reader = asyncio.create_task(self._read(stream), name=f"route-stream-{slot}-read")
+        stream.writer = asyncio.create_task(_write(stream), name=f"route-stream-{slot}-write")
         self._slots[slot] = stream
         self._streams.add(stream)
         return stream
@@ -241,6 +248,7 @@ class RouteStreams:
             end = StreamEnd("error", retry=True)
         finally:
             stream.end = end
+            stream.outbox.put_nowait(None)  # its writer, if waiting for a request, ends too
             self._streams.discard(stream)
             if self._slots[stream.slot] is stream:
                 self._slots[stream.slot] = None
@@ -268,7 +276,7 @@ class RouteStreams:
         for stream in streams:
             stream.call.cancel()
         for stream in streams:
-            for task in (stream.reader, stream.half_close):
+            for task in (stream.reader, stream.writer):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError, Exception):

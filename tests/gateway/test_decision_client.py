@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -306,6 +307,30 @@ async def test_a_request_in_flight_when_its_stream_breaks_is_retried_once(servic
         assert (service.broken, service.break_streams) == (3, 0)
         assert (await client.route(QUERY, FALLBACK)).reason == "table"  # and the next one is answered
         assert sample(metrics.registry, "ppd_gateway_decision_fallbacks_total", cause="unavailable") == 1
+    finally:
+        await client.close()
+
+
+async def test_a_request_whose_client_leaves_never_ends_the_stream_others_wait_on(
+    service: FakeDecision,
+) -> None:
+    # A client that leaves cancels its request at any point: while it waits for its answer, or while
+    # its request is being written. Neither may end the stream (grpc.aio cancels a call whose write is
+    # cancelled), nor reach the request next to it as a cancellation of its own (a request log line
+    # saying "client disconnected") or a fallback.
+    client = await _client(service.address, deadline_ms=2000.0, stream=True)
+    try:
+        assert (await client.route(QUERY, FALLBACK)).reason == "table"
+        for steps in range(40):  # cancelled after 0, 1, ... turns of the loop, in its write or not
+            staying = asyncio.create_task(client.route(QUERY, FALLBACK))
+            leaving = asyncio.create_task(client.route(QUERY, FALLBACK))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            leaving.cancel()
+            assert (await staying).reason == "table", steps
+            with contextlib.suppress(asyncio.CancelledError):
+                await leaving
+            assert (await client.route(QUERY, FALLBACK)).reason == "table", steps
     finally:
         await client.close()
 
