@@ -11,11 +11,14 @@ is the client. Server CPU is read from /proc/<pid>/stat (all threads), RSS from 
 - memory: server RSS after warm-up vs after --rss-calls Route calls and --reloads reloads (target: within 10%)
 - contention: Route latency (1 in flight) while another process keeps max-size RouteBatch calls
   (--max-batch-items, 4096) running, next to the same latency alone: what a batch costs unary callers
+- transports: server CPU per decision of each transport with the same clients in one run (floors, the
+  service over unary, RouteStream, SO_REUSEPORT, and through the gateway's own decision client with
+  `decision.stream` false and true)
 
 Nothing here asserts: it prints figures (and `--json` writes them) for a person or a report to judge.
 `--small` runs every part at a size that fits the test suite.
 
-It stays one module (about 600 lines): each part is a short function over the same server-process
+It stays one module (about 720 lines): each part is a short function over the same server-process
 helpers and one `BenchConfig`, and the file is read top to bottom as the list above; split, the parts
 would only re-import each other's helpers.
 """
@@ -62,6 +65,12 @@ from decision_service.table import (
     write_table,
 )
 from devstack.ready import start_ready
+from gateway.decision_client import GrpcDecisionClient
+from gateway.metrics import GatewayMetrics
+from gateway.ports import RouteQuery
+from gateway.psi import Psi, TokenCount
+from gateway.routing import Decision
+from gateway.settings import DecisionSettings
 from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 
@@ -417,6 +426,28 @@ async def _stream(target: str, messages: int, streams: int) -> None:
         await asyncio.gather(*(one() for _ in range(streams)))
 
 
+async def _gateway_client(target: str, calls: int, concurrency: int, *, stream: bool) -> None:
+    """The gateway's own decision client (`decision.stream` as given, every other setting its default),
+    `concurrency` requests in flight; a fallback would not be a decision, so it fails the run."""
+    settings = DecisionSettings(address=target, deadline_ms=10_000.0, stream=stream)
+    client = GrpcDecisionClient(settings, GatewayMetrics())
+    await client.start()
+    query = RouteQuery("bench", 2, Psi(TokenCount(256, "exact"), n_out=64, n_ctx=1500), qps=4.0)
+    fallback = Decision("pd", "fallback")
+    per_task, extra = divmod(calls, concurrency)
+
+    async def worker(index: int) -> None:
+        for _ in range(per_task + (1 if index < extra else 0)):
+            decision = await client.route(query, fallback)
+            if decision.fallback:
+                raise RuntimeError(f"the gateway's client fell back: {decision.reason}")
+
+    try:
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    finally:
+        await client.close()
+
+
 def _saturate(server: ServerProcess, decisions: int, work: Any) -> dict[str, float]:
     cpu0, wall0 = server.cpu_s(), time.perf_counter()
     uvloop.run(work)
@@ -548,6 +579,11 @@ def bench_transports(tables: Path, config: BenchConfig) -> dict[str, dict[str, f
         out["service grpc.aio RouteStream"] = _saturate(
             server, streamed, _stream(server.target, config.stream_messages, config.streams)
         )
+        # The same service through the gateway's decision client: what `decision.stream` changes.
+        for stream, name in ((False, "unary (stream = false)"), (True, "RouteStreams (default)")):
+            out[f"service via the gateway's client, {name}"] = _saturate(
+                server, calls, _gateway_client(server.target, calls, conc, stream=stream)
+            )
     for workers in range(2, config.max_workers + 1):
         with server_process(tables, workers=workers) as server:
             channels = max(4, 2 * workers)

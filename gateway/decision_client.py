@@ -15,14 +15,19 @@ Rule 3 (operators are told): the service going away (the health Watch fails, or
 as a WARNING, and its
 return (any answer, or SERVING on the Watch) once, with how long it was gone and how many requests fell
 back meanwhile; never a line per request.
-Rule 4 (stream form): requests are written to one RouteStream in order and answers matched to them
-first-in-first-out; a late answer resolves a future nobody waits for any more. A broken stream fails
-every waiter and is reopened by the next call, at most once a second.
+Rule 4 (stream form, the default `decision.stream = true`): requests go over a pool of RouteStreams
+(route_streams.py: one per backend address, spread, retired by age, reopened by the next request) and
+answers are matched to them first-in-first-out; a late answer resolves a future nobody waits for any
+more. A request whose stream ended before answering it is tried once more on a new stream within the
+same deadline; while opening streams backs off (it failed repeatedly) requests make unary calls.
+`decision.stream = false` makes one unary Route call per request.
 Rule 5 (no table): the service answers UNAVAILABLE until its first table loads, with trailing
 metadata `ppd-unavailable: no-table` (ppd/decision/v1/status.py); that answer is `fallback_not_serving`,
-any other UNAVAILABLE `fallback_unavailable`. The message text is never read. A RouteStream answer
-carries no trailing metadata: its `error.code` UNAVAILABLE, which the service sets on a stream answer
-only for a missing table, is `fallback_not_serving` too (not `fallback_error`).
+any other UNAVAILABLE `fallback_unavailable`. The message text is never read. The same holds for a
+RouteStream the service ends with that status (read from the stream's trailing metadata, never
+retried). The real service keeps its streams open and answers each item instead: an item's
+`error.code` UNAVAILABLE, which it sets on a stream answer only for a missing table, is
+`fallback_not_serving` too (not `fallback_error`).
 Rule 6 (the third path): `RouteQuery.capabilities` containing "bidir" goes out as CAPABILITY_BIDIR, and
 only then may the answer be DECISION_BIDIR, read back as path "bidir"; a query without it sends the
 request it sent before capabilities existed.
@@ -33,22 +38,20 @@ Talks gRPC only; never imports decision_service.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from gateway.metrics import GatewayMetrics
 from gateway.ports import RouteQuery
+from gateway.route_streams import RouteStreams, no_table, reopen_delays, stream_pool_size
 from gateway.routing import Decision
 from gateway.settings import DecisionSettings
 from gateway.types import Clock, Path
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
-from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 
 __all__ = [
     "KEEPALIVE_TIMEOUT_MS",
@@ -63,7 +66,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 SERVICE_NAME = decision_pb2.DESCRIPTOR.services_by_name["DecisionService"].full_name
 _REASONS = {v: k.removeprefix("REASON_").lower() for k, v in decision_pb2.Reason.items()}
-_STREAM_RETRY_S = 1.0
 _WATCH_RETRY_S = 1.0  # after the Watch itself failed (service down); calls are tried meanwhile
 # Failed calls in a row (timeouts, no server), over at least this long, before the service counts as
 # gone: a few slow answers on a busy host are not an outage; a frozen or killed service fails every call.
@@ -103,14 +105,6 @@ def channel_options(
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
-
-
-def reopen_delays(first_s: float, most_s: float) -> Iterator[float]:
-    """Pauses before successive Watch re-opens: first_s, doubling, never above most_s."""
-    delay = first_s
-    while True:
-        yield min(delay, most_s)
-        delay = min(delay * 2.0, most_s)
 
 
 def request_from_query(q: RouteQuery) -> decision_pb2.RouteRequest:
@@ -169,13 +163,8 @@ def _outcome(exc: grpc.aio.AioRpcError) -> str:
         return "timeout"
     if code == grpc.StatusCode.UNAVAILABLE:
         # The service answers UNAVAILABLE itself until its first table loads, and says so (rule 5).
-        return "not_serving" if _no_table(exc) else "unavailable"
+        return "not_serving" if no_table(exc) else "unavailable"
     return "error"
-
-
-def _no_table(exc: grpc.aio.AioRpcError) -> bool:
-    trailing = exc.trailing_metadata() or ()
-    return any(key == UNAVAILABLE_CAUSE_KEY and value == UNAVAILABLE_NO_TABLE for key, value in trailing)
 
 
 class _Availability:
@@ -253,12 +242,7 @@ class GrpcDecisionClient:
         self._stub: decision_pb2_grpc.DecisionServiceAsyncStub | None = None
         self._serving: bool | None = None  # None: unknown (no health answer yet)
         self._health_task: asyncio.Task[None] | None = None
-        self._stream: grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse] | None
-        self._stream = None
-        self._stream_reader: asyncio.Task[None] | None = None
-        self._stream_failed_at = float("-inf")
-        self._waiters: collections.deque[asyncio.Future[decision_pb2.RouteResponse]] = collections.deque()
-        self._write_lock = asyncio.Lock()
+        self._streams: RouteStreams | None = None
 
     @property
     def serving(self) -> bool | None:
@@ -272,17 +256,23 @@ class GrpcDecisionClient:
             options=channel_options(self._s.lb_policy),
         )
         self._stub = decision_pb2_grpc.DecisionServiceStub(self._channel)
+        if self._s.stream:
+            size = self._s.streams or await asyncio.to_thread(
+                stream_pool_size, self._s.address, self._s.lb_policy
+            )
+            self._streams = RouteStreams(
+                self._stub, size, max_age_s=self._s.stream_max_age_s, clock=self._clock
+            )
         self._channel.get_state(try_to_connect=True)
         self._health_task = asyncio.create_task(self._watch_health(), name="decision-health")
 
     async def close(self) -> None:
-        for task in (self._health_task, self._stream_reader):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        if self._stream is not None:
-            self._stream.cancel()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._health_task
+        if self._streams is not None:
+            await self._streams.close()
         if self._channel is not None:
             await self._channel.close(grace=None)
 
@@ -307,11 +297,8 @@ class GrpcDecisionClient:
         self, stub: decision_pb2_grpc.DecisionServiceAsyncStub, req: decision_pb2.RouteRequest
     ) -> tuple[decision_pb2.RouteResponse | None, str]:
         try:
-            if self._s.stream:
-                resp = await self._route_stream(req)
-                if resp.error.code == _STREAM_NO_TABLE:
-                    return None, "not_serving"  # rule 5, stream form
-                return resp, "ok"
+            if self._streams is not None:
+                return await self._call_streams(self._streams, stub, req)
             return await stub.Route(req, timeout=self._deadline), "ok"
         except grpc.aio.AioRpcError as exc:
             return None, _outcome(exc)
@@ -326,52 +313,28 @@ class GrpcDecisionClient:
         self._availability.fell_back()
         return Decision(fallback.path, f"fallback_{cause}", fallback=True)
 
-    async def _route_stream(self, req: decision_pb2.RouteRequest) -> decision_pb2.RouteResponse:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[decision_pb2.RouteResponse] = loop.create_future()
-        async with asyncio.timeout(self._deadline):
-            async with self._write_lock:
-                stream = self._ensure_stream()
-                self._waiters.append(future)
-                await stream.write(req)
-            return await asyncio.shield(future)
-
-    def _ensure_stream(
+    async def _call_streams(
         self,
-    ) -> grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse]:
-        if self._stream is not None and not self._stream.done():
-            return self._stream
-        if self._clock() - self._stream_failed_at < _STREAM_RETRY_S:
-            raise ConnectionError("RouteStream recently failed")
-        assert self._stub is not None
-        self._stream = self._stub.RouteStream()
-        self._stream_reader = asyncio.create_task(self._read_stream(self._stream), name="route-stream")
-        return self._stream
-
-    async def _read_stream(
-        self, stream: grpc.aio.StreamStreamCall[decision_pb2.RouteRequest, decision_pb2.RouteResponse]
-    ) -> None:
-        try:
-            async for resp in stream:
-                waiter = self._waiters.popleft() if self._waiters else None
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(resp)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self._availability.lost("RouteStream broke: UNAVAILABLE")
-            else:
-                log.warning("RouteStream broke: %s", exc.code().name)
-        except asyncio.CancelledError:
-            raise
-        finally:
-            self._stream_failed_at = self._clock()
-            if self._stream is stream:
-                self._stream = None
-            waiters, self._waiters = self._waiters, collections.deque()
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(ConnectionError("RouteStream closed"))
-                    waiter.exception()  # retrieved: nobody may be waiting any more
+        streams: RouteStreams,
+        stub: decision_pb2_grpc.DecisionServiceAsyncStub,
+        req: decision_pb2.RouteRequest,
+    ) -> tuple[decision_pb2.RouteResponse | None, str]:
+        """Rule 4: on a stream, once more on a new one if that stream ended unanswered, unary while
+        streams back off; all within the one deadline (TimeoutError past it)."""
+        outcome = "unavailable"
+        async with asyncio.timeout(self._deadline):
+            for _ in range(2):
+                if streams.paused():
+                    return await stub.Route(req, timeout=self._deadline), "ok"
+                got = await streams.send(req)
+                if isinstance(got, decision_pb2.RouteResponse):
+                    if got.error.code == _STREAM_NO_TABLE:
+                        return None, "not_serving"  # rule 5, an item's error
+                    return got, "ok"
+                outcome = got.outcome
+                if not got.retry:
+                    break
+        return None, outcome
 
     async def _watch_health(self) -> None:
         assert self._channel is not None

@@ -61,8 +61,11 @@ class DecisionSettings:
     # host:port of the DecisionService; empty = none (ppd mode then always uses the fallback).
     address: str = ""
     deadline_ms: float = 5.0
-    # Use the long-lived RouteStream instead of one unary Route call per request.
-    stream: bool = False
+    # A pool of RouteStreams (route_streams.py) instead of one unary Route call per request (false).
+    stream: bool = True
+    streams: int = 0  # streams in the pool; 0 = one per address the target names or resolves to
+    # Seconds before a stream is retired (its successor lands on the next round_robin backend).
+    stream_max_age_s: float = 30.0
     # What ppd mode does when the service is slow, down or NOT_SERVING: "pd" or "local".
     fallback: Literal["pd", "local"] = "pd"
     table_key: str = ""
@@ -78,6 +81,18 @@ class DecisionSettings:
     # answer stays not serving.
     health_reopen_s: float = 0.2
     health_reopen_max_s: float = 3.0
+
+    def validate(self) -> None:
+        if self.fallback not in ("pd", "local"):
+            raise SettingsError("decision.fallback must be 'pd' or 'local'")
+        if self.deadline_ms <= 0:
+            raise SettingsError("decision.deadline_ms must be positive")
+        if not (0 <= self.streams <= 64 and self.stream_max_age_s > 0):
+            raise SettingsError("need decision.streams in 0..64 and decision.stream_max_age_s > 0")
+        if self.lb_policy not in ("round_robin", "pick_first"):
+            raise SettingsError("decision.lb_policy must be 'round_robin' or 'pick_first'")
+        if not 0 < self.health_reopen_s <= self.health_reopen_max_s:
+            raise SettingsError("need 0 < decision.health_reopen_s <= decision.health_reopen_max_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,18 +349,11 @@ class Settings:
         return settings
 
     def validate(self) -> None:
-        if self.decision.fallback not in ("pd", "local"):
-            raise SettingsError("decision.fallback must be 'pd' or 'local'")
+        self.decision.validate()
         if self.policy.prefill_failure not in ("local", "error"):
             raise SettingsError("policy.prefill_failure must be 'local' or 'error'")
         if self.policy.prefill_attempts < 1:
             raise SettingsError("policy.prefill_attempts must be >= 1")
-        if self.decision.deadline_ms <= 0:
-            raise SettingsError("decision.deadline_ms must be positive")
-        if self.decision.lb_policy not in ("round_robin", "pick_first"):
-            raise SettingsError("decision.lb_policy must be 'round_robin' or 'pick_first'")
-        if not 0 < self.decision.health_reopen_s <= self.decision.health_reopen_max_s:
-            raise SettingsError("need 0 < decision.health_reopen_s <= decision.health_reopen_max_s")
         self.upstream.validate()
         _check_sessions(self.sessions)
         if self.max_body_bytes <= 0:

@@ -30,6 +30,8 @@ def test_small_run_prints_and_writes_every_figure(tmp_path: Path, capsys: pytest
         "floor grpcio sync, 4 thread(s), unary",
         "service grpc.aio RouteStream",
         "service grpc.aio unary, 2 processes (SO_REUSEPORT)",
+        "service via the gateway's client, unary (stream = false)",
+        "service via the gateway's client, RouteStreams (default)",
     ]
     for phrase in phrases:
         assert phrase in text

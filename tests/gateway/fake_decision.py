@@ -26,7 +26,13 @@ class FakeDecision(decision_pb2_grpc.DecisionServiceServicer):
     abort_code: grpc.StatusCode | None = None
     # Trailing metadata of the abort (the real service's no-table signal: ppd/decision/v1/status.py).
     abort_trailing: tuple[tuple[str, str], ...] = ()
+    # RouteStream: the next `break_streams` requests end their stream UNAVAILABLE unanswered, with no
+    # cause (what a client sees when a stream's connection or proxy breaks); counted in `broken`.
+    break_streams: int = 0
+    broken: int = 0
     seen: list[decision_pb2.RouteRequest] = field(default_factory=list)
+    # The RPC ("Route" or "RouteStream") that answered each request in `seen`.
+    methods: list[str] = field(default_factory=list)
     server: grpc.aio.Server | None = None
     health: HealthServicer | None = None
     port: int = 0
@@ -35,8 +41,11 @@ class FakeDecision(decision_pb2_grpc.DecisionServiceServicer):
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _answer(self, request: decision_pb2.RouteRequest) -> decision_pb2.RouteResponse:
+    def _answer(
+        self, request: decision_pb2.RouteRequest, method: str = "Route"
+    ) -> decision_pb2.RouteResponse:
         self.seen.append(request)
+        self.methods.append(method)
         return decision_pb2.RouteResponse(
             decision=self.decision,  # type: ignore[arg-type]
             reason=self.reason,  # type: ignore[arg-type]
@@ -64,12 +73,20 @@ class FakeDecision(decision_pb2_grpc.DecisionServiceServicer):
         async for request in request_iterator:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            yield self._answer(request)
+            if self.break_streams:
+                self.break_streams -= 1
+                self.broken += 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "stream broken")
+            if self.abort_code is not None:  # ends the stream, as a service without per-item errors would
+                await context.abort(self.abort_code, "no table loaded yet", self.abort_trailing)
+            yield self._answer(request, "RouteStream")
 
     async def RouteBatch(
         self, request: decision_pb2.RouteBatchRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> decision_pb2.RouteBatchResponse:
-        return decision_pb2.RouteBatchResponse(responses=[self._answer(r) for r in request.requests])
+        return decision_pb2.RouteBatchResponse(
+            responses=[self._answer(r, "RouteBatch") for r in request.requests]
+        )
 
     async def DescribeTable(
         self, request: decision_pb2.DescribeTableRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import shutil
 import signal
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from gateway.decision_client import (
 from gateway.metrics import GatewayMetrics
 from gateway.ports import LiveSignals, RouteQuery
 from gateway.psi import Psi, TokenCount
+from gateway.route_streams import BACKOFF_MAX_S, stream_pool_size
 from gateway.routing import Decision
 from gateway.settings import DecisionSettings, Settings, SettingsError
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
@@ -33,7 +36,7 @@ from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 from tests.gateway.fake_decision import FakeDecision
 from tests.gateway.fakes import ManualClock
 from tests.gateway.processes import REPO, Process, start
-from tests.support.metrics import sample
+from tests.support.metrics import sample, total
 
 QUERY = RouteQuery(
     request_id="r1",
@@ -183,10 +186,13 @@ async def test_not_serving_falls_back_without_calling(service: FakeDecision) -> 
         await client.close()
 
 
-async def test_unavailable_before_the_first_table_is_not_serving(service: FakeDecision) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_unavailable_before_the_first_table_is_not_serving(service: FakeDecision, stream: bool) -> None:
+    # In stream form the fake ends the stream with the status and trailing metadata a unary call gets
+    # (the real servicer answers the item instead: test_the_real_servicer_without_a_table_is_not_serving).
     service.abort_code = grpc.StatusCode.UNAVAILABLE
     service.abort_trailing = ((UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE),)
-    client = await _client(service.address, deadline_ms=2000.0)
+    client = await _client(service.address, deadline_ms=2000.0, stream=stream)
     try:
         assert (await client.route(QUERY, FALLBACK)).reason == "fallback_not_serving"
         service.abort_code = grpc.StatusCode.INTERNAL
@@ -195,10 +201,13 @@ async def test_unavailable_before_the_first_table_is_not_serving(service: FakeDe
         await client.close()
 
 
-async def test_no_table_is_read_from_the_status_detail_not_the_message(service: FakeDecision) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_no_table_is_read_from_the_status_detail_not_the_message(
+    service: FakeDecision, stream: bool
+) -> None:
     # The fake's message says "no table loaded yet" either way: only the trailing metadata counts.
     service.abort_code = grpc.StatusCode.UNAVAILABLE
-    client = await _client(service.address, deadline_ms=2000.0)
+    client = await _client(service.address, deadline_ms=2000.0, stream=stream)
     try:
         assert (await client.route(QUERY, FALLBACK)).reason == "fallback_unavailable"
         service.abort_trailing = ((UNAVAILABLE_CAUSE_KEY, "something-else"),)
@@ -253,10 +262,20 @@ async def test_no_service_configured() -> None:
     await client.close()
 
 
-async def test_stream_break_fails_over_to_fallback_and_recovers() -> None:
+def _ready(client: GrpcDecisionClient) -> bool:
+    channel = client._channel
+    return channel is not None and channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_broken_stream_is_reopened_by_the_next_request(stream: bool) -> None:
+    # As prompt as unary: once the channel is connected again, the next request is answered. The
+    # clock never moves, so no pause between re-opens can be what lets it through.
     svc = await FakeDecision().start()
     port = svc.port
-    client = await _client(svc.address, stream=True, deadline_ms=2000.0)
+    settings = DecisionSettings(address=svc.address, deadline_ms=2000.0, stream=stream)
+    client = GrpcDecisionClient(settings, GatewayMetrics(), clock=ManualClock())
+    await client.start()
     try:
         assert (await client.route(QUERY, FALLBACK)).reason == "table"
         await svc.stop()
@@ -264,14 +283,81 @@ async def test_stream_break_fails_over_to_fallback_and_recovers() -> None:
         assert d.fallback
         svc2 = await FakeDecision(port=port).start()
         try:
-            client._stream_failed_at = 0.0  # skip the 1 s reconnect pause instead of sleeping
-            for _ in range(100):
-                d = await client.route(QUERY, FALLBACK)
-                if not d.fallback:
-                    break
-                client._stream_failed_at = 0.0
-                await asyncio.sleep(0.05)
-            assert d.reason == "table"
+            await _until(lambda: _ready(client), "the channel connected again")
+            assert (await client.route(QUERY, FALLBACK)).reason == "table"
+            assert svc2.methods == ["RouteStream" if stream else "Route"]
+        finally:
+            await svc2.stop()
+    finally:
+        await client.close()
+
+
+async def test_a_request_in_flight_when_its_stream_breaks_is_retried_once(service: FakeDecision) -> None:
+    metrics = GatewayMetrics()
+    settings = DecisionSettings(address=service.address, deadline_ms=2000.0, stream=True)
+    client = GrpcDecisionClient(settings, metrics, clock=ManualClock())
+    await client.start()
+    try:
+        assert (await client.route(QUERY, FALLBACK)).reason == "table"
+        service.break_streams = 1  # the stream breaks under the request: it is answered on a new one
+        assert (await client.route(QUERY, FALLBACK)).reason == "table"
+        assert (service.broken, service.methods) == (1, ["RouteStream"] * 2)
+        service.break_streams = 2  # the new stream breaks too: the fallback, after exactly one retry
+        assert (await client.route(QUERY, FALLBACK)).reason == "fallback_unavailable"
+        assert (service.broken, service.break_streams) == (3, 0)
+        assert (await client.route(QUERY, FALLBACK)).reason == "table"  # and the next one is answered
+        assert sample(metrics.registry, "ppd_gateway_decision_fallbacks_total", cause="unavailable") == 1
+    finally:
+        await client.close()
+
+
+async def test_a_request_whose_client_leaves_never_ends_the_stream_others_wait_on(
+    service: FakeDecision,
+) -> None:
+    # A client that leaves cancels its request at any point: while it waits for its answer, or while
+    # its request is being written. Neither may end the stream (grpc.aio cancels a call whose write is
+    # cancelled), nor reach the request next to it as a cancellation of its own (a request log line
+    # saying "client disconnected") or a fallback.
+    client = await _client(service.address, deadline_ms=2000.0, stream=True)
+    try:
+        assert (await client.route(QUERY, FALLBACK)).reason == "table"
+        for steps in range(40):  # cancelled after 0, 1, ... turns of the loop, in its write or not
+            staying = asyncio.create_task(client.route(QUERY, FALLBACK))
+            leaving = asyncio.create_task(client.route(QUERY, FALLBACK))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            leaving.cancel()
+            assert (await staying).reason == "table", steps
+            with contextlib.suppress(asyncio.CancelledError):
+                await leaving
+            assert (await client.route(QUERY, FALLBACK)).reason == "table", steps
+    finally:
+        await client.close()
+
+
+async def test_streams_that_keep_failing_to_open_give_way_to_unary_calls() -> None:
+    # With the service gone every stream fails before its first answer. After a few such opens in a row
+    # the client backs off streams (a bounded, doubling pause on its clock) and makes unary calls
+    # meanwhile, so the service's return is seen by the next request, as with `stream = false`.
+    svc = await FakeDecision().start()
+    port = svc.port
+    await svc.stop()
+    clock = ManualClock()
+    settings = DecisionSettings(address=f"127.0.0.1:{port}", deadline_ms=2000.0, stream=True)
+    client = GrpcDecisionClient(settings, GatewayMetrics(), clock=clock)
+    await client.start()
+    try:
+        for _ in range(3):
+            assert (await client.route(QUERY, FALLBACK)).fallback
+        svc2 = await FakeDecision(port=port).start()
+        try:
+            await _until(lambda: _ready(client), "the channel connected")
+            assert (await client.route(QUERY, FALLBACK)).reason == "table"
+            assert svc2.methods == ["Route"]
+            clock.advance(BACKOFF_MAX_S)
+            assert (await client.route(QUERY, FALLBACK)).reason == "table"
+            assert (await client.route(QUERY, FALLBACK)).reason == "table"
+            assert svc2.methods == ["Route", "RouteStream", "RouteStream"]
         finally:
             await svc2.stop()
     finally:
@@ -344,9 +430,10 @@ def test_watch_reopen_backoff_doubles_up_to_its_bound() -> None:
 
 @pytest.mark.parametrize("policy", ["round_robin", "pick_first"])
 async def test_lb_policy_reaches_the_channel(policy: str) -> None:
+    # Unary calls, each placed by the policy; RouteStreams: test_streams_spread_over_every_backend_*.
     a, b = await FakeDecision().start(), await FakeDecision().start()
     client = await _client(
-        f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}", deadline_ms=2000.0, lb_policy=policy
+        f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}", deadline_ms=2000.0, lb_policy=policy, stream=False
     )
     try:
         if policy == "round_robin":  # every call to the next ready address: both get calls
@@ -367,6 +454,74 @@ async def test_lb_policy_reaches_the_channel(policy: str) -> None:
         await b.stop()
 
 
+def _decided(process: Process) -> float:
+    """Decisions a real decision service process made, from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{process.ready['metrics']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return total(text, "ppd_decisions_total") or 0.0
+
+
+@pytest.mark.integration
+async def test_streams_spread_over_every_backend_and_leave_one_that_goes_away(tmp_path: Path) -> None:
+    """Two real decision service processes behind one round_robin target: the pool holds a stream per
+    address (the default size), so both answer; when one is killed, requests go on being answered by
+    the other (a request in flight then is retried on a new stream, which lands there)."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    shutil.copy(TABLE, tables / TABLE.name)
+    args = ["decision_service", "serve", "--tables", str(tables), "--port", "0", "--metrics-port", "0"]
+    a, b = await asyncio.gather(*(asyncio.to_thread(start, args, tmp_path, n) for n in ("da", "db")))
+    target = f"ipv4:127.0.0.1:{a.ready['grpc']},127.0.0.1:{b.ready['grpc']}"
+    clock = ManualClock()
+    client = GrpcDecisionClient(
+        DecisionSettings(address=target, deadline_ms=2000.0, stream=True), GatewayMetrics(), clock=clock
+    )
+    await client.start()
+    try:
+        await _until(lambda: client.serving is True, "serving")
+        for _ in range(20):
+            for _ in range(10):
+                assert not (await client.route(QUERY, FALLBACK)).fallback
+            counts = await asyncio.gather(asyncio.to_thread(_decided, a), asyncio.to_thread(_decided, b))
+            if all(counts):
+                break
+            # A stream opened while only one backend was ready stays there until it is retired; its
+            # successor lands on the next backend round_robin picks.
+            clock.advance(DecisionSettings().stream_max_age_s)
+        assert all(counts), counts
+        a.proc.kill()
+        a.proc.wait()
+        answered = 0
+        for _ in range(500):  # until 20 in a row are answered: streams on the dead backend reopened
+            answered = 0 if (await client.route(QUERY, FALLBACK)).fallback else answered + 1
+            if answered == 20:
+                break
+            await asyncio.sleep(0.01)
+        assert answered == 20
+        assert await asyncio.to_thread(_decided, b) >= counts[1] + 20
+    finally:
+        await client.close()
+        a.stop()
+        b.stop()
+
+
+def test_the_stream_pool_is_sized_one_stream_per_address() -> None:
+    assert stream_pool_size("ipv4:127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", "round_robin") == 3
+    assert stream_pool_size("ipv6:[::1]:1,[::1]:2", "round_robin") == 2
+    assert stream_pool_size("127.0.0.1:50051", "round_robin") == 1
+    assert stream_pool_size("dns:///127.0.0.1:50051", "round_robin") == 1
+    assert stream_pool_size("unix:/tmp/decision.sock", "round_robin") == 1
+    # pick_first sends every call to one address: one stream is all it can use.
+    assert stream_pool_size("ipv4:127.0.0.1:1,127.0.0.1:2", "pick_first") == 1
+    assert Settings.from_mapping({}).decision.stream is True  # RouteStreams by default; false: unary
+    assert Settings.from_mapping({}).decision.streams == 0
+    assert Settings.from_mapping({"decision": {"streams": 3}}).decision.streams == 3
+    with pytest.raises(SettingsError, match="streams"):
+        Settings.from_mapping({"decision": {"streams": -1}})
+    with pytest.raises(SettingsError, match="stream_max_age_s"):
+        Settings.from_mapping({"decision": {"stream_max_age_s": 0}})
+
+
 def test_lb_policy_and_reopen_settings_are_checked() -> None:
     s = Settings.from_mapping({"decision": {"lb_policy": "pick_first", "health_reopen_s": 0.5}})
     assert (s.decision.lb_policy, s.decision.health_reopen_s) == ("pick_first", 0.5)
@@ -381,11 +536,14 @@ def _lines(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecor
     return [r for r in caplog.records if r.name == "gateway.decision_client" and text in r.getMessage()]
 
 
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_few_slow_answers_are_not_logged_as_an_outage(
-    service: FakeDecision, caplog: pytest.LogCaptureFixture
+    service: FakeDecision, caplog: pytest.LogCaptureFixture, stream: bool
 ) -> None:
+    # In stream form each timed-out request leaves its stream stale, so the answer after the blip does
+    # not queue behind the slow ones (the fake answers a stream's requests one after another).
     caplog.set_level(logging.INFO, logger="gateway.decision_client")
-    client = await _client(service.address, deadline_ms=2000.0)
+    client = await _client(service.address, deadline_ms=2000.0, stream=stream)
     try:
         assert not (await client.route(QUERY, FALLBACK)).fallback
         service.delay_s = 5.0
@@ -422,9 +580,10 @@ async def test_an_outage_is_timed_on_the_injected_clock(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 async def test_losing_the_service_and_its_return_are_logged_once_each(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str, stream: bool
 ) -> None:
     """A real `decision_service` process, killed (then started again on its port) or frozen (SIGSTOP, then
     SIGCONT): one WARNING when it goes, one when it is back, however many requests fall back between."""
@@ -441,7 +600,9 @@ async def test_losing_the_service_and_its_return_are_logged_once_each(
     port = int(first.ready["grpc"])
     again: Process | None = None
     # A frozen service costs each call its whole deadline; kept well above CI scheduling noise.
-    client = await _client(f"127.0.0.1:{port}", deadline_ms=2000.0 if how == "killed" else 300.0)
+    client = await _client(
+        f"127.0.0.1:{port}", deadline_ms=2000.0 if how == "killed" else 300.0, stream=stream
+    )
     try:
         await _until(lambda: client.serving is True, "serving")
         assert not (await client.route(QUERY, FALLBACK)).fallback

@@ -33,7 +33,7 @@ TABLE_REASONS = {
 
 
 def _config(
-    workers: list[dict[str, str]], tmp: Path, *, decision: str = "", extra: str = "", stream: bool = False
+    workers: list[dict[str, str]], tmp: Path, *, decision: str = "", extra: str = "", stream: bool = True
 ) -> Path:
     lines = [f'mode = "ppd"\nadmin_token = "tok"\n{extra}']
     for w in workers:
@@ -41,7 +41,7 @@ def _config(
     lines.append(f'[decision]\naddress = "{decision}"\ndeadline_ms = 10000.0\nfallback = "pd"\n')
     lines.append(f"stream = {str(stream).lower()}\n")
     lines.append("[pool]\nhealth_interval_s = 0.5\n")
-    path = tmp / ("gateway-stream.toml" if stream else "gateway.toml")
+    path = tmp / ("gateway.toml" if stream else "gateway-unary.toml")
     path.write_text("\n".join(lines))
     return path
 
@@ -143,14 +143,15 @@ def test_models_tokenize_and_health_pass_through(gateway: Process) -> None:
     assert _http(url + "/health")[0] == 200
 
 
-def test_route_stream_form(cluster: Process, decision: Process, tmp: Path) -> None:
+def test_route_unary_form(cluster: Process, decision: Process, tmp: Path) -> None:
+    # RouteStreams are the default (every other test here); `stream = false` makes unary Route calls.
     config = _config(
-        cluster.ready["workers"], tmp, decision=f"127.0.0.1:{decision.ready['grpc']}", stream=True
+        cluster.ready["workers"], tmp, decision=f"127.0.0.1:{decision.ready['grpc']}", stream=False
     )
-    gw = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway-stream")
+    gw = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "gateway-unary")
     try:
         client = openai.OpenAI(base_url=_url(gw) + "/v1", api_key="unused", max_retries=0)
-        headers = _converse(client, turns=3, stream=True, first="stream form")
+        headers = _converse(client, turns=3, stream=True, first="unary form")
         assert [h["x-ppd-turn"] for h in headers] == ["1", "2", "3"]
         assert all(h["x-ppd-reason"] in TABLE_REASONS for h in headers[1:])
     finally:
