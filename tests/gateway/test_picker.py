@@ -173,7 +173,7 @@ async def test_every_p_failing_falls_back_to_local_prefill_on_d() -> None:
 async def test_prefill_failure_error_is_an_immediate_response() -> None:
     picker, _, _ = _picker(FakeUpstream(failing={"P0"}), policy={"prefill_failure": "error"})
     answers = await _process(picker, _headers(), _body(_chat(FIRST)))
-    assert answers[1].immediate_response.status.code >= 500
+    assert answers[1].immediate_response.status.code == 503
     assert "error" in json.loads(answers[1].immediate_response.body)
 
 
