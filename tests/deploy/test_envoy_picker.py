@@ -3,26 +3,31 @@
 carries D's leg and streams the answer; the picker runs the P leg and says where D's leg goes.
 
 The gateway runs in static `local` mode (Turn 1 through P, Turn 2+ on the session's D): these tests
-are about the front door, not the decision (the DecisionService is not asked in that mode).
+are about the front door, not the decision (the DecisionService is not asked in that mode); one
+test runs `ppd` mode with the real DecisionService.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.envoy_harness import Envoy
-from tests.deploy.processes import Announced
+from tests.deploy.envoy_harness import SCENARIOS, Envoy
+from tests.deploy.processes import REPO, Announced
 from tests.support.gateway_config import worker_tables
 from tests.support.metrics import total
 from tests.support.polling import wait_until
@@ -46,10 +51,14 @@ class PickerStack:
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
 
-    def prompt_tokens(self, worker_id: str) -> float:
-        """The prompt tokens a worker has computed so far (its /metrics)."""
+    def prompt_tokens(self, worker_id: str, source: str | None = None) -> float:
+        """The prompt tokens a worker has computed so far, or those of one source (its /metrics:
+        external_kv_transfer counts what D pulled from P with P's kv_transfer_params)."""
         with urllib.request.urlopen(self.workers[worker_id] + "/metrics", timeout=10) as resp:
-            return total(resp.read(), "vllm:prompt_tokens_total") or 0.0
+            metrics = resp.read()
+        if source is None:
+            return total(metrics, "vllm:prompt_tokens_total") or 0.0
+        return total(metrics, "vllm:prompt_tokens_by_source_total", source=source) or 0.0
 
 
 def _http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -61,9 +70,10 @@ def _http(url: str, body: bytes | None = None, headers: dict[str, str] | None = 
         return int(err.code), bytes(err.read())
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
-    tmp = tmp_path_factory.mktemp("picker")
+@contextmanager
+def _picker_stack(tmp: Path, *, mode: str, extra: list[str] | None = None) -> Iterator[PickerStack]:
+    """The simulated 1P1D cluster, `ppd-gateway picker` on it (in `mode`, plus `extra` config lines)
+    and the real Envoy in front, each waited on until ready."""
     with ExitStack() as exits:
         cluster = Announced.start(
             [sys.executable, "-m", "simulator", "cluster", "--topology", "1P1D", "--base-port", "0"],
@@ -73,8 +83,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
         exits.callback(cluster.close)
         workers = list(cluster.info["workers"])
         config = tmp / "gateway.toml"
-        lines = ['mode = "local"', f'served_model = "{MODEL}"', "", "[pool]", "health_interval_s = 0.5"]
-        config.write_text("\n".join(lines + worker_tables(workers)) + "\n")
+        lines = [f'mode = "{mode}"', f'served_model = "{MODEL}"', "", "[pool]", "health_interval_s = 0.5"]
+        config.write_text("\n".join(lines + worker_tables(workers) + (extra or [])) + "\n")
         picker = Announced.start(
             [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
             log=tmp / "picker.log",
@@ -95,6 +105,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
         exits.callback(envoy.close)
         envoy.await_healthy("picker", {int(picker.info["grpc"])})
         yield PickerStack(envoy=envoy, picker=picker, workers={w["id"]: w["url"] for w in workers})
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
+    with _picker_stack(tmp_path_factory.mktemp("picker"), mode="local") as running:
+        yield running
 
 
 def _turn(
@@ -140,6 +156,7 @@ def test_turn_one_goes_through_p_and_turn_two_stays_on_the_sessions_d(
 def _two_turns(stack: PickerStack, client: openai.OpenAI, *, stream: bool) -> None:
     messages = [{"role": "user", "content": f"Tell me about Envoy (stream={stream})."}]
     p_before = stack.prompt_tokens("P0")
+    pulled_before = stack.prompt_tokens("D0", "external_kv_transfer")
     answer, first = _turn(client, messages, stream=stream)
     assert answer
     assert (first["x-ppd-path"], first["x-ppd-reason"], first["x-ppd-turn"]) == ("pd", "turn_one", "1")
@@ -147,6 +164,8 @@ def _two_turns(stack: PickerStack, client: openai.OpenAI, *, stream: bool) -> No
     assert first["x-request-id"]
     p_after_one = stack.prompt_tokens("P0")
     assert p_after_one > p_before  # the picker ran the P leg
+    # D got P's kv_transfer_params in the body Envoy carried (the picker's body, Content-Length fixed).
+    assert stack.prompt_tokens("D0", "external_kv_transfer") > pulled_before
 
     # The next turn carries the answer the picker never saw: found by the longest stored prefix.
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
@@ -206,3 +225,62 @@ def test_the_pickers_metrics_count_its_decisions(stack: PickerStack) -> None:
     status, body = _http(f"http://127.0.0.1:{stack.picker.info['metrics']}/metrics")
     assert status == 200
     assert (total(body, "ppd_gateway_decisions_total", path="pd", reason="turn_one") or 0) >= 1
+
+
+def test_verify_script_passes_against_the_live_scenario(stack: PickerStack) -> None:
+    env = {
+        **os.environ,
+        "ENVOY": stack.url.removeprefix("http://"),
+        "ADMIN": stack.envoy.admin.removeprefix("http://"),
+    }
+    result = subprocess.run(
+        ["bash", str(SCENARIOS / "picker" / "verify.sh")],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "picker scenario verified" in result.stdout
+
+
+TABLE = REPO / "tests" / "testdata" / "tables" / "good.ppdt"
+TABLE_REASONS = {
+    "table",
+    "weights",
+    "nearest_cell",
+    "default",
+    "live_signal",
+    "pd_failed_in_cell",
+    "local_failed_in_cell",
+}
+
+
+def test_ppd_mode_asks_the_real_decision_service_from_turn_two(tmp_path: Path) -> None:
+    """`ppd` mode: Turn 1 through P without asking, Turn 2+ as the DecisionService's table says, on
+    the session's D when local; the table's version reaches the client through Envoy."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    shutil.copy(TABLE, tables / TABLE.name)
+    with ExitStack() as exits:
+        decision = Announced.start(
+            [sys.executable, "-m", "decision_service", "serve", "--tables", str(tables), "--port", "0",
+             "--metrics-port", "0"],
+            log=tmp_path / "decision.log",
+            deadline_s=60,
+        )  # fmt: skip
+        exits.callback(decision.close)
+        extra = ["", "[decision]", f'address = "127.0.0.1:{decision.info["grpc"]}"', "deadline_ms = 10000.0"]
+        stack = exits.enter_context(_picker_stack(tmp_path, mode="ppd", extra=extra))
+        messages = [{"role": "user", "content": "Tell me about tables."}]
+        with stack.client() as client:
+            answer, first = _turn(client, messages, stream=True)
+            assert (first["x-ppd-path"], first["x-ppd-reason"]) == ("pd", "turn_one")
+            for turn in (2, 3):
+                messages += [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"turn {turn}"},
+                ]
+                answer, headers = _turn(client, messages, stream=True)
+                assert headers["x-ppd-turn"] == str(turn)
+                assert headers["x-ppd-reason"] in TABLE_REASONS, headers["x-ppd-reason"]
+                assert headers["x-ppd-table-version"]
+                assert headers["x-ppd-session-id"] == first["x-ppd-session-id"]
+                assert headers["x-ppd-decode-worker"] == "D0"
