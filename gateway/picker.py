@@ -4,6 +4,7 @@ answer; Python touches only the request, once. docs/envoy-extproc.md has the pro
 
 Rule 1 (processing mode, deploy/envoy/picker/envoy.yaml): request headers SEND, request body BUFFERED,
 response headers SEND, response body NONE, trailers SKIP. Each message gets its own answer, in order.
+A request body in several messages (another body mode) is refused with a 500 ImmediateResponse.
 Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a body): the headers are
 answered empty; on the body the core runs (parse and limits, session, ψ, decision, exploration, plan,
 the P leg with its retries and fallback, metrics, the session remembered) and the answer sets the
@@ -64,6 +65,7 @@ LB_NAMESPACE: Final = "envoy.lb"
 _ENDPOINTS: Final[Mapping[str, Endpoint]] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _PASSTHROUGH_ROLES: Final[tuple[Role, ...]] = ("decode", "replica", "prefill")
 _SET: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_UNBUFFERED: Final = "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED"
 
 
 class Headers(Mapping[str, str]):
@@ -143,7 +145,7 @@ def _empty_answer(kind: str) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
-def _routed(dest: str, *, headers: pb.HeaderMutation, body: bytes | None) -> pb.CommonResponse:
+def _routed(*, headers: pb.HeaderMutation, body: bytes | None) -> pb.CommonResponse:
     return pb.CommonResponse(
         header_mutation=headers,
         body_mutation=pb.BodyMutation(body=body) if body is not None else None,
@@ -166,7 +168,6 @@ class Picker:
     ) -> AsyncIterator[pb.ProcessingResponse]:
         headers = Headers({})
         endpoint: Endpoint | None = None
-        body = b""
         provenance: Mapping[str, str] = {}
         async for message in request_iterator:
             kind = message.WhichOneof("request")
@@ -175,7 +176,7 @@ class Picker:
                 path = headers.get(":path", "").split("?", 1)[0]
                 endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
                 if endpoint is None or message.request_headers.end_of_stream:
-                    answer = self._passthrough(request_headers=True)
+                    answer = self._passthrough()
                     yield answer
                     if answer.HasField("immediate_response"):
                         return
@@ -183,10 +184,13 @@ class Picker:
                 else:
                     yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
             elif kind == "request_body":
-                body += message.request_body.body
-                if not message.request_body.end_of_stream:  # not in BUFFERED mode; kept whole
-                    yield pb.ProcessingResponse(request_body=pb.BodyResponse())
-                    continue
+                if not message.request_body.end_of_stream:
+                    # A body in pieces: Envoy is not in BUFFERED mode (rule 1); streamed bodies are not
+                    # supported yet (issue 25 item 5), so the request is refused, never half-routed.
+                    log.warning("request body in pieces: the picker needs request_body_mode BUFFERED")
+                    yield _immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))
+                    return
+                body = message.request_body.body
                 if endpoint is None:
                     yield pb.ProcessingResponse(request_body=pb.BodyResponse())
                     continue
@@ -202,8 +206,8 @@ class Picker:
             elif kind is not None:  # response body and trailers: not sent in our mode; answered empty
                 yield _empty_answer(kind)
 
-    def _passthrough(self, *, request_headers: bool) -> pb.ProcessingResponse:
-        """Rule 5: any live worker, as the standalone's pass-through routes."""
+    def _passthrough(self) -> pb.ProcessingResponse:
+        """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
         view = self._d.pool.view()
         for role in _PASSTHROUGH_ROLES:
             ranked = view.ranked(role)
@@ -212,14 +216,9 @@ class Picker:
                 mutation = pb.HeaderMutation(
                     set_headers=[_set(DESTINATION_HEADER, dest)], remove_headers=[PREFILLER_HEADER]
                 )
-                common = _routed(dest, headers=mutation, body=None)
-                meta = _lb_metadata(dest)
-                if request_headers:
-                    return pb.ProcessingResponse(
-                        request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta
-                    )
-                return pb.ProcessingResponse(  # pragma: no cover - only headers messages pass through
-                    request_body=pb.BodyResponse(response=common), dynamic_metadata=meta
+                return pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=_routed(headers=mutation, body=None)),
+                    dynamic_metadata=_lb_metadata(dest),
                 )
         status, err = NoWorkerError("decode").to_openai_error()
         return _immediate(status, err)
@@ -247,9 +246,7 @@ class Picker:
         mutation = pb.HeaderMutation(set_headers=sets, remove_headers=removes)
         return (
             pb.ProcessingResponse(
-                request_body=pb.BodyResponse(
-                    response=_routed(picked.destination, headers=mutation, body=picked.body)
-                ),
+                request_body=pb.BodyResponse(response=_routed(headers=mutation, body=picked.body)),
                 dynamic_metadata=_lb_metadata(picked.destination),
             ),
             picked.provenance,

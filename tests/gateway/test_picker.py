@@ -207,3 +207,15 @@ def test_destination_is_host_and_port_with_ipv6_in_brackets() -> None:
     assert destination("http://10.0.0.2:8002/v1/chat/completions") == "10.0.0.2:8002"
     assert destination("http://[::1]:8002") == "[::1]:8002"
     assert destination("http://10.0.0.2") == "10.0.0.2:80"
+
+
+async def test_a_body_in_pieces_is_refused_not_half_routed() -> None:
+    """Envoy configured with a streamed body mode (not ours): the picker says so instead of routing a
+    request it has not read."""
+    picker, _, upstream = _picker()
+    piece = pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model": ', end_of_stream=False))
+    answers = await _process(picker, _headers(), piece, _body(b'"x"}'))
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "immediate_response"]
+    assert answers[1].immediate_response.status.code == 500
+    assert "BUFFERED" in json.loads(answers[1].immediate_response.body)["error"]["message"]
+    assert upstream.calls == []
