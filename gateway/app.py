@@ -1,6 +1,7 @@
 """The HTTP face of the gateway: `create_app(settings)` builds an aiohttp application whose cleanup
 context owns the one shared client session, the DecisionService channel and the background tasks.
-`create_app` takes the `Upstream` and the `DecisionClient` (ports.py) and the clocks, so tests can
+`create_app` takes the `Upstream` and the `DecisionClient` (ports.py) and the clocks (handed to
+runtime.running, which builds and closes the running parts), so tests can
 run the whole app on fakes; by default it builds the aiohttp and gRPC ones.
 
 Routes: the OpenAI API as vLLM serves it (`/v1/chat/completions`, `/v1/completions`, `/v1/models`,
@@ -17,13 +18,11 @@ import contextlib
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
-from gateway.decision_client import GrpcDecisionClient
 from gateway.deps import Deps
 from gateway.errors import (
     BadRequestError,
@@ -36,24 +35,15 @@ from gateway.errors import (
     error_body,
 )
 from gateway.forwarding import Forwarder
-from gateway.kv_subscriber import KvSubscriber
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import parse_json_object
 from gateway.own_address import refuse_own_services
-from gateway.pool import WorkerPool, WorkerSpec
+from gateway.pool import WorkerSpec
 from gateway.ports import ClientRequest, DecisionClient, Upstream
-from gateway.probe import PoolMonitor
-from gateway.psi import QpsMeter, Tokenizers
-from gateway.redis_sessions import RedisSessionStore
-from gateway.request_log import RequestLog
-from gateway.residency import KvTracking, Residency
-from gateway.sessions import InMemorySessionStore, SessionStore
+from gateway.runtime import new_id, running
+from gateway.sessions import SessionStore
 from gateway.settings import Settings
-from gateway.slo import SloControl
-from gateway.stream_upstream import ProtocolStreamUpstream
 from gateway.types import Clock, Endpoint, Role
-from gateway.upstream import HttpUpstream
-from ppd.kv_events import DEFAULT_NONE_HASH_SEED, BlockHasher
 from ppd.rate_limited_log import RateLimitedLog
 
 __all__ = ["DEPS", "create_app", "server_options"]
@@ -67,33 +57,6 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _PASSTHROUGH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
 
 
-def _new_id() -> str:
-    return uuid.uuid4().hex
-
-
-def _kv_tracking(
-    settings: Settings, metrics: GatewayMetrics
-) -> tuple[KvTracking | None, KvSubscriber | None]:
-    """KV residency and its subscriber when [kv_events] names endpoints; (None, None) otherwise."""
-    kv = settings.kv_events
-    if not kv.endpoints:
-        return None, None
-    residency = Residency(kv.endpoints, max_blocks=kv.max_blocks_per_worker)
-    hasher = BlockHasher(kv.hash_seed or DEFAULT_NONE_HASH_SEED, kv.block_size)
-    return KvTracking(residency, hasher), KvSubscriber.from_settings(residency, kv, metrics)
-
-
-def _upstream(settings: Settings) -> Upstream:
-    """The client to workers: aiohttp for everything, the streaming leg on httptools if so set."""
-    base = HttpUpstream.create(settings.timeouts)
-    up = settings.upstream
-    if up.stream_client == "aiohttp":
-        return base
-    return ProtocolStreamUpstream(
-        base, settings.timeouts, max_idle_per_host=up.max_idle_per_worker, keepalive_s=up.keepalive_s
-    )
-
-
 def create_app(
     settings: Settings,
     *,
@@ -103,7 +66,7 @@ def create_app(
     clock: Clock = time.monotonic,
     timer: Clock = time.perf_counter,
     wall_clock: Clock = time.time,
-    new_id: Callable[[], str] = _new_id,
+    new_id: Callable[[], str] = new_id,
     sessions: SessionStore | None = None,
 ) -> web.Application:
     """The gateway app. `upstream` and `decisions` default to the aiohttp and gRPC clients built from
@@ -112,66 +75,20 @@ def create_app(
     app[CLIENT_LOG] = RateLimitedLog(log)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        app_metrics = metrics or GatewayMetrics()
-        workers = upstream or _upstream(settings)
-        decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
-        store, shared = _session_store(settings, sessions, app_metrics, clock)
-        pool = WorkerPool(
-            settings.workers,
-            heartbeat_expiry_s=settings.pool.heartbeat_expiry_s,
-            clock=clock,
-            max_registered=settings.pool.max_registered_workers,
-        )
-        qps = QpsMeter(
-            window_s=settings.policy.qps_window_s, hysteresis=settings.policy.qps_hysteresis, clock=clock
-        )
-        request_log = RequestLog(settings.log.request_log) if settings.log.request_log else None
-        kv, subscriber = _kv_tracking(settings, app_metrics)
-        deps = Deps(
-            settings=settings,
-            pool=pool,
-            sessions=store,
-            tokenizers=Tokenizers(),
-            qps=qps,
-            metrics=app_metrics,
-            decisions=decider,
-            upstream=workers,
-            request_log=request_log,
+        async with running(
+            settings,
+            upstream=upstream,
+            decisions=decisions,
+            metrics=metrics,
             clock=clock,
             timer=timer,
             wall_clock=wall_clock,
             new_id=new_id,
-            slo=SloControl.from_config(settings.slo, app_metrics, clock),
-            kv=kv,
-        )
-        app_metrics.bind_sessions(store.__len__)
-        app_metrics.bind_qps(qps.measured)
-        app[DEPS] = deps
-        app[FORWARDER] = Forwarder(deps)
-        # Load the served model's tokenizer now, not on the first request (it takes ~0.5 s).
-        deps.tokenizers.encoding(settings.served_model)
-        await decider.start()
-        monitor = PoolMonitor(pool, workers, settings.pool, app_metrics)
-        monitor.publish()
-        tasks = [
-            asyncio.create_task(monitor.run(), name="pool-monitor"),
-            asyncio.create_task(_sweep(deps), name="session-sweeper"),
-        ]
-        if shared is not None:
-            tasks.append(asyncio.create_task(shared.watch(), name="session-store-watch"))
-        if subscriber is not None:
-            subscriber.start()
-        try:
+            sessions=sessions,
+        ) as deps:
+            app[DEPS] = deps
+            app[FORWARDER] = Forwarder(deps)
             yield
-        finally:
-            await _shut_down(
-                tasks,
-                subscriber=subscriber,
-                decider=decider,
-                workers=workers,
-                shared=shared,
-                request_log=request_log,
-            )
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", _chat)
@@ -187,62 +104,11 @@ def create_app(
     return app
 
 
-async def _shut_down(
-    tasks: list[asyncio.Task[None]],
-    *,
-    subscriber: KvSubscriber | None,
-    decider: DecisionClient,
-    workers: Upstream,
-    shared: RedisSessionStore | None,
-    request_log: RequestLog | None,
-) -> None:
-    """Stop what the app started, the background tasks first, then close its clients and files."""
-    if subscriber is not None:
-        await subscriber.close()
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    await decider.close()
-    await workers.close()
-    if shared is not None:
-        await shared.close()
-    if request_log is not None:
-        request_log.close()
-
-
-def _session_store(
-    settings: Settings, given: SessionStore | None, metrics: GatewayMetrics, clock: Clock
-) -> tuple[SessionStore, RedisSessionStore | None]:
-    """The store the app uses, and the shared one it owns (to watch and close), if any: the one
-    given, else Redis when `[sessions] redis_url` names it, else this process's memory."""
-    if given is not None:  # `is not None`: an empty store is falsy (len 0)
-        return given, None
-    s = settings.sessions
-    if s.redis_url:
-        shared = RedisSessionStore.connect(
-            s, metrics, clock=clock, max_id_length=settings.limits.max_id_length
-        )
-        return shared, shared
-    return InMemorySessionStore(ttl_s=s.ttl_s, max_entries=s.max_entries, clock=clock), None
-
-
 def server_options(settings: Settings) -> dict[str, Any]:
     """aiohttp server settings for the gateway's own listener. aiohttp closes a connection whose
     request head is not complete `keepalive_timeout` after it opened (or after its last response):
     that is the header-read timeout, and idle keep-alive connections go after the same time."""
     return {"keepalive_timeout": settings.limits.header_timeout_s}
-
-
-async def _sweep(deps: Deps) -> None:
-    while True:
-        await asyncio.sleep(deps.settings.sessions.sweep_interval_s)
-        dropped = await deps.sessions.expire()
-        if dropped:
-            log.debug("expired %d idle sessions", dropped)
-        if deps.request_log is not None:
-            deps.request_log.flush()
 
 
 @web.middleware

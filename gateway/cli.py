@@ -1,7 +1,9 @@
-"""`ppd-gateway serve --config FILE.toml --port P`: the only place that reads argv and the environment.
+"""`ppd-gateway serve --config FILE.toml --port P` (the standalone gateway) and `ppd-gateway picker
+--config FILE.toml --grpc-port G --metrics-port M` (the Envoy endpoint picker, picker.py): the only
+place that reads argv and the environment.
 
-Prints one JSON line, {"http": PORT}, once the server listens (so `--port 0` callers learn the port),
-then serves until SIGTERM/SIGINT.
+Each prints one JSON line once it listens ({"http": PORT, "mode": ...}; {"grpc": PORT, "metrics": PORT}),
+so port-0 callers learn the ports, then serves until SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -63,6 +65,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     _slo_flags(serve)
+    picker = sub.add_parser(
+        "picker",
+        help="serve as Envoy's endpoint picker (ext_proc over gRPC)",
+        description="Serve envoy.service.ext_proc.v3.ExternalProcessor: Envoy carries the requests and "
+        "streams the answers; this process routes each request (same settings as serve).",
+    )
+    picker.add_argument("--config", help="TOML config file (the same settings as serve)")
+    picker.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port; 0 picks a free one")
+    picker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="HTTP port of /metrics and /health (default 0: a free one)",
+    )
+    picker.add_argument("--host", help="bind address (default: the config's host, 127.0.0.1)")
+    picker.add_argument("--mode", help="routing mode, overrides the config")
+    picker.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     check = sub.add_parser("check-config", help="validate a config file and print it resolved")
     check.add_argument("config")
     _slo_flags(check)
@@ -161,6 +180,26 @@ async def _serve(settings: Settings, port: int) -> None:
         await runner.cleanup()
 
 
+def _picker(args: argparse.Namespace) -> int:
+    try:
+        settings = _load(args.config, args.mode, args.host)
+    except SettingsError as exc:
+        sys.stderr.write(f"ppd-gateway: {exc}\n")
+        return 2
+    import uvloop
+
+    from gateway.picker_server import serve_picker
+
+    def announce(ports: Mapping[str, object]) -> None:
+        sys.stdout.write(json.dumps(dict(ports)) + "\n")
+        sys.stdout.flush()
+
+    uvloop.run(
+        serve_picker(settings, grpc_port=args.grpc_port, metrics_port=args.metrics_port, announce=announce)
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check-config":
@@ -176,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.command == "picker":
+        return _picker(args)
     try:
         flags = {
             "epsilon": args.explore,

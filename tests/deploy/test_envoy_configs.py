@@ -7,12 +7,14 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from google.protobuf import descriptor_pb2
 
 from decision_service.settings import Settings
+from gateway.settings import TimeoutSettings
 from tests.deploy.envoy_harness import SCENARIOS, render, validate
 
 SCENARIO_NAMES = sorted(p.name for p in SCENARIOS.iterdir() if p.is_dir())
@@ -20,27 +22,38 @@ PLACEHOLDER = re.compile(r"\$\{([A-Z_]+)\}")
 
 
 def rendered(scenario: str, folder: Path, descriptor_set: Path) -> str:
-    """The scenario's config with its example endpoints, as an operator would render it."""
+    """The scenario's config with its example endpoints (where it reads any), as an operator would
+    render it."""
     (folder / "endpoints").mkdir()
     endpoints = folder / "endpoints" / "endpoints.yaml"
-    shutil.copy(SCENARIOS / scenario / "endpoints.yaml", endpoints)
+    if _uses_endpoints(scenario):
+        shutil.copy(SCENARIOS / scenario / "endpoints.yaml", endpoints)
     values = {
         "LISTEN_PORT": "10000",
         "ADMIN_PORT": "9901",
         "ENDPOINTS_PATH": str(endpoints),
         "DESCRIPTOR_PATH": str(descriptor_set),
+        "PICKER_PORT": "9002",
     }
     return render((SCENARIOS / scenario / "envoy.yaml").read_text(), values)
 
 
-def test_both_scenarios_exist() -> None:
-    assert {"decision", "gateway"} <= set(SCENARIO_NAMES)
+def _uses_endpoints(scenario: str) -> bool:
+    """Whether the scenario reads an endpoint list (the picker's workers come from its header)."""
+    return "${ENDPOINTS_PATH}" in (SCENARIOS / scenario / "envoy.yaml").read_text()
+
+
+def test_every_scenario_exists() -> None:
+    assert {"decision", "gateway", "picker"} <= set(SCENARIO_NAMES)
 
 
 @pytest.mark.parametrize("scenario", SCENARIO_NAMES)
 def test_scenario_folder_has_config_endpoints_and_verify_script(scenario: str) -> None:
     folder = SCENARIOS / scenario
-    assert {"envoy.yaml", "endpoints.yaml", "verify.sh"} <= {p.name for p in folder.iterdir()}
+    wanted = {"envoy.yaml", "verify.sh", "README.md"} if scenario == "picker" else {"envoy.yaml", "verify.sh"}
+    if _uses_endpoints(scenario):
+        wanted.add("endpoints.yaml")
+    assert wanted <= {p.name for p in folder.iterdir()}
 
 
 @pytest.mark.parametrize("scenario", SCENARIO_NAMES)
@@ -138,3 +151,64 @@ def test_descriptor_set_from_one_command_holds_the_service(descriptor_set: Path)
 @pytest.mark.parametrize("scenario", SCENARIO_NAMES)
 def test_verify_script_is_valid_bash(scenario: str) -> None:
     subprocess.run(["bash", "-n", str(SCENARIOS / scenario / "verify.sh")], check=True)
+
+
+def _picker_config(tmp_path: Path, descriptor_set: Path) -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load(rendered("picker", tmp_path, descriptor_set))
+    return config
+
+
+def _picker_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters: list[dict[str, Any]] = hcm["http_filters"]
+    return filters
+
+
+def test_picker_strips_the_clients_routing_headers_before_ext_proc(
+    tmp_path: Path, descriptor_set: Path
+) -> None:
+    filters = _picker_filters(_picker_config(tmp_path, descriptor_set))
+    assert [f["name"] for f in filters] == [
+        "envoy.filters.http.header_mutation",
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    strip = filters[0]["typed_config"]
+    removed = {m["remove"] for m in strip["mutations"]["request_mutations"]}
+    assert removed == {"x-gateway-destination-endpoint", "x-prefiller-host-port"}
+
+
+def test_picker_ext_proc_mode_fails_closed_and_waits_for_a_p_leg(
+    tmp_path: Path, descriptor_set: Path
+) -> None:
+    ext = _picker_filters(_picker_config(tmp_path, descriptor_set))[1]["typed_config"]
+    assert ext["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "BUFFERED",
+        "response_header_mode": "SEND",
+        "response_body_mode": "NONE",
+        "request_trailer_mode": "SKIP",
+        "response_trailer_mode": "SKIP",
+    }
+    assert ext["failure_mode_allow"] is False
+    # Two P attempts of the gateway's default prefill timeout fit in one message's wait.
+    assert float(ext["message_timeout"].removesuffix("s")) > 2 * TimeoutSettings().prefill_s
+    assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+
+
+def test_picker_routes_on_the_destination_header_without_a_route_timeout(
+    tmp_path: Path, descriptor_set: Path
+) -> None:
+    config = _picker_config(tmp_path, descriptor_set)
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    workers = clusters["workers"]
+    assert workers["type"] == "ORIGINAL_DST"
+    assert workers["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": "x-gateway-destination-endpoint",
+    }
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"] == {"cluster": "workers", "timeout": "0s"}
+    (check,) = clusters["picker"]["health_checks"]
+    assert check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"

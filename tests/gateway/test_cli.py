@@ -132,3 +132,16 @@ def test_the_bidir_flag_sets_the_routing_section(tmp_path: Path) -> None:
     assert _load(str(config), None, None).routing.bidir is False
     on = _load(str(config), "bidir", None, bidir=True)
     assert (on.routing.bidir, on.routing.bidir_params_ttl_s, str(on.mode)) == (True, 60.0, "bidir")
+
+
+def test_picker_reads_the_same_settings_and_refuses_a_bad_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["picker", "--help"])
+    assert info.value.code == 0
+    assert "--grpc-port" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text('mode = "sideways"\n')
+    assert main(["picker", "--config", str(bad), "--grpc-port", "0"]) == 2
+    assert "routing mode" in capsys.readouterr().err

@@ -132,7 +132,7 @@ async def test_without_a_seed_each_gateway_draws_a_secret_one(caplog: pytest.Log
     (never the value), so a client cannot compute from a session id whether its turns explore."""
     explore = {"epsilon": 0.5, **UNCAPPED}
     runs = []
-    with caplog.at_level(logging.INFO, logger="gateway.forwarding"):
+    with caplog.at_level(logging.INFO, logger="gateway.core"):
         for _ in range(2):
             forwarder, _ = forwarder_on_fakes(_config(explore), decisions=FakeDecisions(ALLOWED_LOCAL))
             clients = [await _conversation(forwarder, f"s{i}") for i in range(32)]

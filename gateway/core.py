@@ -1,0 +1,559 @@
+"""The request path up to D's leg, shared by both front doors: read the request, find its session,
+measure ψ, decide, plan, run the P leg, and say where D's leg goes with which body; remember the turn
+and report it. The standalone gateway (forwarding.py: it then calls D and relays the answer) and the
+Envoy picker (picker.py: Envoy then carries D's leg) call this one core, so there is no second copy of
+the routing logic.
+
+Rule 1: every check that can fail on the client's input runs before any worker is called (the body's
+fields and identifiers, the identifier headers, and the request against the served model's length).
+Rule 2: an upstream failure before the answer has started is a GatewayError (each edge renders it as an
+OpenAI-style error: an HTTP status with its body, or Envoy's ImmediateResponse).
+Rule 3: the session's D being unreachable is not the client's problem: the edge that found it out
+calls `reroute`, which marks it down and re-plans once, through P to a live D; the session is rebound.
+Rule 4: one `PoolView` per request, taken when it arrives; ψ is measured once (psi.py); whether the
+session's D is gone is decided by plan.py alone.
+Rule 5: `turn` is the turn's whole life: everything in its `async with` counts as in flight, and on the
+way out, served or not, the turn is reported once (turn_report.py); a GatewayError or a cancellation
+(the client left) inside it is recorded as the turn's error.
+Rule 6: a front door that never sees the answer (`relays_answer=False`, the picker) gets D's body as
+the client sent it (no `stream_options.include_usage` added: nobody would drop the extra chunk) and
+remembers the turn when it is routed, under the messages it was sent only (session_lookup.py rule 1:
+the next turn's history carries the answer and finds it by the longest stored prefix).
+No transport here: workers are reached through the `Upstream`, the DecisionService through the
+`DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
+It stays one module (about 560 lines): its steps share one turn's inputs, outcome and pool view in the
+order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
+plan, turn_report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from gateway.deps import Deps
+from gateway.errors import (
+    BadRequestError,
+    GatewayError,
+    PrefillFailedError,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeoutError,
+    UpstreamUnreachableError,
+)
+from gateway.limits import check_client_id, check_model_length
+from gateway.openai_types import CompletionRequest, parse_completion_request
+from gateway.plan import (
+    KV_FIELD,
+    Plan,
+    PlanRequest,
+    UpstreamCall,
+    bidir_retry,
+    decode_after_prefill,
+    decode_gone,
+    local_fallback,
+    plan,
+)
+from gateway.pool import PoolView, WorkerView
+from gateway.ports import ClientRequest, LiveSignals, RouteQuery
+from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
+from gateway.relay import Usage
+from gateway.residency import KvTracking
+from gateway.routing import Decision, static_decision
+from gateway.session_lookup import SessionMatch, find_session, remember_turn
+from gateway.sessions import Session, prompt_fingerprint
+from gateway.turn import TurnInputs, TurnOutcome
+from gateway.turn_report import TurnReport
+from gateway.types import Role
+from ppd.explore import ExplorationPolicy, secret_seed
+from ppd.modes import Mode, ModeError, parse_mode
+from ppd.records import CLIENT_DISCONNECTED
+
+__all__ = ["ActiveTurn", "DecodeLeg", "RequestCore"]
+
+log = logging.getLogger(__name__)
+
+MODE_HEADER = "X-PPD-Mode"
+OUTPUT_HINT_HEADER = "X-PPD-Expected-Output-Tokens"
+SESSION_HEADER = "X-Session-ID"
+WORKLOAD_HEADER = "X-PPD-Workload"
+ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "replica", "bidir": "decode"}
+_THROUGH_P: Final = ("pd", "bidir")
+# What a gateway whose workers run vLLM's bidirectional mode tells the DecisionService it can serve.
+_BIDIR: Final = frozenset({"bidir"})
+# What the core passes to plan() when the session's D is gone: plan() overrules any decision
+# then (reason decode_gone), so the DecisionService is not asked.
+_NOT_ASKED = Decision("pd", "not_asked")
+# ppd mode, turn 2+: the decode worker's KV events say none of the context is resident any more, so
+# the turn is a cold one (a full prefill either way): P/D, as turn 1, without asking (gateway/residency.py).
+_KV_EVICTED = Decision("pd", "kv_evicted")
+
+
+@dataclass(slots=True)
+class ActiveTurn:
+    """One turn inside `RequestCore.turn`: its inputs (final once the decision is made), its outcome
+    as it is filled in, and the request's pool view (narrowed when a D turns out unreachable)."""
+
+    request: ClientRequest
+    turn: TurnInputs
+    outcome: TurnOutcome
+    view: PoolView
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLeg:
+    """Where D's (or R's) leg goes and with which body: the plan after its P leg ran."""
+
+    plan: Plan
+    call: UpstreamCall
+
+
+class RequestCore:
+    def __init__(self, deps: Deps, *, relays_answer: bool = True) -> None:
+        self._d = deps
+        s = deps.settings
+        self._s = s
+        self._relays_answer = relays_answer
+        self._report = TurnReport(
+            deps.metrics, deps.request_log, s.log, slo=deps.slo, table_key=s.decision.table_key
+        )
+        self._explorer = ExplorationPolicy(s.explore, default_seed=secret_seed())
+        if s.explore.seed is None and s.explore.epsilon > 0:
+            log.info(
+                "explore.seed is not set: this process drew a random secret one "
+                "(set explore.seed for draws that repeat across runs)"
+            )
+        self._worker_headers: tuple[tuple[str, str], ...] = (
+            (("Authorization", f"Bearer {s.worker_api_key}"),) if s.worker_api_key else ()
+        )
+
+    # ------------------------------------------------------------------ entry
+
+    @contextlib.asynccontextmanager
+    async def turn(self, request: ClientRequest) -> AsyncIterator[ActiveTurn]:
+        """Read, check and decide one request (rules 1, 4, 5); the turn is served inside. Raises
+        GatewayError before anything is counted when the request itself is wrong."""
+        d = self._d
+        start, start_wall = d.timer(), d.wall_clock()
+        req = parse_completion_request(request.body, request.endpoint, self._s.limits)
+        self._check_id_headers(request.headers)
+        check_model_length(
+            req.body,
+            req.messages,
+            max_model_len=d.pool.max_model_len(req.model),
+            counter=d.tokenizers.encoding(req.model),
+        )
+        mode = self._mode(request.headers)
+        view = d.pool.view()
+        match = await self._find_session(request, req)
+        static = static_decision(mode, turn=match.turn, session_id=match.session_id)
+        ask = static is None and not decode_gone(match.session, view)
+        measure_psi = functools.partial(
+            measure,
+            d.tokenizers,
+            model=req.model,
+            body=req.body,
+            new_messages=req.messages[match.new_messages_from :] if req.endpoint == "chat" else None,
+            session=match.session,
+            hint=_int_header(request.headers, OUTPUT_HINT_HEADER),
+            default_output=self._s.policy.default_output_tokens,
+        )
+        # ψ without asking a worker never waits; a worker's count (below) may, so it is asked inside
+        # the try: a client that leaves meanwhile still gets its request-log line.
+        psi = await measure_psi()
+        worker_count = self._worker_count(req, match, view) if ask and psi.n_in.source == "estimate" else None
+        turn = TurnInputs(
+            request_id=d.new_id(),
+            start=start,
+            start_wall=start_wall,
+            req=req,
+            mode=mode,
+            explicit_id=match.explicit_id,
+            session=match.session,
+            session_id=match.session_id,
+            turn=match.turn,
+            psi=psi,
+            workload=self._s.log.workload_label(request.headers.get(WORKLOAD_HEADER)),
+            chain=match.chain,
+            session_reset=match.reset,
+        )
+        active = ActiveTurn(request, turn, TurnOutcome(), view)
+        outcome = active.outcome
+        d.metrics.inflight.inc()
+        try:
+            if worker_count is not None:
+                active.turn = dataclasses.replace(
+                    active.turn, psi=await measure_psi(worker_count=worker_count)
+                )
+            evicted = False
+            if ask and d.kv is not None:  # asks the decode worker's /tokenize: inside the try too
+                resident_psi, evicted = await self._resident(d.kv, req, match, view, active.turn.psi)
+                active.turn = dataclasses.replace(active.turn, psi=resident_psi)
+            if match.turn == 1:  # tables index QPS by conversations started per second (the paper's)
+                d.qps.record()
+            if static is not None:
+                outcome.decision = static
+            elif ask and evicted:
+                outcome.decision = _KV_EVICTED
+            elif ask:
+                outcome.decision = self._explore(active.turn, await self._ask(active.turn, view))
+            else:
+                outcome.decision = _NOT_ASKED
+            yield active
+        except GatewayError as exc:
+            outcome.error = exc.message
+            raise
+        except asyncio.CancelledError:
+            if not outcome.delivered:
+                outcome.error = outcome.error or CLIENT_DISCONNECTED
+            raise
+        finally:
+            d.metrics.inflight.dec()
+            self._report.finish(active.turn, outcome, end=d.timer())
+
+    async def route(self, t: ActiveTurn) -> DecodeLeg:
+        """The decided turn planned and, for pd and bidir, its P leg run (with its retries and the
+        `prefill_failure` fallback): where D's leg goes and with which body."""
+        assert t.outcome.decision is not None
+        preq = self._plan_request(t.request.headers, t.turn)
+        return await self._through_p(t, plan(preq, t.turn.session, t.outcome.decision, t.view))
+
+    def decode_unreachable(self, t: ActiveTurn, leg: DecodeLeg) -> None:
+        """D's leg could not reach its worker: counted, and the worker marked down."""
+        self.count_upstream_error(leg.call.worker, ROLE_OF[leg.plan.path], "unreachable")
+        self._d.pool.mark_failed(leg.call.worker)
+
+    async def reroute(self, t: ActiveTurn, leg: DecodeLeg, why: UpstreamUnreachableError) -> DecodeLeg:
+        """Rule 3: the turn re-planned without the unreachable worker, through P to a live D (or to
+        another replica)."""
+        log.warning("%s; re-planning request %s once", why.message, t.turn.request_id)
+        retry = Decision("replica", "replica_unreachable")
+        if leg.plan.path != "replica":
+            retry = Decision("pd", "decode_unreachable")
+        t.view = t.view.without(leg.call.worker)
+        preq = self._plan_request(t.request.headers, t.turn)
+        return await self._through_p(t, plan(preq, t.turn.session, retry, t.view))
+
+    async def _through_p(self, t: ActiveTurn, p: Plan) -> DecodeLeg:
+        kv: Mapping[str, Any] | None = None
+        if p.path in _THROUGH_P:
+            p, kv = await self._prefill(t.turn, t.outcome, p)
+        call = decode_after_prefill(p, kv) if p.path in _THROUGH_P else p.decode
+        outcome = t.outcome
+        outcome.path, outcome.reason, outcome.rebound = p.path, p.reason, p.rebound
+        outcome.decode_worker = call.worker
+        self._d.pool.note_pick(call.worker)
+        return DecodeLeg(p, call)
+
+    async def _find_session(self, request: ClientRequest, req: CompletionRequest) -> SessionMatch:
+        """The session this request continues (session_lookup.py), with its lookup counted."""
+        d = self._d
+        match = await find_session(
+            d.sessions,
+            explicit=request.headers.get(SESSION_HEADER) or req.session_id,
+            endpoint=req.endpoint,
+            model=req.model,
+            messages=req.messages,
+            new_id=d.new_id,
+            prompt=req.body.get("prompt") if req.endpoint == "completions" else None,
+            max_candidates=self._s.sessions.prefix_candidates,
+        )
+        if match.lookup:
+            d.metrics.session_lookups.labels(match.lookup).inc()
+        if match.reset:
+            d.metrics.session_resets.labels(match.reset).inc()
+        return match
+
+    def _check_id_headers(self, headers: Mapping[str, str]) -> None:
+        for name in (SESSION_HEADER, WORKLOAD_HEADER):
+            value = headers.get(name)
+            if value:  # an empty header is no header
+                check_client_id(value, name, max_length=self._s.limits.max_id_length)
+
+    def _mode(self, headers: Mapping[str, str]) -> Mode:
+        """The configured mode, or the client's X-PPD-Mode where the operator allows it
+        (`allow_mode_header`; off by default: the header is then not read at all). A mode the header
+        names that this gateway cannot serve is the client's error (400), not a missing worker (503)."""
+        override = headers.get(MODE_HEADER)
+        if override is None:
+            return self._s.mode
+        if not self._s.allow_mode_header:
+            log.debug("%s ignored (allow_mode_header is off); mode %s", MODE_HEADER, self._s.mode)
+            return self._s.mode
+        try:
+            mode = parse_mode(override, loose=True)
+        except ModeError as exc:
+            raise BadRequestError(str(exc), param=MODE_HEADER) from None
+        role: Role = "replica" if mode.kind == "replica" else "decode"
+        if not self._d.pool.count(role, live=False):
+            raise BadRequestError(
+                f"{MODE_HEADER} {mode}: this gateway's pool has no {role} workers",
+                param=MODE_HEADER,
+            )
+        if mode.kind == "bidir" and not self._s.routing.bidir:
+            raise BadRequestError(
+                f"{MODE_HEADER} bidir: this gateway's workers do not run vLLM's bidirectional KV mode "
+                "(routing.bidir is off)",
+                param=MODE_HEADER,
+            )
+        return mode
+
+    # ------------------------------------------------------------------ ψ
+
+    def _worker_count(
+        self, req: CompletionRequest, match: SessionMatch, view: PoolView
+    ) -> WorkerCount | None:
+        """n_in from the session's worker's /tokenize (psi.py rule 1), when one is live and the
+        policy allows it."""
+        worker = view.get(match.session.worker if match.session is not None else None)
+        if worker is None or not self._s.policy.worker_tokenize:
+            return None
+        body: dict[str, Any] = {"model": req.model, "add_special_tokens": False}
+        if req.endpoint == "chat":
+            body["messages"] = list(req.messages[match.new_messages_from :])
+            body["add_generation_prompt"] = False
+        else:
+            body["prompt"] = req.body.get("prompt", "")
+        return lambda: self._tokenize(worker, body)
+
+    async def _tokenize(self, worker: WorkerView, body: Mapping[str, Any]) -> int | None:
+        try:
+            reply = await self._d.upstream.post(worker.url + "/tokenize", body, dict(self._worker_headers))
+            count = reply.json().get("count") if reply.status == 200 else None
+        except (UpstreamError, ValueError, AttributeError):
+            count = None
+        return count if isinstance(count, int) else None
+
+    async def _resident(
+        self, kv: KvTracking, req: CompletionRequest, match: SessionMatch, view: PoolView, psi: Psi
+    ) -> tuple[Psi, bool]:
+        """ψ on the context the session's decode worker still holds, by its KV events (psi.with_resident),
+        and whether none of it is (evicted: routed as a cold turn). ψ unchanged while the worker's
+        event stream is not synced, the context is under one block, or its token ids cannot be had."""
+        worker_id = match.session.worker if match.session is not None else None
+        worker = view.get(worker_id)
+        if worker is None or not kv.residency.synced(worker.id) or psi.n_ctx < kv.hasher.block_size:
+            return psi, False
+        tokens = await self._token_ids(worker, req)
+        resident = kv.resident_tokens(worker.id, tokens) if tokens is not None else None
+        if resident is None:
+            return psi, False
+        return with_resident(psi, resident), resident == 0
+
+    async def _token_ids(self, worker: WorkerView, req: CompletionRequest) -> list[int] | None:
+        """The prompt's token ids as the worker computes them (its /tokenize, chat template applied)."""
+        body: dict[str, Any] = {"model": req.model}
+        if req.endpoint == "chat":
+            body["messages"] = list(req.messages)
+            for key in (
+                "add_generation_prompt",
+                "continue_final_message",
+                "chat_template",
+                "chat_template_kwargs",
+            ):
+                if key in req.body:
+                    body[key] = req.body[key]
+        else:
+            prompt = req.body.get("prompt")
+            if isinstance(prompt, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            ):
+                return list(prompt)
+            body["prompt"] = prompt if isinstance(prompt, str) else ""
+        try:
+            reply = await self._d.upstream.post(worker.url + "/tokenize", body, dict(self._worker_headers))
+            tokens = reply.json().get("tokens") if reply.status == 200 else None
+        except (UpstreamError, ValueError, AttributeError):
+            tokens = None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            return None
+        return tokens
+
+    # ------------------------------------------------------------------ decide and plan
+
+    async def _ask(self, turn: TurnInputs, view: PoolView) -> Decision:
+        d = self._d
+        s = self._s.decision
+        live: LiveSignals | None = None
+        if s.send_live_signals:
+            ranked_p = view.ranked("prefill")
+            dec = view.get(turn.session.worker if turn.session else None)
+            live = LiveSignals(
+                prefill_queue_depth=int(ranked_p[0].load.waiting) if ranked_p else None,
+                decode_running_requests=int(dec.load.running) if dec else None,
+                decode_kv_usage=dec.load.kv_usage if dec else None,
+            )
+        query = RouteQuery(
+            request_id=turn.request_id,
+            turn=turn.turn,
+            psi=turn.psi,
+            qps=d.qps.rate(),
+            live=live,
+            weights_profile=s.weights_profile,
+            table_key=s.table_key,
+            weights=d.slo.weights(s.table_key) if d.slo is not None else None,
+            capabilities=_BIDIR if self._s.routing.bidir else frozenset(),
+        )
+        return await d.decisions.route(query, Decision(s.fallback, "fallback"))
+
+    def _explore(self, turn: TurnInputs, decision: Decision) -> Decision:
+        """ppd mode, turn 2+: the path the exploration policy takes (ppd/explore.py). Its draw is keyed
+        by session and turn, its cap by the session's decode worker; a fallback decision never
+        explores (the service did not allow it), nor one a live signal moved (reason live_signal)."""
+        e = self._explorer.decide(
+            request_key=f"{turn.session_id}#{turn.turn}",
+            chosen_local=decision.path == "local",
+            alternative_allowed=decision.alternative_allowed,
+            worker=(turn.session.worker if turn.session is not None else None) or "",
+            now=self._d.clock(),
+            guard_active=decision.reason == "live_signal",
+        )
+        if e.explored:
+            path: Literal["pd", "local"] = "local" if e.local else "pd"
+            return dataclasses.replace(
+                decision, path=path, reason="explore", explored=True, propensity=e.propensity
+            )
+        if e.propensity != decision.propensity:
+            return dataclasses.replace(decision, propensity=e.propensity)
+        return decision
+
+    def _plan_request(self, headers: Mapping[str, str], turn: TurnInputs) -> PlanRequest:
+        forwarded = self._worker_headers
+        if self._s.forward_authorization and "Authorization" in headers:
+            forwarded = (("Authorization", headers["Authorization"]),)
+        return PlanRequest(
+            endpoint=turn.req.endpoint,
+            body=turn.req.body,
+            request_id=turn.request_id,
+            headers=forwarded,
+            inject_usage=self._s.policy.inject_usage and self._relays_answer,
+            prefill_attempts=self._s.policy.prefill_attempts,
+            now=self._d.wall_clock(),
+        )
+
+    # ------------------------------------------------------------------ the P leg
+
+    async def _prefill(
+        self, turn: TurnInputs, outcome: TurnOutcome, p: Plan
+    ) -> tuple[Plan, Mapping[str, Any] | None]:
+        d = self._d
+        for i, call in enumerate(p.prefill):
+            if i:
+                d.metrics.prefill_retries.inc()
+            d.pool.acquire(call.worker)
+            sent = d.timer()
+            try:
+                reply = await d.upstream.call_json(call, prefill=True)
+                body = reply.json()
+            except UpstreamStatusError as exc:
+                if 400 <= exc.upstream_status < 500:
+                    raise
+                self.count_upstream_error(call.worker, "prefill", "status")
+                continue
+            except UpstreamUnreachableError:
+                self.count_upstream_error(call.worker, "prefill", "unreachable")
+                d.pool.mark_failed(call.worker)
+                continue
+            except UpstreamTimeoutError:
+                self.count_upstream_error(call.worker, "prefill", "timeout")
+                continue
+            except ValueError:
+                self.count_upstream_error(call.worker, "prefill", "bad_body")
+                continue
+            finally:
+                d.pool.release(call.worker)
+                outcome.prefill_wait += d.timer() - sent
+            outcome.prefill_worker = call.worker
+            if i:  # a bidirectional first leg failed; the retries are plain P legs (plan.py rule 6)
+                p = bidir_retry(p)
+            d.pool.note_success(call.worker)
+            d.pool.note_pick(call.worker)
+            params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
+            return p, params if isinstance(params, Mapping) else None
+        if self._s.policy.prefill_failure == "local":
+            log.warning(
+                "every prefill attempt failed for %s; prefilling on the decode worker", turn.request_id
+            )
+            return local_fallback(p, "prefill_failed"), None
+        raise PrefillFailedError(f"every prefill worker failed ({len(p.prefill)} tried)")
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    async def remember(
+        self,
+        turn: TurnInputs,
+        outcome: TurnOutcome,
+        answer: str | None,
+        usage: Usage | None,
+        *,
+        completion_chunks: int | None,
+        kv_params: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The session after this turn (session_lookup.remember_turn: under its explicit id, the
+        content key of what it was sent and, when the answer is known, that + this answer); with D's
+        returned params (bidirectional mode) and their expiry. `answer` None: a front door that never
+        sees it (rule 6) remembers the turn with its expected output length (ψ's n_out) instead."""
+        d = self._d
+        if usage is not None:
+            prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        else:
+            prompt = turn.psi.n_ctx + turn.psi.n_in.tokens
+            if completion_chunks is not None:
+                completion = completion_chunks
+            elif answer is not None:
+                completion = estimate_tokens(answer).tokens
+            else:
+                completion = turn.psi.n_out
+        if answer is not None:
+            outcome.completion_tokens = completion
+        base = turn.session if turn.session is not None else Session(turn.session_id)
+        chain = turn.chain
+        answer_key = ""
+        if chain is not None:
+            history_key, history_length = chain.key(), len(turn.req.messages)
+            if answer is not None:
+                answer_key = chain.fork().add({"role": "assistant", "content": answer}).key()
+        else:  # completions: the next prompt must start with this one and its answer
+            history_key, history_length = prompt_fingerprint(
+                turn.req.model, turn.req.body.get("prompt"), answer or ""
+            )
+        after = base.after_turn(
+            worker=outcome.decode_worker,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            history_key=history_key,
+            history_messages=history_length,
+            answer_key=answer_key,
+            decode_kv_params=json.dumps(kv_params, separators=(",", ":")) if kv_params else "",
+            decode_kv_expires_at=d.wall_clock() + self._s.routing.bidir_params_ttl_s if kv_params else 0.0,
+        )
+        await remember_turn(d.sessions, after, explicit_id=turn.explicit_id)
+        if outcome.rebound:
+            d.metrics.rebinds.inc()
+
+    def count_upstream_error(self, worker: str, role: str, kind: str) -> None:
+        self._d.metrics.upstream_errors.labels(worker, role, kind).inc()
+
+
+#: The largest integer header the gateway takes: what the DecisionService's int64 fields can carry.
+_MAX_HEADER_INT: Final = 2**63 - 1
+
+
+def _int_header(headers: Mapping[str, str], name: str) -> int | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequestError(f"header {name} must be an integer", param=name) from None
+    if not 0 <= value <= _MAX_HEADER_INT:
+        raise BadRequestError(f"header {name} must be an integer in [0, {_MAX_HEADER_INT}]", param=name)
+    return value

@@ -1,0 +1,266 @@
+"""The Envoy endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor.Process` (one gRPC stream
+per HTTP request) over the gateway's request core (core.py). Envoy carries D's leg and streams the
+answer; Python touches only the request, once. docs/envoy-extproc.md has the protocol facts.
+
+Rule 1 (processing mode, deploy/envoy/picker/envoy.yaml): request headers SEND, request body BUFFERED,
+response headers SEND, response body NONE, trailers SKIP. Each message gets its own answer, in order.
+A request body in several messages (another body mode) is refused with a 500 ImmediateResponse.
+Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a body): the headers are
+answered empty; on the body the core runs (parse and limits, session, ψ, decision, exploration, plan,
+the P leg with its retries and fallback, metrics, the session remembered) and the answer sets the
+destination header `x-gateway-destination-endpoint: host:port` (D's, or the replica's) and the
+same value as `envoy.lb` dynamic metadata, clears the route cache, replaces the body with D's
+(a client-sent `kv_transfer_params` dropped; for pd and bidir P's params) with its Content-Length,
+sets the legs' `X-Request-Id` (and the worker key when one is set; a client's Authorization is kept
+only with `forward_authorization`), and removes a client's `x-prefiller-host-port`.
+Rule 3: a GatewayError (what the standalone gateway renders as an OpenAI-style error) is an
+ImmediateResponse with the same status and body; anything else is a 500 with the same body as the
+standalone's. The stream then ends.
+Rule 4: the response headers get the turn's provenance headers (turn_report.PROVENANCE_HEADERS).
+Rule 5: any other request (no body, another path or method) goes to a live worker as the standalone's
+pass-through routes do (decode, replica, prefill in that order); none live: ImmediateResponse 503.
+Rule 6: the picker never sees the answer: the turn is remembered when it is routed (core.py rule 6)
+and no TTFT, TPOT or request-log line is recorded yet (issue 25 item 3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from gateway.core import RequestCore
+from gateway.deps import Deps
+from gateway.errors import GatewayError, NoWorkerError, error_body
+from gateway.ports import ClientRequest
+from gateway.turn_report import provenance_headers
+from gateway.types import Endpoint, Role
+
+__all__ = [
+    "DESTINATION_HEADER",
+    "LB_NAMESPACE",
+    "PREFILLER_HEADER",
+    "SERVICE_NAME",
+    "Headers",
+    "Picked",
+    "Picker",
+    "destination",
+]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME: Final = "envoy.service.ext_proc.v3.ExternalProcessor"
+DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
+PREFILLER_HEADER: Final = "x-prefiller-host-port"
+LB_NAMESPACE: Final = "envoy.lb"
+_ENDPOINTS: Final[Mapping[str, Endpoint]] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_PASSTHROUGH_ROLES: Final[tuple[Role, ...]] = ("decode", "replica", "prefill")
+_SET: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_UNBUFFERED: Final = "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED"
+
+
+class Headers(Mapping[str, str]):
+    """Request headers as Envoy sent them (lower-case names), looked up case-insensitively."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, pairs: Mapping[str, str]) -> None:
+        self._h = {k.lower(): v for k, v in pairs.items()}
+
+    def __getitem__(self, key: str) -> str:
+        return self._h[key.lower()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._h)
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key.lower() in self._h
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    """Where D's leg goes (`host:port`), with which body and extra headers; the provenance headers
+    for the response."""
+
+    destination: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...]
+    provenance: Mapping[str, str]
+
+
+def destination(url: str) -> str:
+    """`host:port` of a worker URL, as Envoy's ORIGINAL_DST cluster reads it (an IPv6 host in [])."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _header_map(headers: pb.HttpHeaders) -> Headers:
+    return Headers(
+        {h.key: h.raw_value.decode("utf-8", "replace") or h.value for h in headers.headers.headers}
+    )
+
+
+def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=name, raw_value=value.encode()), append_action=_SET
+    )
+
+
+def _lb_metadata(dest: str) -> struct_pb2.Struct:
+    meta = struct_pb2.Struct()
+    meta.update({LB_NAMESPACE: {DESTINATION_HEADER: dest}})
+    return meta
+
+
+def _immediate(status: int, body: Mapping[str, Any]) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=pb.HeaderMutation(set_headers=[_set("content-type", "application/json")]),
+            body=json.dumps(body).encode(),
+            details="ppd-picker",
+        )
+    )
+
+
+def _empty_answer(kind: str) -> pb.ProcessingResponse:
+    if kind == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    if kind == "request_trailers":
+        return pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+
+
+def _routed(*, headers: pb.HeaderMutation, body: bytes | None) -> pb.CommonResponse:
+    return pb.CommonResponse(
+        header_mutation=headers,
+        body_mutation=pb.BodyMutation(body=body) if body is not None else None,
+        clear_route_cache=True,
+    )
+
+
+class Picker:
+    """Rules 1-6, one `Process` stream per request (registered with
+    `external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server`)."""
+
+    def __init__(self, deps: Deps) -> None:
+        self._d = deps
+        self._core = RequestCore(deps, relays_answer=False)
+
+    async def Process(  # noqa: N802 (the gRPC method's name)
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        headers = Headers({})
+        endpoint: Endpoint | None = None
+        provenance: Mapping[str, str] = {}
+        async for message in request_iterator:
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                headers = _header_map(message.request_headers)
+                path = headers.get(":path", "").split("?", 1)[0]
+                endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
+                if endpoint is None or message.request_headers.end_of_stream:
+                    answer = self._passthrough()
+                    yield answer
+                    if answer.HasField("immediate_response"):
+                        return
+                    endpoint = None
+                else:
+                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+            elif kind == "request_body":
+                if not message.request_body.end_of_stream:
+                    # A body in pieces: Envoy is not in BUFFERED mode (rule 1); streamed bodies are not
+                    # supported yet (issue 25 item 5), so the request is refused, never half-routed.
+                    log.warning("request body in pieces: the picker needs request_body_mode BUFFERED")
+                    yield _immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))
+                    return
+                body = message.request_body.body
+                if endpoint is None:
+                    yield pb.ProcessingResponse(request_body=pb.BodyResponse())
+                    continue
+                answer, provenance = await self._pick(endpoint, body, headers)
+                yield answer
+                if answer.HasField("immediate_response"):
+                    return
+            elif kind == "response_headers":
+                mutation = pb.HeaderMutation(set_headers=[_set(k, v) for k, v in provenance.items()])
+                yield pb.ProcessingResponse(
+                    response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
+                )
+            elif kind is not None:  # response body and trailers: not sent in our mode; answered empty
+                yield _empty_answer(kind)
+
+    def _passthrough(self) -> pb.ProcessingResponse:
+        """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
+        view = self._d.pool.view()
+        for role in _PASSTHROUGH_ROLES:
+            ranked = view.ranked(role)
+            if ranked:
+                dest = destination(ranked[0].url)
+                mutation = pb.HeaderMutation(
+                    set_headers=[_set(DESTINATION_HEADER, dest)], remove_headers=[PREFILLER_HEADER]
+                )
+                return pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=_routed(headers=mutation, body=None)),
+                    dynamic_metadata=_lb_metadata(dest),
+                )
+        status, err = NoWorkerError("decode").to_openai_error()
+        return _immediate(status, err)
+
+    async def _pick(
+        self, endpoint: Endpoint, body: bytes, headers: Headers
+    ) -> tuple[pb.ProcessingResponse, Mapping[str, str]]:
+        """Rules 2 and 3: the core's answer as the request body's response."""
+        try:
+            picked = await self.pick(ClientRequest(endpoint, body, headers))
+        except GatewayError as exc:
+            status, err = exc.to_openai_error()
+            return _immediate(status, err), {}
+        except Exception:
+            log.exception("unhandled error picking an endpoint")
+            return _immediate(500, error_body("internal gateway error", "InternalServerError", 500)), {}
+        sets = [
+            _set(DESTINATION_HEADER, picked.destination),
+            _set("content-length", str(len(picked.body))),
+            *(_set(k, v) for k, v in picked.headers),
+        ]
+        removes = [PREFILLER_HEADER]
+        if not any(k.lower() == "authorization" for k, _ in picked.headers):
+            removes.append("authorization")
+        mutation = pb.HeaderMutation(set_headers=sets, remove_headers=removes)
+        return (
+            pb.ProcessingResponse(
+                request_body=pb.BodyResponse(response=_routed(headers=mutation, body=picked.body)),
+                dynamic_metadata=_lb_metadata(picked.destination),
+            ),
+            picked.provenance,
+        )
+
+    async def pick(self, request: ClientRequest) -> Picked:
+        """The core for one completion request: routed, its P leg run, the turn remembered."""
+        core = self._core
+        async with core.turn(request) as t:
+            leg = await core.route(t)
+            await core.remember(t.turn, t.outcome, None, None, completion_chunks=None)
+            return Picked(
+                destination=destination(leg.call.url),
+                body=json.dumps(leg.call.body, separators=(",", ":")).encode(),
+                headers=leg.call.headers,
+                provenance=provenance_headers(t.turn, t.outcome),
+            )
