@@ -343,7 +343,11 @@ def _parser() -> argparse.ArgumentParser:
         "real vLLM on this CPU)",
     )
     parser.add_argument(
-        "--port", type=int, default=8000, help="gateway port; 0 picks a free one (default 8000)"
+        "--port",
+        type=int,
+        default=8000,
+        help="the stack's port (the gateway's; Envoy's with --gateways N > 1 or --data-plane envoy); 0 picks "
+        "a free one (default 8000)",
     )
     parser.add_argument(
         "--model-label",
