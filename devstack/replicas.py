@@ -2,7 +2,8 @@
 replicas share) and Envoy (round robin in front of them, ``deploy/envoy/gateway-shared/envoy.yaml``
 rendered here), their command lines, and how each is awaited, since neither prints our JSON ready
 line: Redis until it answers PING on its socket, Envoy until its admin interface reports every replica
-healthy.
+healthy. How any Envoy of the stack is run and awaited (``run_envoy``) is here too; ``data_plane.py``
+runs the picker scenario's Envoy with it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from typing import Any
 
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
-__all__ = ["ENVOY_TEMPLATE", "answers_ping", "envoy_argv", "poll", "redis_argv", "start_envoy"]
+__all__ = [
+    "ENVOY_TEMPLATE",
+    "answers_ping",
+    "envoy_argv",
+    "http_get",
+    "on_loopback",
+    "poll",
+    "redis_argv",
+    "run_envoy",
+    "start_envoy",
+]
 
 
 def redis_argv(sock: Path) -> tuple[str, ...]:
@@ -69,28 +80,64 @@ async def start_envoy(
     endpoints.write_text(json.dumps(_endpoints(replicas)), encoding="utf-8")  # JSON is YAML
     values = {"LISTEN_PORT": str(port), "ADMIN_PORT": "0", "ENDPOINTS_PATH": str(endpoints)}
     text = string.Template(ENVOY_TEMPLATE.read_text(encoding="utf-8")).substitute(values)
-    config = folder / "envoy.yaml"
-    # A local stack listens on loopback only, as its single gateway does.
-    config.write_text(text.replace("address: 0.0.0.0", "address: 127.0.0.1"), encoding="utf-8")
+    return await run_envoy(
+        argv,
+        supervisor,
+        folder,
+        config=on_loopback(text),
+        listener="gateway",
+        cluster="gateway",
+        hosts=len(replicas),
+        timeout_s=timeout_s,
+    )
+
+
+def on_loopback(config: str) -> str:
+    """A rendered Envoy config whose listeners bind 127.0.0.1: a local stack listens on loopback only,
+    as its single gateway does."""
+    return config.replace("address: 0.0.0.0", "address: 127.0.0.1")
+
+
+async def run_envoy(
+    argv: Callable[[Path, Path], tuple[str, ...]],
+    supervisor: Supervisor,
+    folder: Path,
+    *,
+    config: str,
+    listener: str,
+    cluster: str,
+    hosts: int,
+    timeout_s: float,
+) -> str:
+    """Envoy on `config` (a rendered config, its admin port 0), written to `folder`; the URL of its
+    listener `listener` once its admin interface reports `hosts` hosts of `cluster` healthy."""
+    path = folder / "envoy.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config, encoding="utf-8")
     admin_file = folder / "admin-address"
-    timeout = timeout_s
-    envoy = await supervisor.start(ChildSpec("envoy", argv(config, admin_file), timeout, ready_line=False))
-    await poll(lambda: admin_file.exists() and bool(admin_file.read_text().strip()), envoy, timeout, "start")
+    envoy = await supervisor.start(ChildSpec("envoy", argv(path, admin_file), timeout_s, ready_line=False))
+    await poll(
+        lambda: admin_file.exists() and bool(admin_file.read_text().strip()), envoy, timeout_s, "start"
+    )
     admin = "http://" + admin_file.read_text().strip()
-    listeners = json.loads(await asyncio.to_thread(_get, admin + "/listeners?format=json"))
+    listeners = json.loads(await asyncio.to_thread(http_get, admin + "/listeners?format=json"))
     port = next(
         int(item["local_address"]["socket_address"]["port_value"])
         for item in listeners["listener_statuses"]
-        if item["name"] == "gateway"
+        if item["name"] == listener
     )
 
     def all_healthy() -> bool:
-        lines = _get(admin + "/clusters").decode().splitlines()
-        return sum(
-            line.startswith("gateway::") and line.endswith("::health_flags::healthy") for line in lines
-        ) == len(replicas)
+        lines = http_get(admin + "/clusters").decode().splitlines()
+        return (
+            sum(
+                line.startswith(f"{cluster}::") and line.endswith("::health_flags::healthy") for line in lines
+            )
+            == hosts
+        )
 
-    await poll(all_healthy, envoy, timeout, f"see all {len(replicas)} gateway replicas healthy", thread=True)
+    what = f"see all {hosts} hosts of its {cluster} cluster healthy"
+    await poll(all_healthy, envoy, timeout_s, what, thread=True)
     return f"http://127.0.0.1:{port}"
 
 
@@ -112,8 +159,9 @@ def _endpoints(ports: list[int]) -> dict[str, Any]:
     }
 
 
-def _get(url: str) -> bytes:
-    """A GET of Envoy's admin interface (an http:// URL on loopback this module built)."""
+def http_get(url: str) -> bytes:
+    """A GET of an admin or health endpoint on loopback (an http:// URL the stack built); an HTTP
+    error status raises (an OSError)."""
     with urllib.request.urlopen(url, timeout=2) as resp:  # noqa: S310
         return bytes(resp.read())
 

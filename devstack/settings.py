@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_MODEL", "ENGINES", "KV_BLOCK_TOKENS", "StackSettings"]
+__all__ = ["DATA_PLANES", "DEFAULT_MODEL", "ENGINES", "KV_BLOCK_TOKENS", "StackSettings"]
 
 #: What ``--engine`` accepts: the simulator, or real vLLM on this machine's CPU (vllm_harness).
 ENGINES = ("sim", "vllm-cpu")
+#: What ``--data-plane`` accepts: the gateway relays every answer (``ppd-gateway serve``), or Envoy carries
+#: the traffic with ``ppd-gateway picker`` as its ext_proc endpoint picker (deploy/envoy/picker).
+DATA_PLANES = ("python", "envoy")
 #: The simulated cluster's model; a real cluster names its own in its ready line.
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 #: With --kv-events, the workers' KV block size, passed to the cluster and to the gateway's block hasher
@@ -36,3 +39,5 @@ class StackSettings:
     kv_hash_seed: str = ""
     # Every worker runs vLLM's bidirectional KV mode; the gateway may serve the bidir path.
     bidir: bool = False
+    # "envoy": Envoy on the stack's port streams every answer; the picker (not a gateway) routes.
+    data_plane: str = "python"

@@ -7,7 +7,10 @@ Starts, in order, each through its command-line contract (one JSON ready line on
 3. the gateway on 127.0.0.1:8000 with a TOML config generated from the cluster's worker list;
    with ``--gateways N`` (N > 1): one ``redis-server`` on a unix socket, N gateway replicas sharing
    their sessions on it (``[sessions] redis_url``), and Envoy on 127.0.0.1:8000 in front of them,
-   round robin (``deploy/envoy/gateway-shared``), once it sees every replica healthy.
+   round robin (``deploy/envoy/gateway-shared``), once it sees every replica healthy;
+   with ``--data-plane envoy``, not the gateway: ``ppd-gateway picker`` on the same config, as the
+   ext_proc endpoint picker of Envoy on 127.0.0.1:8000, which carries the traffic and streams every
+   answer (``deploy/envoy/picker``, data_plane.py), once it sees the picker healthy.
 
 ``--kv-events`` has every worker publish vLLM's KV cache events and the gateway follow them
 (``[kv_events]``, endpoints from the cluster's ready line); ``--bidir`` runs every worker in vLLM's
@@ -37,9 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from devstack.data_plane import check_addressed_by_ip, start_picker_and_envoy
 from devstack.gateway_config import gateway_config
 from devstack.replicas import answers_ping, envoy_argv, poll, redis_argv, start_envoy
-from devstack.settings import DEFAULT_MODEL, ENGINES, KV_BLOCK_TOKENS, StackSettings
+from devstack.settings import DATA_PLANES, DEFAULT_MODEL, ENGINES, KV_BLOCK_TOKENS, StackSettings
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
 __all__ = ["StackCommands", "main", "parse_settings", "run_stack"]
@@ -67,6 +71,10 @@ class StackCommands:
     # file it writes its admin address to.
     redis: Callable[[Path], tuple[str, ...]] = dataclasses.field(default=redis_argv)
     envoy: Callable[[Path, Path], tuple[str, ...]] = dataclasses.field(default=envoy_argv)
+    # With --data-plane envoy: the endpoint picker on the generated gateway config.
+    picker: Callable[[StackSettings, Path], tuple[str, ...]] = dataclasses.field(
+        default=lambda s, config: _picker_argv(sys.executable, config)
+    )
 
     @classmethod
     def real(cls, python: str = sys.executable) -> StackCommands:
@@ -108,7 +116,14 @@ class StackCommands:
             gateway=lambda s, config: (
                 python, "-m", "gateway", "serve", "--config", str(config), "--port", str(s.port),
             ),
+            picker=lambda s, config: _picker_argv(python, config),
         )  # fmt: skip
+
+
+def _picker_argv(python: str, config: Path) -> tuple[str, ...]:
+    return (
+        python, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0", "--metrics-port", "0",
+    )  # fmt: skip
 
 
 def _banner(
@@ -117,6 +132,8 @@ def _banner(
     cluster: Mapping[str, Any],
     decision: Mapping[str, Any],
     gateways: Sequence[str] = (),
+    *,
+    picker: Mapping[str, Any] | None = None,
 ) -> str:
     front = "gateway (OpenAI API):  "
     replicas = ""
@@ -124,6 +141,12 @@ def _banner(
         front = "Envoy (OpenAI API):    "
         replicas = (
             f"\n  gateway replicas:      {', '.join(gateways)} (round robin, sessions shared on redis-server)"
+        )
+    if picker is not None:
+        front = "Envoy (OpenAI API):    "
+        replicas = (
+            f"\n  endpoint picker:       grpc 127.0.0.1:{picker.get('grpc')} (Envoy's ext_proc), metrics "
+            f"http://127.0.0.1:{picker.get('metrics')}/metrics; Envoy streams every answer"
         )
     workers = "\n".join(f"    {w['id']:<4} {w['role']:<8} {w['url']}" for w in cluster.get("workers", []))
     model = str(cluster.get("model") or DEFAULT_MODEL)
@@ -168,6 +191,7 @@ class _Up:
     decision: dict[str, Any]
     gateways: tuple[str, ...]
     redis: str = ""
+    picker: dict[str, Any] | None = None
 
 
 async def run_stack(
@@ -203,8 +227,10 @@ async def run_stack(
                 }
                 if settings.gateways > 1:
                     ready |= {"gateways": list(up.gateways), "redis": up.redis}
+                if up.picker is not None:
+                    ready |= {"data_plane": settings.data_plane, "picker": up.picker}
                 out.write(json.dumps(ready) + "\n")
-                out.write(_banner(up.url, settings, up.cluster, up.decision, up.gateways))
+                out.write(_banner(up.url, settings, up.cluster, up.decision, up.gateways, picker=up.picker))
                 out.flush()
                 watcher = asyncio.create_task(supervisor.wait_any_exit())
                 done, _ = await asyncio.wait({stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -246,11 +272,22 @@ async def _start(
         redis_url = f"unix://{sock}"
     config = (settings.config_dir or scratch) / "gateway.toml"
     try:
-        config.write_text(
-            gateway_config(settings, cluster.ready, decision.ready, redis_url=redis_url), encoding="utf-8"
-        )
+        text = gateway_config(settings, cluster.ready, decision.ready, redis_url=redis_url)
+        if settings.data_plane == "envoy":
+            check_addressed_by_ip(cluster.ready["workers"])
+        config.write_text(text, encoding="utf-8")
     except ValueError as exc:
         raise ChildError("ppd-up", f"cannot configure the gateway: {exc}") from None
+    if settings.data_plane == "envoy":
+        url, picker = await start_picker_and_envoy(
+            commands.picker(settings, config),
+            commands.envoy,
+            supervisor,
+            scratch / "envoy",
+            port=settings.port,
+            timeout_s=timeout,
+        )
+        return _Up(url, cluster.ready, decision.ready, (), picker=picker)
     if settings.gateways == 1:
         gateway = await supervisor.start(ChildSpec("gateway", commands.gateway(settings, config), timeout))
         url = f"http://127.0.0.1:{_http_port(gateway)}"
@@ -306,7 +343,11 @@ def _parser() -> argparse.ArgumentParser:
         "real vLLM on this CPU)",
     )
     parser.add_argument(
-        "--port", type=int, default=8000, help="gateway port; 0 picks a free one (default 8000)"
+        "--port",
+        type=int,
+        default=8000,
+        help="the stack's port (the gateway's; Envoy's with --gateways N > 1 or --data-plane envoy); 0 picks "
+        "a free one (default 8000)",
     )
     parser.add_argument(
         "--model-label",
@@ -335,6 +376,14 @@ def _parser() -> argparse.ArgumentParser:
         help="every worker runs vLLM's bidirectional KV mode and the gateway may serve the bidir path "
         "([routing] bidir), where the table has bidir figures (the shipped H100 tables do)",
     )
+    parser.add_argument(
+        "--data-plane",
+        choices=DATA_PLANES,
+        default="python",
+        help="python (default): the gateway on --port relays every answer; envoy: Envoy on --port carries "
+        "the traffic and streams every answer, `ppd-gateway picker` routing each request over ext_proc "
+        "(deploy/envoy/picker; one picker, so not with --gateways N > 1; workers addressed by IP)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
@@ -352,7 +401,13 @@ def parse_settings(
     """ppd-up's command line (and PYTHONHASHSEED from ``environ``, which the workers inherit) -> the
     stack and the log level. Real vLLM defaults to its own 1P1D shape, table folder and model label (the
     table measured on real vLLM here), the simulator to the shipped H100 tables."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.data_plane == "envoy" and args.gateways > 1:
+        parser.error(
+            "--data-plane envoy runs one picker behind one Envoy: it cannot be combined with "
+            "--gateways N > 1 yet"
+        )
     real = args.engine == "vllm-cpu"
     tables: Path = args.tables or (Path("tables") / "vllm-cpu" if real else Path("tables"))
     return StackSettings(
@@ -367,6 +422,7 @@ def parse_settings(
         kv_events=args.kv_events,
         kv_hash_seed=(environ or {}).get("PYTHONHASHSEED", ""),
         bidir=args.bidir,
+        data_plane=args.data_plane,
     ), str(args.log_level)
 
 

@@ -264,7 +264,9 @@ def test_ppd_up_has_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
-    assert "--topology" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--topology" in text
+    assert "--data-plane {python,envoy}" in text
 
 
 def test_real_vllm_defaults_to_its_own_table_and_the_simulator_to_the_h100_ones() -> None:
@@ -336,3 +338,65 @@ def test_bidir_makes_every_worker_bidirectional_and_lets_the_gateway_serve_it(en
     assert tomllib.loads(gateway_config(settings, CLUSTER, {"grpc": 7001}))["routing"] == {"bidir": True}
     plain = parse_settings(["--engine", engine], {})[0]
     assert "--bidir-workers" not in StackCommands.real().cluster(plain)
+
+
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (["--data-plane", "envoy", "--gateways", "2"], "--data-plane envoy runs one picker"),
+        (["--data-plane", "quic"], "invalid choice: 'quic'"),
+    ],
+)
+def test_ppd_up_refuses_a_data_plane_it_cannot_run(
+    args: list[str], refusal: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from devstack.stack import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert refusal in capsys.readouterr().err
+
+
+def test_the_data_plane_is_python_unless_asked_and_envoy_starts_the_picker() -> None:
+    assert parse_settings([])[0].data_plane == "python"
+    settings = parse_settings(["--data-plane", "envoy", "--engine", "vllm-cpu"])[0]
+    assert (settings.data_plane, settings.gateways) == ("envoy", 1)
+    argv = StackCommands.real(python="py").picker(settings, Path("g.toml"))
+    assert argv == (
+        "py", "-m", "gateway", "picker", "--config", "g.toml", "--grpc-port", "0", "--metrics-port", "0",
+    )  # fmt: skip
+
+
+def test_the_picker_scenarios_envoy_is_rendered_on_loopback_with_the_pickers_port() -> None:
+    import yaml
+
+    from devstack.data_plane import picker_envoy_config
+
+    config = yaml.safe_load(picker_envoy_config(port=18002, picker_grpc=9002))
+    (listener,) = config["static_resources"]["listeners"]
+    assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18002}
+    assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 0}
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    (host,) = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert host["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9002}
+    assert clusters["workers"]["type"] == "ORIGINAL_DST"
+
+
+async def test_an_envoy_data_plane_refuses_workers_addressed_by_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Envoy's ORIGINAL_DST cluster connects to the ip:port the picker names and resolves no names."""
+    out, stop = _Out(), asyncio.Event()
+    p0 = {"id": "P0", "role": "prefill", "url": "http://127.0.0.1:1001"}
+    named = {"workers": [p0, {"id": "D0", "role": "decode", "url": "http://localhost:1002"}]}
+    commands = dataclasses.replace(
+        _commands(),
+        cluster=lambda s: standin("--ready", json.dumps(named)),
+        picker=lambda s, config: ("/nonexistent/picker",),  # never reached
+    )
+    settings = StackSettings(data_plane="envoy", config_dir=tmp_path, ready_timeout_s=30)
+    assert await run_stack(settings, commands, out, stop) == 1
+    assert "worker D0 is addressed by name (http://localhost:1002)" in caplog.text
+    assert "cannot start '/nonexistent/picker'" not in caplog.text
+    assert out.getvalue() == ""

@@ -16,7 +16,7 @@ import pytest
 
 from devstack.ready import parse_ready_line
 from tests.support.ci import require_tool
-from tests.support.metrics import sample
+from tests.support.metrics import sample, total
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
@@ -178,3 +178,43 @@ async def test_ppd_up_with_kv_events_has_the_gateway_follow_every_workers_kv_cac
             headers, _ = await _chat(http, url, messages)
             assert headers["X-PPD-Path"] in ("pd", "local", "bidir")
             assert headers["X-PPD-Reason"] != "kv_evicted"
+
+
+async def test_ppd_up_with_the_envoy_data_plane_holds_a_conversation_through_envoy() -> None:
+    """`--data-plane envoy`: the client URL is Envoy's listener, the picker routes (Turn 1 through P,
+    Turn 2 on the session's D in `local` mode), Envoy streams; SIGTERM stops every child."""
+    import openai
+
+    async with _ppd_up("--data-plane", "envoy", "--topology", "1P1D", "--mode", "local") as ready:
+        url, picker = ready["gateway"], ready["picker"]
+        assert ready["data_plane"] == "envoy"
+        assert isinstance(picker["grpc"], int)
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        async with client:
+            messages: list[dict[str, str]] = [{"role": "user", "content": "Tell me about the sea."}]
+            paths = []
+            for follow_up in ("And the rivers?", None):
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="meta-llama/Llama-3.1-8B-Instruct",
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=16,
+                )
+                paths.append((raw.headers["x-ppd-path"], raw.headers["x-ppd-turn"]))
+                answer = raw.parse().choices[0].message.content or ""
+                assert answer
+                if follow_up:
+                    messages += [
+                        {"role": "assistant", "content": answer},
+                        {"role": "user", "content": follow_up},
+                    ]
+        assert paths == [("pd", "1"), ("local", "2")]
+        # No gateway in this stack: the picker's metrics counted both decisions.
+        metrics = f"http://127.0.0.1:{picker['metrics']}/metrics"
+        async with aiohttp.ClientSession() as http, http.get(metrics) as resp:
+            text = await resp.text()
+        assert (total(text, "ppd_gateway_decisions_total", path="local") or 0) >= 1
+    async with aiohttp.ClientSession() as http:
+        for down in [url, f"http://127.0.0.1:{picker['metrics']}", *(w["url"] for w in ready["workers"])]:
+            with pytest.raises(aiohttp.ClientConnectionError):
+                async with http.get(down + "/health") as resp:
+                    await resp.read()
