@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import time
@@ -127,13 +128,32 @@ def core_plan(workers: Sequence[WorkerSpec], cores: Sequence[int]) -> dict[str, 
     return plan
 
 
-def _free_port(host: str) -> int:
-    # vLLM cannot report a port it picked itself, so ask the kernel for one and hand it over; the
-    # window in which another process could take it is a few milliseconds of start-up.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
+def _free_port(host: str, *, rng: random.Random | None = None) -> int:
+    """A port for a vLLM worker to bind later: vLLM cannot report a port it picked itself, so one is
+    chosen here and handed over. Its KV-event sockets bind theirs tens of seconds later, once the
+    engine has loaded, so the port must not be one the kernel hands out meanwhile: it is taken below
+    the ephemeral range (`ip_local_port_range`), where no `bind(0)` and no outgoing connection of any
+    process lands, at random, and checked free now."""
+    rng = rng or random.Random()  # noqa: S311 (spreads ports, guards nothing)
+    low, high = _explicit_ports()
+    for _ in range(200):
+        port = rng.randint(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
         return port
+    raise RuntimeError(f"no free port between {low} and {high} on {host} after 200 tries")
+
+
+def _explicit_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range (20000 up to it, or 20000-32767 where it is unknown)."""
+    try:
+        first = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 32768
+    return 20000, max(first - 1, 20001)
 
 
 def worker_command(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ import pytest
 from simulator.core.topology import Topology
 from vllm_harness.cluster import (
     ClusterSettings,
+    _explicit_ports,
+    _free_port,
     core_plan,
     kv_events_config,
     kv_transfer_config,
@@ -148,3 +152,34 @@ def test_only_the_named_workers_get_bidirectional_kv_xfer() -> None:
         None,
         {"bidirectional_kv_xfer": True},
     ]
+
+
+def test_worker_ports_come_from_below_the_ephemeral_range_and_are_free() -> None:
+    # A KV-event port is bound tens of seconds after it is chosen: one the kernel could hand to any
+    # bind(0) or outgoing connection meanwhile was taken by another process (seen: "Address already
+    # in use" from a decode worker's KV-event publisher).
+    low, high = _explicit_ports()
+    ephemeral_start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert high < ephemeral_start
+    first = _free_port("127.0.0.1", rng=random.Random(7))
+    assert low <= first <= high
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", first))
+        taken.listen()
+        # The same draw again meets the taken port first and moves on to a free one.
+        again = _free_port("127.0.0.1", rng=random.Random(7))
+    assert again != first
+    assert low <= again <= high
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("32768\t60999\n", (20000, 32767)), ("40000 60999", (20000, 39999)), ("", (20000, 32767))],
+)
+def test_the_explicit_range_ends_below_the_kernels_ephemeral_one(
+    tmp_path: Path, text: str, expected: tuple[int, int]
+) -> None:
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(text)
+    assert _explicit_ports(path) == expected
+    assert _explicit_ports(tmp_path / "missing") == (20000, 32767)
