@@ -29,7 +29,6 @@ from gateway.errors import (
     GatewayError,
     JsonTooDeepError,
     NotFoundError,
-    NoWorkerError,
     PayloadTooLargeError,
     UnauthorizedError,
     error_body,
@@ -54,7 +53,7 @@ FORWARDER = web.AppKey("forwarder", Forwarder)
 # Lines about what any client can cause at will (a body nested too deep): one a minute at most.
 CLIENT_LOG = web.AppKey("client_log", RateLimitedLog)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_PASSTHROUGH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
+_HEALTH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
 
 
 def create_app(
@@ -192,12 +191,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
 
 
 def _any_worker(deps: Deps) -> str:
-    view = deps.pool.view()
-    for role in _PASSTHROUGH_ROLES:
-        ranked = view.ranked(role)
-        if ranked:
-            return ranked[0].url
-    raise NoWorkerError("decode")
+    return deps.pool.view().passthrough().url
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
@@ -224,7 +218,7 @@ async def _passthrough(request: web.Request) -> web.StreamResponse:
 async def _health(request: web.Request) -> web.StreamResponse:
     deps = request.app[DEPS]
     pool = deps.pool
-    live = {role: pool.count(role, live=True) for role in _PASSTHROUGH_ROLES}
+    live = {role: pool.count(role, live=True) for role in _HEALTH_ROLES}
     serving = live["replica"] > 0 or live["decode"] > 0
     body: dict[str, Any] = {"status": "ok" if serving else "unavailable", "workers": live}
     body["decision_service"] = {True: "serving", False: "not_serving", None: "unknown"}[

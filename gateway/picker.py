@@ -43,7 +43,7 @@ from gateway.deps import Deps
 from gateway.errors import GatewayError, NoWorkerError, error_body
 from gateway.ports import ClientRequest
 from gateway.turn_report import provenance_headers
-from gateway.types import Endpoint, Role
+from gateway.types import Endpoint
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -63,7 +63,6 @@ DESTINATION_HEADER: Final = "x-gateway-destination-endpoint"
 PREFILLER_HEADER: Final = "x-prefiller-host-port"
 LB_NAMESPACE: Final = "envoy.lb"
 _ENDPOINTS: Final[Mapping[str, Endpoint]] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_PASSTHROUGH_ROLES: Final[tuple[Role, ...]] = ("decode", "replica", "prefill")
 _SET: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _UNBUFFERED: Final = "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED"
 
@@ -208,20 +207,17 @@ class Picker:
 
     def _passthrough(self) -> pb.ProcessingResponse:
         """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
-        view = self._d.pool.view()
-        for role in _PASSTHROUGH_ROLES:
-            ranked = view.ranked(role)
-            if ranked:
-                dest = destination(ranked[0].url)
-                mutation = pb.HeaderMutation(
-                    set_headers=[_set(DESTINATION_HEADER, dest)], remove_headers=[PREFILLER_HEADER]
-                )
-                return pb.ProcessingResponse(
-                    request_headers=pb.HeadersResponse(response=_routed(headers=mutation, body=None)),
-                    dynamic_metadata=_lb_metadata(dest),
-                )
-        status, err = NoWorkerError("decode").to_openai_error()
-        return _immediate(status, err)
+        try:
+            dest = destination(self._d.pool.view().passthrough().url)
+        except NoWorkerError as exc:
+            return _immediate(*exc.to_openai_error())
+        mutation = pb.HeaderMutation(
+            set_headers=[_set(DESTINATION_HEADER, dest)], remove_headers=[PREFILLER_HEADER]
+        )
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=_routed(headers=mutation, body=None)),
+            dynamic_metadata=_lb_metadata(dest),
+        )
 
     async def _pick(
         self, endpoint: Endpoint, body: bytes, headers: Headers

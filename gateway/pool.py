@@ -32,6 +32,8 @@ from urllib.parse import SplitResult, urlsplit
 from gateway.errors import BadRequestError, ConflictError, NoWorkerError
 from gateway.types import Clock, Role
 
+_PASSTHROUGH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
+
 __all__ = [
     "MAX_WORKER_URL_LENGTH",
     "Load",
@@ -153,6 +155,15 @@ class PoolView:
     def without(self, worker_id: str) -> PoolView:
         """This snapshot less one worker (one found down while a request was being served)."""
         return PoolView(tuple(w for w in self.workers if w.id != worker_id))
+
+    def passthrough(self) -> WorkerView:
+        """The worker a request outside the routing goes to (`/v1/models`, `/tokenize`, ...): the least
+        loaded live decode worker, else replica, else prefill (both front doors' pass-through rule)."""
+        for role in _PASSTHROUGH_ROLES:
+            ranked = self.ranked(role)
+            if ranked:
+                return ranked[0]
+        raise NoWorkerError("decode")
 
     def least_loaded(self, role: Role, *, exclude: Iterable[str] = ()) -> WorkerView:
         ranked = self.ranked(role, exclude=exclude)
