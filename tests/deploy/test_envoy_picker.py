@@ -14,11 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -26,123 +23,20 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.deploy.envoy_harness import SCENARIOS, Envoy
+from tests.deploy.envoy_harness import SCENARIOS
+from tests.deploy.picker_stack import MODEL, PickerStack, http, picker_stack, turn
 from tests.deploy.processes import REPO, Announced
-from tests.support.gateway_config import worker_tables
 from tests.support.metrics import total
-from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-
-
-@dataclass
-class PickerStack:
-    envoy: Envoy
-    picker: Announced
-    workers: dict[str, str]  # id -> url
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.envoy.listeners['picker']}"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
-
-    def prompt_tokens(self, worker_id: str, source: str | None = None) -> float:
-        """The prompt tokens a worker has computed so far, or those of one source (its /metrics:
-        external_kv_transfer counts what D pulled from P with P's kv_transfer_params)."""
-        with urllib.request.urlopen(self.workers[worker_id] + "/metrics", timeout=10) as resp:
-            metrics = resp.read()
-        if source is None:
-            return total(metrics, "vllm:prompt_tokens_total") or 0.0
-        return total(metrics, "vllm:prompt_tokens_by_source_total", source=source) or 0.0
-
-
-def _http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, headers=headers or {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return int(resp.status), bytes(resp.read())
-    except urllib.error.HTTPError as err:
-        return int(err.code), bytes(err.read())
-
-
-@contextmanager
-def _picker_stack(tmp: Path, *, mode: str, extra: list[str] | None = None) -> Iterator[PickerStack]:
-    """The simulated 1P1D cluster, `ppd-gateway picker` on it (in `mode`, plus `extra` config lines)
-    and the real Envoy in front, each waited on until ready."""
-    with ExitStack() as exits:
-        cluster = Announced.start(
-            [sys.executable, "-m", "simulator", "cluster", "--topology", "1P1D", "--base-port", "0"],
-            log=tmp / "cluster.log",
-            deadline_s=60,
-        )
-        exits.callback(cluster.close)
-        workers = list(cluster.info["workers"])
-        config = tmp / "gateway.toml"
-        lines = [f'mode = "{mode}"', f'served_model = "{MODEL}"', "", "[pool]", "health_interval_s = 0.5"]
-        config.write_text("\n".join(lines + worker_tables(workers) + (extra or [])) + "\n")
-        picker = Announced.start(
-            [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
-            log=tmp / "picker.log",
-            deadline_s=60,
-        )
-        exits.callback(picker.close)
-        metrics = f"http://127.0.0.1:{picker.info['metrics']}"
-        wait_until(
-            lambda: _http(metrics + "/health")[0] == 200, deadline_s=30, what="the picker to see a live D"
-        )
-        envoy = Envoy.start(
-            "picker",
-            tmp / "envoy",
-            cluster="unused",
-            upstream_ports=[],
-            extra={"PICKER_PORT": str(picker.info["grpc"])},
-        )
-        exits.callback(envoy.close)
-        envoy.await_healthy("picker", {int(picker.info["grpc"])})
-        yield PickerStack(envoy=envoy, picker=picker, workers={w["id"]: w["url"] for w in workers})
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PickerStack]:
-    with _picker_stack(tmp_path_factory.mktemp("picker"), mode="local") as running:
+    with picker_stack(tmp_path_factory.mktemp("picker"), mode="local") as running:
         yield running
-
-
-def _turn(
-    client: openai.OpenAI,
-    messages: list[dict[str, str]],
-    *,
-    stream: bool,
-    headers: dict[str, str] | None = None,
-) -> tuple[str, dict[str, str]]:
-    """One turn; the answer's text and its response headers (lower-case names)."""
-    if stream:
-        with client.chat.completions.with_streaming_response.create(
-            model=MODEL,
-            messages=messages,  # type: ignore[arg-type]
-            max_tokens=8,
-            stream=True,
-            extra_headers=headers,
-        ) as response:
-            text = ""
-            for line in response.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    for choice in json.loads(line[6:]).get("choices", []):
-                        text += choice.get("delta", {}).get("content") or ""
-            return text, {k.lower(): v for k, v in response.headers.items()}
-    raw = client.chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=8,
-        extra_headers=headers,
-    )
-    answer = raw.parse().choices[0].message.content or ""
-    return answer, {k.lower(): v for k, v in raw.headers.items()}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -157,7 +51,7 @@ def _two_turns(stack: PickerStack, client: openai.OpenAI, *, stream: bool) -> No
     messages = [{"role": "user", "content": f"Tell me about Envoy (stream={stream})."}]
     p_before = stack.prompt_tokens("P0")
     pulled_before = stack.prompt_tokens("D0", "external_kv_transfer")
-    answer, first = _turn(client, messages, stream=stream)
+    answer, first = turn(client, messages, stream=stream)
     assert answer
     assert (first["x-ppd-path"], first["x-ppd-reason"], first["x-ppd-turn"]) == ("pd", "turn_one", "1")
     assert (first["x-ppd-prefill-worker"], first["x-ppd-decode-worker"]) == ("P0", "D0")
@@ -169,7 +63,7 @@ def _two_turns(stack: PickerStack, client: openai.OpenAI, *, stream: bool) -> No
 
     # The next turn carries the answer the picker never saw: found by the longest stored prefix.
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And then?"}]
-    answer2, second = _turn(client, messages, stream=stream)
+    answer2, second = turn(client, messages, stream=stream)
     assert answer2
     assert (second["x-ppd-path"], second["x-ppd-turn"]) == ("local", "2")
     assert second["x-ppd-session-id"] == first["x-ppd-session-id"]
@@ -184,17 +78,17 @@ def test_a_clients_routing_headers_are_stripped_and_never_trusted(stack: PickerS
     p_url = stack.workers["P0"].removeprefix("http://")
     forged = {"x-gateway-destination-endpoint": p_url, "x-prefiller-host-port": p_url}
     with stack.client() as client:
-        answer, first = _turn(client, messages, stream=False)
+        answer, first = turn(client, messages, stream=False)
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Again?"}]
         p_before = stack.prompt_tokens("P0")
-        _, second = _turn(client, messages, stream=True, headers=forged)
+        _, second = turn(client, messages, stream=True, headers=forged)
     assert (second["x-ppd-path"], second["x-ppd-decode-worker"]) == ("local", "D0")
     assert second["x-ppd-session-id"] == first["x-ppd-session-id"]
     assert stack.prompt_tokens("P0") == p_before
 
 
 def test_a_malformed_body_is_the_gateways_openai_400(stack: PickerStack) -> None:
-    status, body = _http(
+    status, body = http(
         stack.url + "/v1/chat/completions", b'{"model": ', {"Content-Type": "application/json"}
     )
     assert status == 400
@@ -205,7 +99,7 @@ def test_a_malformed_body_is_the_gateways_openai_400(stack: PickerStack) -> None
 
 
 def test_other_routes_pass_through_to_a_worker(stack: PickerStack) -> None:
-    status, body = _http(stack.url + "/v1/models")
+    status, body = http(stack.url + "/v1/models")
     assert status == 200
     assert json.loads(body)["data"][0]["id"] == MODEL
 
@@ -221,8 +115,8 @@ def test_the_pickers_health_is_serving(stack: PickerStack) -> None:
 
 def test_the_pickers_metrics_count_its_decisions(stack: PickerStack) -> None:
     with stack.client() as client:
-        _turn(client, [{"role": "user", "content": "count me"}], stream=False)
-    status, body = _http(f"http://127.0.0.1:{stack.picker.info['metrics']}/metrics")
+        turn(client, [{"role": "user", "content": "count me"}], stream=False)
+    status, body = http(f"http://127.0.0.1:{stack.picker.info['metrics']}/metrics")
     assert status == 200
     assert (total(body, "ppd_gateway_decisions_total", path="pd", reason="turn_one") or 0) >= 1
 
@@ -268,18 +162,18 @@ def test_ppd_mode_asks_the_real_decision_service_from_turn_two(tmp_path: Path) -
         )  # fmt: skip
         exits.callback(decision.close)
         extra = ["", "[decision]", f'address = "127.0.0.1:{decision.info["grpc"]}"', "deadline_ms = 10000.0"]
-        stack = exits.enter_context(_picker_stack(tmp_path, mode="ppd", extra=extra))
+        stack = exits.enter_context(picker_stack(tmp_path, mode="ppd", extra=extra))
         messages = [{"role": "user", "content": "Tell me about tables."}]
         with stack.client() as client:
-            answer, first = _turn(client, messages, stream=True)
+            answer, first = turn(client, messages, stream=True)
             assert (first["x-ppd-path"], first["x-ppd-reason"]) == ("pd", "turn_one")
-            for turn in (2, 3):
+            for n in (2, 3):
                 messages += [
                     {"role": "assistant", "content": answer},
-                    {"role": "user", "content": f"turn {turn}"},
+                    {"role": "user", "content": f"turn {n}"},
                 ]
-                answer, headers = _turn(client, messages, stream=True)
-                assert headers["x-ppd-turn"] == str(turn)
+                answer, headers = turn(client, messages, stream=True)
+                assert headers["x-ppd-turn"] == str(n)
                 assert headers["x-ppd-reason"] in TABLE_REASONS, headers["x-ppd-reason"]
                 assert headers["x-ppd-table-version"]
                 assert headers["x-ppd-session-id"] == first["x-ppd-session-id"]

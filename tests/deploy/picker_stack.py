@@ -1,0 +1,146 @@
+"""The picker scenario's running stack for the deploy tests (deploy/envoy/picker): the simulated
+cluster, `ppd-gateway picker` on it and the real Envoy in front, each waited on until ready; the
+helpers the picker tests share (one turn through the openai client, a worker's metrics, faults)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from tests.deploy.envoy_harness import Envoy
+from tests.deploy.processes import Announced
+from tests.support.gateway_config import worker_tables
+from tests.support.metrics import total
+from tests.support.polling import wait_until
+
+__all__ = ["MODEL", "PickerStack", "http", "picker_stack", "turn"]
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return int(resp.status), bytes(resp.read())
+    except urllib.error.HTTPError as err:
+        return int(err.code), bytes(err.read())
+
+
+@dataclass
+class PickerStack:
+    envoy: Envoy
+    picker: Announced
+    workers: dict[str, str]  # id -> url
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy.listeners['picker']}"
+
+    @property
+    def picker_metrics(self) -> str:
+        return f"http://127.0.0.1:{self.picker.info['metrics']}"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def metric(self, worker_id: str, name: str, **labels: str) -> float:
+        """One worker's metric (its /metrics), summed over the other labels; 0 when absent."""
+        status, body = http(self.workers[worker_id] + "/metrics")
+        assert status == 200
+        return total(body, name, **labels) or 0.0
+
+    def prompt_tokens(self, worker_id: str, source: str | None = None) -> float:
+        """The prompt tokens a worker has computed so far, or those of one source (its /metrics:
+        external_kv_transfer counts what D pulled from P with P's kv_transfer_params)."""
+        if source is None:
+            return self.metric(worker_id, "vllm:prompt_tokens_total")
+        return self.metric(worker_id, "vllm:prompt_tokens_by_source_total", source=source)
+
+    def faults(self, worker_id: str, **faults: Any) -> None:
+        """The simulated worker's fault settings (simulator/core/faults.py), through POST /admin/faults."""
+        data = json.dumps(faults).encode()
+        status, body = http(
+            self.workers[worker_id] + "/admin/faults", data, {"Content-Type": "application/json"}
+        )
+        assert status == 200, body
+
+
+@contextmanager
+def picker_stack(
+    tmp: Path, *, mode: str, extra: list[str] | None = None, topology: str = "1P1D"
+) -> Iterator[PickerStack]:
+    """The simulated cluster (`topology`), `ppd-gateway picker` on it (in `mode`, plus `extra`
+    config lines) and the real Envoy in front, each waited on until ready."""
+    with ExitStack() as exits:
+        cluster = Announced.start(
+            [sys.executable, "-m", "simulator", "cluster", "--topology", topology, "--base-port", "0"],
+            log=tmp / "cluster.log",
+            deadline_s=60,
+        )
+        exits.callback(cluster.close)
+        workers = list(cluster.info["workers"])
+        config = tmp / "gateway.toml"
+        lines = [f'mode = "{mode}"', f'served_model = "{MODEL}"', "", "[pool]", "health_interval_s = 0.5"]
+        config.write_text("\n".join(lines + worker_tables(workers) + (extra or [])) + "\n")
+        picker = Announced.start(
+            [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
+            log=tmp / "picker.log",
+            deadline_s=60,
+        )
+        exits.callback(picker.close)
+        metrics = f"http://127.0.0.1:{picker.info['metrics']}"
+        wait_until(
+            lambda: http(metrics + "/health")[0] == 200, deadline_s=30, what="the picker to see a live D"
+        )
+        envoy = Envoy.start(
+            "picker",
+            tmp / "envoy",
+            cluster="unused",
+            upstream_ports=[],
+            extra={"PICKER_PORT": str(picker.info["grpc"])},
+        )
+        exits.callback(envoy.close)
+        envoy.await_healthy("picker", {int(picker.info["grpc"])})
+        yield PickerStack(envoy=envoy, picker=picker, workers={w["id"]: w["url"] for w in workers})
+
+
+def turn(
+    client: openai.OpenAI,
+    messages: list[dict[str, str]],
+    *,
+    stream: bool,
+    headers: dict[str, str] | None = None,
+) -> tuple[str, dict[str, str]]:
+    """One turn; the answer's text and its response headers (lower-case names)."""
+    if stream:
+        with client.chat.completions.with_streaming_response.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=8,
+            stream=True,
+            extra_headers=headers,
+        ) as response:
+            text = ""
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        text += choice.get("delta", {}).get("content") or ""
+            return text, {k.lower(): v for k, v in response.headers.items()}
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=8,
+        extra_headers=headers,
+    )
+    answer = raw.parse().choices[0].message.content or ""
+    return answer, {k.lower(): v for k, v in raw.headers.items()}
