@@ -8,6 +8,7 @@ import io
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,11 @@ async def test_a_worker_that_dies_before_it_is_ready_fails_the_cluster_with_its_
 
 
 async def test_a_stop_while_the_workers_start_ends_the_cluster_cleanly(tmp_path: Path) -> None:
+    # A command line no other process on the machine has (a plain "sleep 300" of anyone else's
+    # would read as a worker that outlived the cluster): GNU sleep adds up its arguments.
+    marker = f"sleep 300 0.{uuid.uuid4().int % 10**12:012d}"
     never_ready = tmp_path / "python"
-    never_ready.write_text("#!/bin/sh\nexec sleep 300\n")
+    never_ready.write_text(f"#!/bin/sh\nexec {marker}\n")
     never_ready.chmod(0o755)
     settings = ClusterSettings(topology=Topology.parse("1P1D"), pin=False, ready_timeout_s=300, grace_s=5)
     stop = asyncio.Event()
@@ -48,7 +52,7 @@ async def test_a_stop_while_the_workers_start_ends_the_cluster_cleanly(tmp_path:
         code = await run_cluster(_prepared(never_ready, tmp_path), settings, out, stop)
     assert code == 0
     assert out.getvalue() == ""
-    assert not _running("sleep 300")  # no worker outlives the cluster
+    assert not _running(marker)  # no worker outlives the cluster
 
 
 def _running(command: str) -> bool:
