@@ -5,6 +5,7 @@ helpers the picker tests share (one turn through the openai client, a worker's m
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import urllib.error
 import urllib.request
@@ -17,7 +18,7 @@ from typing import Any
 import openai
 
 from tests.deploy.envoy_harness import Envoy
-from tests.deploy.processes import Announced
+from tests.deploy.processes import REPO, Announced
 from tests.support.gateway_config import worker_tables
 from tests.support.metrics import total
 from tests.support.polling import wait_until
@@ -25,6 +26,34 @@ from tests.support.polling import wait_until
 __all__ = ["MODEL", "PickerStack", "http", "picker_stack", "turn"]
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+#: The test table the decision service serves, and the reasons its answers may carry.
+TABLE = REPO / "tests" / "testdata" / "tables" / "good.ppdt"
+TABLE_REASONS = frozenset(
+    {
+        "table",
+        "weights",
+        "nearest_cell",
+        "default",
+        "live_signal",
+        "pd_failed_in_cell",
+        "local_failed_in_cell",
+    }
+)
+
+
+def decision_service(tmp_path: Path) -> Announced:
+    """A real DecisionService on a copy of TABLE, on port 0 (the caller closes it)."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    shutil.copy(TABLE, tables / TABLE.name)
+    return Announced.start(
+        [sys.executable, "-m", "decision_service", "serve", "--tables", str(tables), "--port", "0",
+         "--metrics-port", "0"],
+        log=tmp_path / "decision.log",
+        deadline_s=60,
+    )  # fmt: skip
 
 
 def http(url: str, body: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,8 +22,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.deploy.envoy_harness import SCENARIOS
-from tests.deploy.picker_stack import MODEL, PickerStack, http, picker_stack, turn
-from tests.deploy.processes import REPO, Announced
+from tests.deploy.picker_stack import (
+    MODEL,
+    TABLE_REASONS,
+    PickerStack,
+    decision_service,
+    http,
+    picker_stack,
+    turn,
+)
 from tests.support.metrics import total
 
 pytestmark = pytest.mark.integration
@@ -135,31 +140,11 @@ def test_verify_script_passes_against_the_live_scenario(stack: PickerStack) -> N
     assert "picker scenario verified" in result.stdout
 
 
-TABLE = REPO / "tests" / "testdata" / "tables" / "good.ppdt"
-TABLE_REASONS = {
-    "table",
-    "weights",
-    "nearest_cell",
-    "default",
-    "live_signal",
-    "pd_failed_in_cell",
-    "local_failed_in_cell",
-}
-
-
 def test_ppd_mode_asks_the_real_decision_service_from_turn_two(tmp_path: Path) -> None:
     """`ppd` mode: Turn 1 through P without asking, Turn 2+ as the DecisionService's table says, on
     the session's D when local; the table's version reaches the client through Envoy."""
-    tables = tmp_path / "tables"
-    tables.mkdir()
-    shutil.copy(TABLE, tables / TABLE.name)
     with ExitStack() as exits:
-        decision = Announced.start(
-            [sys.executable, "-m", "decision_service", "serve", "--tables", str(tables), "--port", "0",
-             "--metrics-port", "0"],
-            log=tmp_path / "decision.log",
-            deadline_s=60,
-        )  # fmt: skip
+        decision = decision_service(tmp_path)
         exits.callback(decision.close)
         extra = ["", "[decision]", f'address = "127.0.0.1:{decision.info["grpc"]}"', "deadline_ms = 10000.0"]
         stack = exits.enter_context(picker_stack(tmp_path, mode="ppd", extra=extra))

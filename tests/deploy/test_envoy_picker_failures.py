@@ -8,9 +8,7 @@ on the session's D); the DecisionService and picker-down cases start stacks of t
 from __future__ import annotations
 
 import json
-import shutil
 import socket
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, closing
 from pathlib import Path
@@ -18,14 +16,12 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.picker_stack import MODEL, PickerStack, http, picker_stack, turn
-from tests.deploy.processes import REPO, Announced
+from tests.deploy.picker_stack import MODEL, PickerStack, decision_service, http, picker_stack, turn
+from tests.deploy.processes import Announced
 from tests.support.metrics import total
 from tests.support.polling import wait_until
 
 pytestmark = pytest.mark.integration
-
-TABLE = REPO / "tests" / "testdata" / "tables" / "good.ppdt"
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +66,7 @@ def test_decision_service_down_or_absent_serves_turn_two_on_the_fallback(
         extra = ["", "[decision]", 'fallback = "pd"', "deadline_ms = 2000.0"]
         decision: Announced | None = None
         if service == "stopped":
-            tables = tmp_path / "tables"
-            tables.mkdir()
-            shutil.copy(TABLE, tables / TABLE.name)
-            decision = Announced.start(
-                [sys.executable, "-m", "decision_service", "serve", "--tables", str(tables), "--port", "0",
-                 "--metrics-port", "0"],
-                log=tmp_path / "decision.log",
-                deadline_s=60,
-            )  # fmt: skip
+            decision = decision_service(tmp_path)
             exits.callback(decision.close)
             extra.append(f'address = "127.0.0.1:{decision.info["grpc"]}"')
         stack = exits.enter_context(picker_stack(tmp_path, mode="ppd", extra=extra))
