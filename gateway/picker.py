@@ -1,9 +1,11 @@
 """The Envoy endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor.Process` (one gRPC stream
 per HTTP request) over the gateway's request core (core.py). Envoy carries D's leg and streams the
-answer; Python touches only the request, once. docs/envoy-extproc.md has the protocol facts.
+answer; Python touches only the request, once, but for the few answers it observes (rule 6).
+docs/envoy-extproc.md has the protocol facts.
 
 Rule 1 (processing mode, deploy/envoy/picker/envoy.yaml): request headers SEND, request body BUFFERED,
-response headers SEND, response body NONE, trailers SKIP. Each message gets its own answer, in order.
+response headers SEND, response body NONE (STREAMED for an observed answer: rule 6), trailers SKIP.
+Each message gets its own answer, in order.
 A request body in several messages (another body mode) is refused with a 500 ImmediateResponse.
 Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a body): the headers are
 answered empty; on the body the core runs (parse and limits, session, ψ, decision, exploration, plan,
@@ -204,7 +206,7 @@ class _Observation:
                 t.outcome, stream=stream, start=t.turn.start, worker=worker, max_body_bytes=self._max
             )
             return True
-        t.outcome.error = f"worker {worker} answered {status}" if status != "200" else "an empty answer"
+        t.outcome.error = f"worker {worker} " + (f"answered {status}" if status != "200" else "sent no body")
         self._core.end(t)
         return False
 

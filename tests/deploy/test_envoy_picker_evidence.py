@@ -213,7 +213,8 @@ def test_table_refresh_takes_the_pickers_explored_lines_as_evidence(
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and?"}]
         turn(client, messages, stream=True)
     _session_lines(log, first["x-ppd-session-id"], 1)
-    lines = _lines(log)
+    raw = log.read_bytes()  # once: the picker may still be flushing another test's lines
+    lines = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
     evidence = [x for x in lines if x["ok"] and x["turn"] >= 2 and x["path"] in ("pd", "local")]
     assert evidence
     base = tmp_path / "base" / f"{SHAPE}__{MODEL_LABEL}.ppdt"
@@ -224,7 +225,7 @@ def test_table_refresh_takes_the_pickers_explored_lines_as_evidence(
     base.write_bytes(built.encode())
     logs = tmp_path / "logs" / "picker-0"
     logs.mkdir(parents=True)
-    (logs / "requests.jsonl").write_bytes(log.read_bytes())
+    (logs / "requests.jsonl").write_bytes(raw)
     out = tmp_path / "out"
     out.mkdir()
     result = subprocess.run(

@@ -236,3 +236,14 @@ async def test_an_error_before_routing_writes_the_sampled_turns_line(setup: Setu
     assert line["ok"] is False
     assert "prefill" in line["error"]
     assert _inflight(deps) == 0
+
+
+async def test_a_200_without_a_body_is_a_line_with_its_error(setup: Setup) -> None:
+    picker, deps, clock, path = setup(share=1.0)
+    empty = _response_headers()
+    empty.response_headers.end_of_stream = True
+    answers = await _run(picker, clock, [_headers(), _chat_stream(), empty])
+    assert not answers[2].HasField("mode_override")
+    (line,) = _lines(deps, path)
+    assert (line["ok"], line["error"]) == (False, "worker D0 sent no body")
+    assert _inflight(deps) == 0

@@ -120,5 +120,5 @@ def test_the_streaming_client_is_chosen_in_the_upstream_section() -> None:
 def test_the_pickers_observe_share_is_a_share(share: float) -> None:
     assert Settings().log.picker_observe_share == 0.05
     assert Settings.from_mapping({"log": {"picker_observe_share": 1}}).log.picker_observe_share == 1.0
-    with pytest.raises(SettingsError, match="log.picker_observe_share must be between 0 and 1"):
+    with pytest.raises(SettingsError, match=r"log\.picker_observe_share must be between 0 and 1"):
         Settings.from_mapping({"log": {"picker_observe_share": share}})
