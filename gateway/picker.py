@@ -226,8 +226,8 @@ class _Observation:
             await self._core.remember(
                 t.turn, outcome, answer.text, answer.usage, completion_chunks=answer.chunks
             )
+            outcome.delivered = True  # the whole answer is Envoy's to pass on once this is answered
         if last:
-            outcome.delivered = outcome.ok
             self._core.end(t)
 
     @staticmethod

@@ -247,3 +247,12 @@ async def test_a_200_without_a_body_is_a_line_with_its_error(setup: Setup) -> No
     (line,) = _lines(deps, path)
     assert (line["ok"], line["error"]) == (False, "worker D0 sent no body")
     assert _inflight(deps) == 0
+
+
+async def test_a_stream_closed_after_done_is_a_served_turn(setup: Setup) -> None:
+    """The client (or Envoy) gone after [DONE] but before the body's end: the answer was whole."""
+    picker, deps, clock, path = setup(share=1.0)
+    await _run(picker, clock, _stream_turn(last_apart=True)[:-1])
+    (line,) = _lines(deps, path)
+    assert (line["ok"], line["error"], line["n_out"]) == (True, None, 3)
+    assert _inflight(deps) == 0
