@@ -7,6 +7,8 @@ X-PPD headers through that config as through our own.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import openai
@@ -58,7 +60,8 @@ def test_envoy_sends_the_recorded_sequences_and_every_client_gets_its_answer(tmp
 
 def test_a_multi_turn_streamed_chat_is_the_same_through_the_gie_config(tmp_path: Path) -> None:
     """One picker, two Envoys in front of it (ours: BUFFERED; GIE's: full duplex): the same
-    conversation, each under its own session, gets the same answers and routing headers."""
+    conversation, each under its own session, gets the same answers and routing headers; the
+    scenario's verify.sh passes against the GIE-style Envoy too."""
     with picker_stack(tmp_path, mode="local") as stack:
         gie = Envoy.start(
             "picker",
@@ -74,8 +77,18 @@ def test_a_multi_turn_streamed_chat_is_the_same_through_the_gie_config(tmp_path:
             results = {
                 name: _chat(url, session=name) for name, url in (("ours", stack.url), ("gie", gie_url))
             }
+            env = {
+                **os.environ,
+                "ENVOY": gie_url.removeprefix("http://"),
+                "ADMIN": gie.admin.removeprefix("http://"),
+            }
+            verify = subprocess.run(
+                ["bash", str(SCENARIOS / "picker" / "verify.sh")],
+                env=env, capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
         finally:
             gie.close()
+    assert verify.returncode == 0, verify.stdout + verify.stderr  # the scenario's checks hold too
     assert results["gie"] == results["ours"]
     assert [(routing[0], routing[2], routing[3]) for _, routing in results["gie"]] == [
         ("pd", "1", "D0"),
