@@ -246,9 +246,15 @@ def test_picker_gie_variant_passes_validate_with_full_duplex_bodies(tmp_path: Pa
 
 
 def test_validate_rejects_full_duplex_without_trailers(tmp_path: Path) -> None:
-    """Envoy itself refuses FULL_DUPLEX_STREAMED with trailers skipped: why the variant sends them."""
+    """Envoy itself refuses a FULL_DUPLEX_STREAMED body with its trailers skipped: why the variant
+    sends them."""
     values = {"LISTEN_PORT": "10000", "ADMIN_PORT": "9901", "PICKER_PORT": "9002"}
     text = render((SCENARIOS / "picker" / "envoy-gie.yaml").read_text(), values)
     broken = text.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP")
     assert broken != text
     assert validate(broken, tmp_path).returncode != 0
+    # The response body off (NONE): its trailers may be skipped (docs/envoy-extproc.md).
+    request_only = text.replace("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE")
+    request_only = request_only.replace("response_trailer_mode: SEND", "response_trailer_mode: SKIP")
+    result = validate(request_only, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

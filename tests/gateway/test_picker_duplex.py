@@ -227,3 +227,15 @@ def test_without_a_protocol_config_nothing_is_duplex() -> None:
     mode = modes(pb.ProcessingRequest(request_headers=pb.HttpHeaders()))
     assert not mode.request
     assert not mode.response
+
+
+async def test_a_duplex_request_with_the_response_body_off_is_answered_without_echoes() -> None:
+    """Request body FULL_DUPLEX_STREAMED, response body NONE (the answer streamed by Envoy alone):
+    each direction follows its own mode."""
+    headers = _duplex_headers()
+    headers.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    response_headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+    answers, _ = await _replay([headers, _chunk(body.encode(), end=True), response_headers])
+    assert _kinds(answers) == ["request_headers", "request_body", "response_headers"]
+    assert _sets(answers[2].response_headers.response.header_mutation)["x-ppd-turn"] == "1"
