@@ -2,23 +2,32 @@
 per HTTP request) over the gateway's request core (core.py). Envoy carries D's leg and streams the
 answer; Python touches only the request, once. docs/envoy-extproc.md has the protocol facts.
 
-Rule 1 (processing mode, deploy/envoy/picker/envoy.yaml): request headers SEND, request body BUFFERED,
-response headers SEND, response body NONE, trailers SKIP. Each message gets its own answer, in order.
-A request body in several messages (another body mode) is refused with a 500 ImmediateResponse.
-Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a body): the headers are
-answered empty; on the body the core runs (parse and limits, session, ψ, decision, exploration, plan,
-the P leg with its retries and fallback, metrics, the session remembered) and the answer sets the
-destination header `x-gateway-destination-endpoint: host:port` (D's, or the replica's) and the
-same value as `envoy.lb` dynamic metadata, clears the route cache, replaces the body with D's
-(a client-sent `kv_transfer_params` dropped; for pd and bidir P's params) with its Content-Length,
-sets the legs' `X-Request-Id` (and the worker key when one is set; a client's Authorization is kept
-only with `forward_authorization`), and removes a client's `x-prefiller-host-port`.
-Rule 3: a GatewayError (what the standalone gateway renders as an OpenAI-style error) is an
-ImmediateResponse with the same status and body; anything else is a 500 with the same body as the
-standalone's. The stream then ends.
-Rule 4: the response headers get the turn's provenance headers (turn_report.PROVENANCE_HEADERS).
+Rule 1 (processing modes): our config (deploy/envoy/picker/envoy.yaml) sends request headers, the
+request body BUFFERED and response headers (response body NONE, trailers SKIP); the GIE-style config
+(envoy-gie.yaml, what GIE's gateways send) has request and response bodies FULL_DUPLEX_STREAMED and
+trailers SEND. The mode comes from the stream's first message (picker_stream rule 1); in full duplex
+the body is gathered, answered and echoed by picker_stream.py's rules 2-4. Each message gets its
+answer, in order. A request body in pieces outside full duplex (STREAMED) is refused with a 500
+ImmediateResponse.
+Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a body): when the whole
+body is there (BUFFERED: its one message, the headers answered empty; full duplex: gathered up to
+`max_body_bytes`, the headers answered afterwards) the core runs (parse and limits, session, ψ,
+decision, exploration, plan, the P leg with its retries and fallback, metrics, the session
+remembered) and the answer sets the destination header `x-gateway-destination-endpoint: host:port`
+(D's, or the replica's) and the same value as `envoy.lb` dynamic metadata, clears the route cache,
+replaces the body with D's (a client-sent `kv_transfer_params` dropped; for pd and bidir P's params)
+(BUFFERED: in the body's answer, with its Content-Length; full duplex: the mutation in the headers'
+answer with Content-Length removed, the body as streamed chunks), sets the legs' `X-Request-Id` (and
+the worker key when one is set; a client's Authorization is kept only with
+`forward_authorization`), and removes a client's `x-prefiller-host-port`.
+Rule 3: a GatewayError (what the standalone gateway renders as an OpenAI-style error, 413 for a body
+over `max_body_bytes` included) is an ImmediateResponse with the same status and body; anything else
+is a 500 with the same body as the standalone's. The stream then ends.
+Rule 4: the response headers get the turn's provenance headers (turn_report.PROVENANCE_HEADERS); in
+full duplex each response body chunk is echoed unchanged and trailers are answered empty.
 Rule 5: any other request (no body, another path or method) goes to a live worker as the standalone's
-pass-through routes do (decode, replica, prefill in that order); none live: ImmediateResponse 503.
+pass-through routes do (decode, replica, prefill in that order), on its headers' answer (its body,
+in full duplex, echoed); none live: ImmediateResponse 503.
 Rule 6: the picker never sees the answer: the turn is remembered when it is routed (core.py rule 6)
 and no TTFT, TPOT or request-log line is recorded yet (issue 25 item 3).
 """
@@ -41,6 +50,7 @@ from google.protobuf import struct_pb2
 from gateway.core import RequestCore
 from gateway.deps import Deps
 from gateway.errors import GatewayError, NoWorkerError, error_body
+from gateway.picker_stream import BodyAssembly, Modes, echo, modes, streamed_body
 from gateway.ports import ClientRequest
 from gateway.turn_report import provenance_headers
 from gateway.types import Endpoint
@@ -64,7 +74,9 @@ PREFILLER_HEADER: Final = "x-prefiller-host-port"
 LB_NAMESPACE: Final = "envoy.lb"
 _ENDPOINTS: Final[Mapping[str, Endpoint]] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _SET: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_UNBUFFERED: Final = "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED"
+_UNBUFFERED: Final = (
+    "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED or FULL_DUPLEX_STREAMED"
+)
 
 
 class Headers(Mapping[str, str]):
@@ -168,42 +180,85 @@ class Picker:
         headers = Headers({})
         endpoint: Endpoint | None = None
         provenance: Mapping[str, str] = {}
+        mode: Modes | None = None
+        gathering: BodyAssembly | None = None  # a duplex completion's body (picker_stream rule 2)
         async for message in request_iterator:
+            mode = mode or modes(message)
             kind = message.WhichOneof("request")
+            answers: list[pb.ProcessingResponse] = []
             if kind == "request_headers":
                 headers = _header_map(message.request_headers)
-                path = headers.get(":path", "").split("?", 1)[0]
-                endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
-                if endpoint is None or message.request_headers.end_of_stream:
-                    answer = self._passthrough()
-                    yield answer
-                    if answer.HasField("immediate_response"):
-                        return
-                    endpoint = None
+                endpoint, answers = self._on_headers(message.request_headers, headers, mode)
+                if endpoint is not None and mode.request:  # answered with the body (picker_stream rule 2)
+                    gathering = BodyAssembly(self._d.settings.max_body_bytes)
+            elif kind == "request_body" or (kind == "request_trailers" and mode.request):
+                if mode.request:
+                    answers, routed = await self._duplex_request(message, gathering, endpoint, headers)
                 else:
-                    yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-            elif kind == "request_body":
-                if not message.request_body.end_of_stream:
-                    # A body in pieces: Envoy is not in BUFFERED mode (rule 1); streamed bodies are not
-                    # supported yet (issue 25 item 5), so the request is refused, never half-routed.
-                    log.warning("request body in pieces: the picker needs request_body_mode BUFFERED")
-                    yield _immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))
-                    return
-                body = message.request_body.body
-                if endpoint is None:
-                    yield pb.ProcessingResponse(request_body=pb.BodyResponse())
-                    continue
-                answer, provenance = await self._pick(endpoint, body, headers)
-                yield answer
-                if answer.HasField("immediate_response"):
-                    return
+                    answers, routed = await self._buffered_request(message.request_body, endpoint, headers)
+                if routed is not None:
+                    provenance, gathering = routed, None
             elif kind == "response_headers":
                 mutation = pb.HeaderMutation(set_headers=[_set(k, v) for k, v in provenance.items()])
-                yield pb.ProcessingResponse(
-                    response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
-                )
-            elif kind is not None:  # response body and trailers: not sent in our mode; answered empty
-                yield _empty_answer(kind)
+                common = pb.CommonResponse(header_mutation=mutation)
+                answers = [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
+            elif kind == "response_body" and mode.response:
+                answers = [echo(message)]  # picker_stream rule 4
+            elif kind is not None:  # the response body outside full duplex, trailers: answered empty
+                answers = [_empty_answer(kind)]
+            for answer in answers:
+                yield answer
+            if answers and answers[0].HasField("immediate_response"):
+                return
+
+    def _on_headers(
+        self, message: pb.HttpHeaders, headers: Headers, mode: Modes
+    ) -> tuple[Endpoint | None, list[pb.ProcessingResponse]]:
+        """The request headers: a completion's endpoint (answered empty in BUFFERED mode, later in
+        full duplex), or rule 5's pass-through."""
+        path = headers.get(":path", "").split("?", 1)[0]
+        endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
+        if endpoint is None or message.end_of_stream:
+            return None, [self._passthrough()]
+        return endpoint, [] if mode.request else [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    async def _buffered_request(
+        self, body: pb.HttpBody, endpoint: Endpoint | None, headers: Headers
+    ) -> tuple[list[pb.ProcessingResponse], Mapping[str, str] | None]:
+        """The request body in BUFFERED mode (rules 1-3): its answer, and the provenance when routed."""
+        if not body.end_of_stream:
+            # A body in pieces outside full duplex (STREAMED): refused, never half-routed (rule 1).
+            log.warning("request body in pieces: the picker needs BUFFERED or FULL_DUPLEX_STREAMED")
+            return [_immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))], None
+        if endpoint is None:
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())], None
+        return await self._pick(endpoint, body.body, headers)
+
+    async def _duplex_request(
+        self,
+        message: pb.ProcessingRequest,
+        gathering: BodyAssembly | None,
+        endpoint: Endpoint | None,
+        headers: Headers,
+    ) -> tuple[list[pb.ProcessingResponse], Mapping[str, str] | None]:
+        """A request body chunk or the request trailers in full duplex (picker_stream rules 2-4): the
+        answers to send now, and the provenance once the completion is routed."""
+        kind = message.WhichOneof("request")
+        if gathering is None or endpoint is None:  # a pass-through's body, or trailers after routing
+            return [echo(message) if kind == "request_body" else _empty_answer(kind or "")], None
+        try:
+            if kind == "request_body":
+                gathering.add(message.request_body)
+            else:
+                gathering.end_with_trailers()
+        except GatewayError as exc:  # over max_body_bytes
+            return [_immediate(*exc.to_openai_error())], None
+        if not gathering.complete:
+            return [], None
+        answers, provenance = await self._pick(endpoint, gathering.body, headers, duplex=gathering)
+        if kind == "request_trailers" and not answers[0].HasField("immediate_response"):
+            answers.append(_empty_answer(kind))  # after the body (picker_stream rule 3)
+        return answers, provenance
 
     def _passthrough(self) -> pb.ProcessingResponse:
         """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
@@ -220,33 +275,36 @@ class Picker:
         )
 
     async def _pick(
-        self, endpoint: Endpoint, body: bytes, headers: Headers
-    ) -> tuple[pb.ProcessingResponse, Mapping[str, str]]:
-        """Rules 2 and 3: the core's answer as the request body's response."""
+        self, endpoint: Endpoint, body: bytes, headers: Headers, *, duplex: BodyAssembly | None = None
+    ) -> tuple[list[pb.ProcessingResponse], Mapping[str, str]]:
+        """Rules 2 and 3: the core's answer, as the buffered body's response or, in full duplex, as
+        the headers response and the streamed body (picker_stream rule 3); or one ImmediateResponse."""
         try:
             picked = await self.pick(ClientRequest(endpoint, body, headers))
         except GatewayError as exc:
             status, err = exc.to_openai_error()
-            return _immediate(status, err), {}
+            return [_immediate(status, err)], {}
         except Exception:
             log.exception("unhandled error picking an endpoint")
-            return _immediate(500, error_body("internal gateway error", "InternalServerError", 500)), {}
-        sets = [
-            _set(DESTINATION_HEADER, picked.destination),
-            _set("content-length", str(len(picked.body))),
-            *(_set(k, v) for k, v in picked.headers),
-        ]
+            return [_immediate(500, error_body("internal gateway error", "InternalServerError", 500))], {}
+        sets = [_set(DESTINATION_HEADER, picked.destination), *(_set(k, v) for k, v in picked.headers)]
         removes = [PREFILLER_HEADER]
+        if duplex is None:
+            sets.append(_set("content-length", str(len(picked.body))))
+        else:  # Envoy sends a replaced duplex body chunked: a Content-Length would be stale
+            removes.append("content-length")
         if not any(k.lower() == "authorization" for k, _ in picked.headers):
             removes.append("authorization")
         mutation = pb.HeaderMutation(set_headers=sets, remove_headers=removes)
-        return (
-            pb.ProcessingResponse(
-                request_body=pb.BodyResponse(response=_routed(headers=mutation, body=picked.body)),
-                dynamic_metadata=_lb_metadata(picked.destination),
-            ),
-            picked.provenance,
+        metadata = _lb_metadata(picked.destination)
+        if duplex is None:
+            routed = pb.BodyResponse(response=_routed(headers=mutation, body=picked.body))
+            return [pb.ProcessingResponse(request_body=routed, dynamic_metadata=metadata)], picked.provenance
+        first = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=_routed(headers=mutation, body=None)),
+            dynamic_metadata=metadata,
         )
+        return [first, *streamed_body(picked.body, end=not duplex.trailers)], picked.provenance
 
     async def pick(self, request: ClientRequest) -> Picked:
         """The core for one completion request: routed, its P leg run, the turn remembered."""
