@@ -3,36 +3,50 @@ per HTTP request) over the gateway's request core (core.py). Envoy carries D's l
 answer; Python touches only the request, once, but for the few answers it observes (rule 6).
 docs/envoy-extproc.md has the protocol facts.
 
-Rule 1 (processing mode, deploy/envoy/picker/envoy.yaml): request headers SEND, request body BUFFERED,
-response headers SEND, response body NONE (STREAMED for an observed answer: rule 6), trailers SKIP.
-Each message gets its own answer, in order.
-A request body in several messages (another body mode) is refused with a 500 ImmediateResponse.
-Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a body): the headers are
-answered empty; on the body the core runs (parse and limits, session, ψ, decision, exploration, plan,
-the P leg with its retries and fallback, metrics, the session remembered) and the answer sets the
-destination header `x-gateway-destination-endpoint: host:port` (D's, or the replica's) and the
-same value as `envoy.lb` dynamic metadata, clears the route cache, replaces the body with D's
-(a client-sent `kv_transfer_params` dropped; for pd and bidir P's params) with its Content-Length,
-sets the legs' `X-Request-Id` (and the worker key when one is set; a client's Authorization is kept
-only with `forward_authorization`), and removes a client's `x-prefiller-host-port`.
-Rule 3: a GatewayError (what the standalone gateway renders as an OpenAI-style error) is an
-ImmediateResponse with the same status and body; anything else is a 500 with the same body as the
-standalone's. The stream then ends.
-Rule 4: the response headers get the turn's provenance headers (turn_report.PROVENANCE_HEADERS).
+Rule 1 (processing modes): our config (deploy/envoy/picker/envoy.yaml) sends request headers, the
+request body BUFFERED and response headers (response body NONE, STREAMED for an observed answer by
+rule 6; trailers SKIP); the GIE-style config
+(envoy-gie.yaml, what GIE's gateways send) has request and response bodies FULL_DUPLEX_STREAMED and
+trailers SEND. The mode comes from the stream's first message (picker_stream rule 1); in full duplex
+the body is gathered, answered and echoed by picker_stream.py's rules 2-4. Each message gets its
+answer, in order. A request body in pieces outside full duplex (STREAMED) is refused with a 500
+ImmediateResponse.
+Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a body): when the whole
+body is there (BUFFERED: its one message, the headers answered empty; full duplex: gathered up to
+`max_body_bytes`, the headers answered afterwards) the core runs (parse and limits, session, ψ,
+decision, exploration, plan, the P leg with its retries and fallback, metrics, the session
+remembered) and the answer sets the destination header `x-gateway-destination-endpoint: host:port`
+(D's, or the replica's) and the same value as `envoy.lb` dynamic metadata, clears the route cache,
+replaces the body with D's (a client-sent `kv_transfer_params` dropped; for pd and bidir P's params)
+(BUFFERED: in the body's answer, with its Content-Length; full duplex: the mutation in the headers'
+answer with Content-Length removed, the body as streamed chunks), sets the legs' `X-Request-Id` (and
+the worker key when one is set; a client's Authorization is kept only with
+`forward_authorization`), and removes a client's `x-prefiller-host-port`.
+Rule 3: a GatewayError (what the standalone gateway renders as an OpenAI-style error, 413 for a body
+over `max_body_bytes` included) is an ImmediateResponse with the same status and body; anything else
+is a 500 with the same body as the standalone's. The stream then ends.
+Rule 4: the response headers get the turn's provenance headers (turn_report.PROVENANCE_HEADERS); in
+full duplex each response body chunk is echoed unchanged and trailers are answered empty.
 Rule 5: any other request (no body, another path or method) goes to a live worker as the standalone's
-pass-through routes do (decode, replica, prefill in that order); none live: ImmediateResponse 503.
+pass-through routes do (decode, replica, prefill in that order), on its headers' answer (its body,
+in full duplex, echoed); none live: ImmediateResponse 503.
 Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
 the response body mode stays NONE. A turn is *observed* when it is drawn (share
 `[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
 learns from them): the core holds it (core.py rule 7), and the answer to the response headers of a 200
 carries `mode_override` with `response_body_mode: STREAMED` (`_OBSERVE`; Envoy honours it in answers
 to headers messages with the filter's `allow_mode_override`). Envoy then sends each chunk of the
-answer and waits for its (empty) answer before passing the very same bytes on; answer_observer.py
-learns from each (bytes, time): TTFT, the last token, the answer's text, usage and chunk count. At
-`[DONE]` (before that chunk goes on) the turn is remembered again with the real answer (its token
-count, its answer key), and at the body's end the turn ends: the TTFT and TPOT metrics and the same
-request-log line the standalone gateway writes (turn_report.py). A non-200 answer, a cut stream or a
-stream that ends early (the client gone: CLIENT_DISCONNECTED) is a line with its error.
+answer and waits for its (empty) answer before passing the very same bytes on. observed_turn.py
+learns from each (bytes, time) through answer_observer.py: TTFT, the last token, the answer's text,
+usage and chunk count. At `[DONE]` (before that chunk goes on) the turn is remembered again with the
+real answer (its token count, its answer key), and at the body's end the turn ends: the TTFT and
+TPOT metrics and the same request-log line the standalone gateway writes (turn_report.py). A non-200
+answer, a cut stream or a stream that ends early (the client gone: CLIENT_DISCONNECTED) is a line
+with its error.
+In full duplex the response body comes to the picker anyway (echoed, rule 4): an observed answer is
+read from the echoed chunks, without an override. With only the request side in full duplex Envoy
+ignores `mode_override`: the answer cannot be observed, and the turn ends at its response headers
+without a line.
 """
 
 from __future__ import annotations
@@ -52,14 +66,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from gateway.answer_observer import AnswerObserver
 from gateway.core import ActiveTurn, RequestCore
 from gateway.deps import Deps
 from gateway.errors import GatewayError, NoWorkerError, error_body
+from gateway.observed_turn import ObservedTurn
+from gateway.picker_stream import BodyAssembly, Modes, echo, modes, streamed_body
 from gateway.ports import ClientRequest
 from gateway.turn_report import exploration, provenance_headers
 from gateway.types import Endpoint
-from ppd.records import CLIENT_DISCONNECTED
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -80,7 +94,9 @@ PREFILLER_HEADER: Final = "x-prefiller-host-port"
 LB_NAMESPACE: Final = "envoy.lb"
 _ENDPOINTS: Final[Mapping[str, Endpoint]] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _SET: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
-_UNBUFFERED: Final = "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED"
+_UNBUFFERED: Final = (
+    "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED or FULL_DUPLEX_STREAMED"
+)
 _Mode = processing_mode_pb2.ProcessingMode
 # Rule 6: an observed turn's processing mode from its response headers on (Envoy takes the body modes
 # as given, so both are named; the config's `allowed_override_modes` lists exactly this one).
@@ -182,68 +198,6 @@ def _routed(*, headers: pb.HeaderMutation, body: bytes | None) -> pb.CommonRespo
     )
 
 
-class _Observation:
-    """Rule 6 for one observed turn, from its response headers to the end of its answer."""
-
-    __slots__ = ("_core", "_max", "_observer", "_stream", "_t")
-
-    def __init__(self, core: RequestCore, picked: Picked, max_body_bytes: int) -> None:
-        assert picked.observed is not None
-        self._core = core
-        self._t = picked.observed
-        self._stream = picked.stream
-        self._max = max_body_bytes
-        self._observer: AnswerObserver | None = None
-
-    def headers(self, message: pb.HttpHeaders) -> bool:
-        """The response headers: True when the body is to be observed (a 200 with a body)."""
-        t = self._t
-        stream = self._stream
-        status = _header_map(message).get(":status", "")
-        worker = t.outcome.decode_worker
-        if status == "200" and not message.end_of_stream:
-            self._observer = AnswerObserver(
-                t.outcome, stream=stream, start=t.turn.start, worker=worker, max_body_bytes=self._max
-            )
-            return True
-        t.outcome.error = f"worker {worker} " + (f"answered {status}" if status != "200" else "sent no body")
-        self._core.end(t)
-        return False
-
-    async def body(self, message: pb.HttpBody, at: float) -> None:
-        """One chunk of the answer, received at `at`: learnt from; at its end the turn ends."""
-        observer = self._observer
-        if observer is None:
-            return
-        t = self._t
-        outcome = t.outcome
-        answer = observer.feed(message.body, at)
-        last = message.end_of_stream or message.end_of_stream_without_message
-        if last and answer is None:
-            answer = observer.end()
-        if answer is not None:  # before this chunk goes on: the client's next turn must find this one
-            outcome.ok = True
-            await self._core.remember(
-                t.turn, outcome, answer.text, answer.usage, completion_chunks=answer.chunks
-            )
-            outcome.delivered = True  # the whole answer is Envoy's to pass on once this is answered
-        if last:
-            self._core.end(t)
-
-    @staticmethod
-    def close_if(watch: _Observation | None) -> None:
-        if watch is not None:
-            watch.close()
-
-    def close(self) -> None:
-        """The ext_proc stream is over: a turn still held lost its client (or Envoy its worker)."""
-        t = self._t
-        if t.held and not t.outcome.delivered:
-            t.outcome.ok = False
-            t.outcome.error = t.outcome.error or CLIENT_DISCONNECTED
-        self._core.end(t)
-
-
 class Picker:
     """Rules 1-6, one `Process` stream per request (registered with
     `external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server`). `draw` (tests: a fixed
@@ -264,59 +218,122 @@ class Picker:
         headers = Headers({})
         endpoint: Endpoint | None = None
         provenance: Mapping[str, str] = {}
-        watch: _Observation | None = None  # rule 6: an observed turn, held until its answer is over
+        mode: Modes | None = None
+        gathering: BodyAssembly | None = None  # a duplex completion's body (picker_stream rule 2)
+        watch: ObservedTurn | None = None  # rule 6: an observed turn, held until its answer is over
         try:
             async for message in request_iterator:
+                mode = mode or modes(message)
                 kind = message.WhichOneof("request")
+                answers: list[pb.ProcessingResponse] = []
                 if kind == "request_headers":
                     headers = _header_map(message.request_headers)
-                    path = headers.get(":path", "").split("?", 1)[0]
-                    endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
-                    if endpoint is None or message.request_headers.end_of_stream:
-                        answer = self._passthrough()
-                        yield answer
-                        if answer.HasField("immediate_response"):
-                            return
-                        endpoint = None
+                    endpoint, answers = self._on_headers(message.request_headers, headers, mode)
+                    if endpoint is not None and mode.request:  # answered with the body (picker_stream rule 2)
+                        gathering = BodyAssembly(self._d.settings.max_body_bytes)
+                elif kind == "request_body" or (kind == "request_trailers" and mode.request):
+                    if mode.request:
+                        answers, routed = await self._duplex_request(message, gathering, endpoint, headers)
                     else:
-                        yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-                elif kind == "request_body":
-                    if not message.request_body.end_of_stream:
-                        # A body in pieces: Envoy is not in BUFFERED mode (rule 1); streamed bodies are
-                        # not supported yet (issue 25 item 5): refused, never half-routed.
-                        log.warning("request body in pieces: the picker needs request_body_mode BUFFERED")
-                        yield _immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))
-                        return
-                    body = message.request_body.body
-                    if endpoint is None:
-                        yield pb.ProcessingResponse(request_body=pb.BodyResponse())
-                        continue
-                    answer, provenance, watch = await self._pick(endpoint, body, headers)
-                    yield answer
-                    if answer.HasField("immediate_response"):
-                        return
+                        answers, routed = await self._buffered_request(
+                            message.request_body, endpoint, headers
+                        )
+                    if routed is not None:
+                        provenance, gathering, watch = routed.provenance, None, self._watch(routed)
                 elif kind == "response_headers":
-                    observe = watch is not None and watch.headers(message.response_headers)
-                    mutation = pb.HeaderMutation(set_headers=[_set(k, v) for k, v in provenance.items()])
-                    yield pb.ProcessingResponse(
-                        response_headers=pb.HeadersResponse(
-                            response=pb.CommonResponse(header_mutation=mutation)
-                        ),
-                        mode_override=_OBSERVE if observe else None,
-                    )
-                elif kind is not None:  # the answer's body (rule 6) and trailers: answered empty
-                    yield await self._after_headers(kind, message, watch)
+                    answers = [self._response_headers(message.response_headers, provenance, mode, watch)]
+                elif kind is not None:  # the response body (echoed in duplex; rule 6) and trailers
+                    answers = [await self._after_headers(kind, message, mode, watch)]
+                for answer in answers:
+                    yield answer
+                if answers and answers[0].HasField("immediate_response"):
+                    return
         finally:
-            _Observation.close_if(watch)
+            ObservedTurn.close_if(watch)
+
+    def _watch(self, picked: Picked) -> ObservedTurn | None:
+        if picked.observed is None:
+            return None
+        return ObservedTurn(self._core, picked.observed, stream=picked.stream, max_body_bytes=self._max_body)
+
+    def _response_headers(
+        self, message: pb.HttpHeaders, provenance: Mapping[str, str], mode: Modes, watch: ObservedTurn | None
+    ) -> pb.ProcessingResponse:
+        """Rule 4's provenance headers; rule 6: an observed answer's body switched to STREAMED (in
+        full duplex it comes anyway; with only the request side duplex it cannot be observed)."""
+        status = _header_map(message).get(":status", "")
+        body_comes = mode.response or not mode.request
+        observe = watch is not None and watch.headers(
+            status, has_body=not message.end_of_stream, body_comes=body_comes
+        )
+        mutation = pb.HeaderMutation(set_headers=[_set(k, v) for k, v in provenance.items()])
+        common = pb.CommonResponse(header_mutation=mutation)
+        return pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(response=common),
+            mode_override=_OBSERVE if observe and not mode.response else None,
+        )
 
     async def _after_headers(
-        self, kind: str, message: pb.ProcessingRequest, watch: _Observation | None
+        self, kind: str, message: pb.ProcessingRequest, mode: Modes, watch: ObservedTurn | None
     ) -> pb.ProcessingResponse:
-        """An observed answer's chunk, learnt from before it goes on (rule 6); the answer is empty,
-        as to anything else after the response headers (not sent in our mode)."""
+        """An observed answer's chunk, learnt from before it goes on (rule 6); the answer echoes it in
+        full duplex (picker_stream rule 4), else is empty, as to the trailers."""
         if kind == "response_body" and watch is not None:
-            await watch.body(message.response_body, self._d.timer())
+            body = message.response_body
+            last = body.end_of_stream or body.end_of_stream_without_message
+            await watch.body(body.body, last=last, at=self._d.timer())
+        if kind == "response_body" and mode.response:
+            return echo(message)
         return _empty_answer(kind)
+
+    def _on_headers(
+        self, message: pb.HttpHeaders, headers: Headers, mode: Modes
+    ) -> tuple[Endpoint | None, list[pb.ProcessingResponse]]:
+        """The request headers: a completion's endpoint (answered empty in BUFFERED mode, later in
+        full duplex), or rule 5's pass-through."""
+        path = headers.get(":path", "").split("?", 1)[0]
+        endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
+        if endpoint is None or message.end_of_stream:
+            return None, [self._passthrough()]
+        return endpoint, [] if mode.request else [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+
+    async def _buffered_request(
+        self, body: pb.HttpBody, endpoint: Endpoint | None, headers: Headers
+    ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+        """The request body in BUFFERED mode (rules 1-3): its answer, and what was picked when routed."""
+        if not body.end_of_stream:
+            # A body in pieces outside full duplex (STREAMED): refused, never half-routed (rule 1).
+            log.warning("request body in pieces: the picker needs BUFFERED or FULL_DUPLEX_STREAMED")
+            return [_immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))], None
+        if endpoint is None:
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())], None
+        return await self._pick(endpoint, body.body, headers)
+
+    async def _duplex_request(
+        self,
+        message: pb.ProcessingRequest,
+        gathering: BodyAssembly | None,
+        endpoint: Endpoint | None,
+        headers: Headers,
+    ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+        """A request body chunk or the request trailers in full duplex (picker_stream rules 2-4): the
+        answers to send now, and what was picked once the completion is routed."""
+        kind = message.WhichOneof("request")
+        if gathering is None or endpoint is None:  # a pass-through's body, or trailers after routing
+            return [echo(message) if kind == "request_body" else _empty_answer(kind or "")], None
+        try:
+            if kind == "request_body":
+                gathering.add(message.request_body)
+            else:
+                gathering.end_with_trailers()
+        except GatewayError as exc:  # over max_body_bytes
+            return [_immediate(*exc.to_openai_error())], None
+        if not gathering.complete:
+            return [], None
+        answers, picked = await self._pick(endpoint, gathering.body, headers, duplex=gathering)
+        if kind == "request_trailers" and not answers[0].HasField("immediate_response"):
+            answers.append(_empty_answer(kind))  # after the body (picker_stream rule 3)
+        return answers, picked
 
     def _passthrough(self) -> pb.ProcessingResponse:
         """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
@@ -333,36 +350,37 @@ class Picker:
         )
 
     async def _pick(
-        self, endpoint: Endpoint, body: bytes, headers: Headers
-    ) -> tuple[pb.ProcessingResponse, Mapping[str, str], _Observation | None]:
-        """Rules 2 and 3: the core's answer as the request body's response; rule 6: an observed
-        turn's watch."""
+        self, endpoint: Endpoint, body: bytes, headers: Headers, *, duplex: BodyAssembly | None = None
+    ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+        """Rules 2 and 3: the core's answer, as the buffered body's response or, in full duplex, as
+        the headers response and the streamed body (picker_stream rule 3); or one ImmediateResponse.
+        With it what was picked (None: nothing)."""
         try:
             picked = await self.pick(ClientRequest(endpoint, body, headers))
         except GatewayError as exc:
             status, err = exc.to_openai_error()
-            return _immediate(status, err), {}, None
+            return [_immediate(status, err)], None
         except Exception:
             log.exception("unhandled error picking an endpoint")
-            error = error_body("internal gateway error", "InternalServerError", 500)
-            return _immediate(500, error), {}, None
-        sets = [
-            _set(DESTINATION_HEADER, picked.destination),
-            _set("content-length", str(len(picked.body))),
-            *(_set(k, v) for k, v in picked.headers),
-        ]
+            return [_immediate(500, error_body("internal gateway error", "InternalServerError", 500))], None
+        sets = [_set(DESTINATION_HEADER, picked.destination), *(_set(k, v) for k, v in picked.headers)]
         removes = [PREFILLER_HEADER]
+        if duplex is None:
+            sets.append(_set("content-length", str(len(picked.body))))
+        else:  # Envoy sends a replaced duplex body chunked: a Content-Length would be stale
+            removes.append("content-length")
         if not any(k.lower() == "authorization" for k, _ in picked.headers):
             removes.append("authorization")
         mutation = pb.HeaderMutation(set_headers=sets, remove_headers=removes)
-        return (
-            pb.ProcessingResponse(
-                request_body=pb.BodyResponse(response=_routed(headers=mutation, body=picked.body)),
-                dynamic_metadata=_lb_metadata(picked.destination),
-            ),
-            picked.provenance,
-            None if picked.observed is None else _Observation(self._core, picked, self._max_body),
+        metadata = _lb_metadata(picked.destination)
+        if duplex is None:
+            routed = pb.BodyResponse(response=_routed(headers=mutation, body=picked.body))
+            return [pb.ProcessingResponse(request_body=routed, dynamic_metadata=metadata)], picked
+        first = pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=_routed(headers=mutation, body=None)),
+            dynamic_metadata=metadata,
         )
+        return [first, *streamed_body(picked.body, end=not duplex.trailers)], picked
 
     async def pick(self, request: ClientRequest) -> Picked:
         """The core for one completion request: routed, its P leg run, the turn remembered; an

@@ -103,14 +103,17 @@ class Envoy:
         upstream_ports: Sequence[int],
         extra: Mapping[str, str] | None = None,
         deadline_s: float = 30.0,
+        template: str | None = None,
     ) -> Envoy:
+        """Envoy on the scenario's envoy.yaml, or on `template` (another config's text) when given."""
         (folder / "endpoints").mkdir(parents=True)
         (folder / "logs").mkdir()
         endpoints = folder / "endpoints" / "endpoints.yaml"
         write_atomically(endpoints, yaml.safe_dump(endpoints_document(cluster, upstream_ports)))
         values = {"LISTEN_PORT": "0", "ADMIN_PORT": "0", "ENDPOINTS_PATH": str(endpoints), **(extra or {})}
         config = folder / "envoy.yaml"
-        config.write_text(render((SCENARIOS / scenario / "envoy.yaml").read_text(), values))
+        text = template if template is not None else (SCENARIOS / scenario / "envoy.yaml").read_text()
+        config.write_text(render(text, values))
         admin_file = folder / "admin-address"
         log = folder / "logs" / "envoy.log"
         with log.open("wb") as out:

@@ -212,3 +212,49 @@ def test_picker_routes_on_the_destination_header_without_a_route_timeout(
     assert route["route"] == {"cluster": "workers", "timeout": "0s"}
     (check,) = clusters["picker"]["health_checks"]
     assert check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def _picker_gie_config(tmp_path: Path) -> dict[str, Any]:
+    values = {"LISTEN_PORT": "10000", "ADMIN_PORT": "9901", "PICKER_PORT": "9002"}
+    text = render((SCENARIOS / "picker" / "envoy-gie.yaml").read_text(), values)
+    result = validate(text, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config: dict[str, Any] = yaml.safe_load(text)
+    return config
+
+
+def test_picker_gie_variant_passes_validate_with_full_duplex_bodies(tmp_path: Path) -> None:
+    """The GIE-style config (what GIE's gateways send their picker): both bodies FULL_DUPLEX_STREAMED,
+    trailers SEND (Envoy requires them with that body mode), the rest as our own config."""
+    config = _picker_gie_config(tmp_path)
+    ext = _picker_filters(config)[1]["typed_config"]
+    assert ext["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_header_mode": "SEND",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND",
+    }
+    assert ext["failure_mode_allow"] is False
+    assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    (tmp_path / "ours").mkdir()
+    ours = _picker_config(tmp_path / "ours", tmp_path / "unused.pb")
+    assert [f["name"] for f in _picker_filters(config)] == [f["name"] for f in _picker_filters(ours)]
+    assert _picker_filters(config)[0] == _picker_filters(ours)[0]  # the client's headers stripped too
+    assert config["static_resources"]["clusters"] == ours["static_resources"]["clusters"]
+
+
+def test_validate_rejects_full_duplex_without_trailers(tmp_path: Path) -> None:
+    """Envoy itself refuses a FULL_DUPLEX_STREAMED body with its trailers skipped: why the variant
+    sends them."""
+    values = {"LISTEN_PORT": "10000", "ADMIN_PORT": "9901", "PICKER_PORT": "9002"}
+    text = render((SCENARIOS / "picker" / "envoy-gie.yaml").read_text(), values)
+    broken = text.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP")
+    assert broken != text
+    assert validate(broken, tmp_path).returncode != 0
+    # The response body off (NONE): its trailers may be skipped (docs/envoy-extproc.md).
+    request_only = text.replace("response_body_mode: FULL_DUPLEX_STREAMED", "response_body_mode: NONE")
+    request_only = request_only.replace("response_trailer_mode: SEND", "response_trailer_mode: SKIP")
+    result = validate(request_only, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

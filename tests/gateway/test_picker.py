@@ -210,8 +210,8 @@ def test_destination_is_host_and_port_with_ipv6_in_brackets() -> None:
 
 
 async def test_a_body_in_pieces_is_refused_not_half_routed() -> None:
-    """Envoy configured with a streamed body mode (not ours): the picker says so instead of routing a
-    request it has not read."""
+    """Envoy configured with STREAMED bodies (neither BUFFERED nor full duplex: no protocol_config
+    naming FULL_DUPLEX_STREAMED): the picker says so instead of routing a request it has not read."""
     picker, _, upstream = _picker()
     piece = pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"model": ', end_of_stream=False))
     answers = await _process(picker, _headers(), piece, _body(b'"x"}'))

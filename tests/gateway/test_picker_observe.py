@@ -256,3 +256,53 @@ async def test_a_stream_closed_after_done_is_a_served_turn(setup: Setup) -> None
     (line,) = _lines(deps, path)
     assert (line["ok"], line["error"], line["n_out"]) == (True, None, 3)
     assert _inflight(deps) == 0
+
+
+def _duplex_headers(*, response_duplex: bool) -> pb.ProcessingRequest:
+    first = _headers(extra=SESSION)
+    duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    none = processing_mode_pb2.ProcessingMode.NONE
+    first.protocol_config.request_body_mode = duplex
+    first.protocol_config.response_body_mode = duplex if response_duplex else none
+    return first
+
+
+def _duplex_body() -> pb.ProcessingRequest:
+    raw = json.dumps({"model": MODEL, "messages": FIRST, "max_tokens": 8, "stream": True}).encode()
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+
+
+async def test_in_full_duplex_an_observed_answer_is_read_from_its_echoed_chunks(setup: Setup) -> None:
+    """GIE's mode: every answer chunk comes to the picker anyway; no override (Envoy ignores it)."""
+    picker, deps, clock, path = setup(share=1.0)
+    chunks = [_chunk(c) for c in ANSWER[:-1]] + [_chunk(ANSWER[-1], end=True)]
+    messages = [_duplex_headers(response_duplex=True), _duplex_body(), _response_headers(), *chunks]
+    answers = await _run(picker, clock, messages)
+    headers_answer = next(a for a in answers if a.HasField("response_headers"))
+    assert not headers_answer.HasField("mode_override")
+    echoed = [
+        a.response_body.response.body_mutation.streamed_response
+        for a in answers
+        if a.HasField("response_body")
+    ]
+    assert [(e.body, e.end_of_stream) for e in echoed] == [
+        (c, i == len(ANSWER) - 1) for i, c in enumerate(ANSWER)
+    ]
+    (line,) = _lines(deps, path)
+    assert (line["ok"], line["n_out"], line["ttft_ms"]) == (True, 3, pytest.approx(200.0))
+    assert _inflight(deps) == 0
+
+
+async def test_with_only_the_request_duplex_the_answer_is_not_observed_and_leaves_no_line(
+    setup: Setup,
+) -> None:
+    """Envoy ignores mode_override when a configured body mode is FULL_DUPLEX_STREAMED: the answer
+    never comes, so the drawn turn ends unobserved at its response headers (no line, no override)."""
+    picker, deps, clock, path = setup(share=1.0)
+    answers = await _run(
+        picker, clock, [_duplex_headers(response_duplex=False), _duplex_body(), _response_headers()]
+    )
+    headers_answer = next(a for a in answers if a.HasField("response_headers"))
+    assert not headers_answer.HasField("mode_override")
+    assert _lines(deps, path) == []
+    assert _inflight(deps) == 0
