@@ -11,8 +11,9 @@ import logging
 
 import pytest
 
-from gateway.destinations import Address, Destinations
+from gateway.destinations import Destinations
 from gateway.errors import UpstreamUnreachableError
+from gateway.own_address import Address
 
 
 class Clock:
