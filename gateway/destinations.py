@@ -7,9 +7,10 @@ Rule 1: a URL whose host is an IP literal is its own destination (no lookup), `[
 Rule 2: a host name is resolved with own_address.resolve (the event loop's getaddrinfo, at most
         `timeout_s`: the gateway's `timeouts.connect_s`); the first IPv4 address is used, else the
         first address (a dual-stack pod serves both; a worker bound to 127.0.0.1 is reached through
-        `localhost`). The answer is kept for `ttl_s` (5 s: CoreDNS's default TTL for cluster
-        records), so a pod recreated on a new IP is followed within that time, at the cost of one
-        lookup per name per `ttl_s` on the request path.
+        `localhost`). The answer is kept for `ttl_s` (5 s), at the cost of one lookup per
+        name per `ttl_s` on the request path: a pod recreated on a new IP is followed once the
+        cluster DNS answers with it (Kubernetes' default CoreDNS config caches records for up to
+        30 s: `ttl 30`, `cache 30`) plus at most `ttl_s`.
 Rule 3: requests that need a name while it is being looked up share that one lookup; a request
         cancelled while it waits (its client left) does not cancel the lookup for the others.
 Rule 4: a name that does not resolve (or not in time) is an UpstreamUnreachableError (502) naming
