@@ -429,7 +429,8 @@ def _answering(status: int) -> Iterator[int]:
 
 @pytest.mark.integration
 def test_the_drain_hook_is_accepted_by_envoys_admin(running_envoy: Envoy) -> None:
-    """Run last in this module: it starts the drain of the module's Envoy."""
+    """The hook's POST is answered 200 (the drain starts; /ready stays 200 meanwhile, so the module's
+    other tests do not depend on running before this one)."""
     _, envoy, _ = envoy_pod(tuple(component_docs()))
     command = envoy["lifecycle"]["preStop"]["exec"]["command"]
     assert re.search(r"; sleep \d+$", command[2])
@@ -438,3 +439,4 @@ def test_the_drain_hook_is_accepted_by_envoys_admin(running_envoy: Envoy) -> Non
     )
     done = subprocess.run([*command[:2], script], capture_output=True, text=True, timeout=30, check=False)
     assert (done.returncode, done.stdout.strip()) == (0, "200"), done.stderr
+    assert running_envoy.is_ready()
