@@ -36,6 +36,7 @@ from tests.deploy.kustomize import (
     render,
     user_kustomization,
 )
+from tests.deploy.picker_cli import flags, picker_help_flags
 from tests.deploy.processes import REPO
 
 K8S = REPO / "deploy" / "k8s"
@@ -66,22 +67,6 @@ def containers(doc: Manifest) -> dict[str, dict[str, Any]]:
 
 def ports_of(c: dict[str, Any]) -> dict[str, int]:
     return {p["name"]: int(p["containerPort"]) for p in c.get("ports", [])}
-
-
-def flags(args: list[str]) -> dict[str, str]:
-    return dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
-
-
-@functools.cache
-def picker_help_flags() -> frozenset[str]:
-    result = subprocess.run(
-        [sys.executable, "-m", "gateway", "picker", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return frozenset(re.findall(r"(--[a-z][a-z-]*)", result.stdout))
 
 
 def component_docs() -> list[Manifest]:

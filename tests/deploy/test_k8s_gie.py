@@ -20,6 +20,7 @@ import yaml
 
 from gateway.picker_server import HEALTH_NAMES
 from tests.deploy.kustomize import Manifest, load_documents, render, user_kustomization
+from tests.deploy.picker_cli import flags, picker_help_flags
 from tests.deploy.processes import REPO
 
 K8S = REPO / "deploy" / "k8s"
@@ -167,8 +168,6 @@ def test_the_route_sends_everything_to_the_pool_without_a_timeout() -> None:
 def test_the_picker_deployment_agrees_with_its_cli_and_reads_the_overlays_config(
     stacks: dict[str, tuple[Manifest, ...]], overlay: str
 ) -> None:
-    from tests.deploy.test_k8s_envoy_picker import flags, picker_help_flags
-
     docs = stacks[overlay]
     deployment = one(docs, "Deployment", "ppd-picker")
     (picker,) = deployment["spec"]["template"]["spec"]["containers"]
