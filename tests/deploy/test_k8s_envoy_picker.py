@@ -208,6 +208,29 @@ def test_the_config_passes_envoy_validate(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_container_arguments_pass_envoy_validate_with_the_config(tmp_path: Path) -> None:
+    """The real binary on the container's own arguments (its -c aimed at the rendered ConfigMap)."""
+    _, envoy, _ = envoy_pod(tuple(component_docs()))
+    assert envoy["command"] == ["envoy"]
+    args = list(envoy["args"])
+    config = tmp_path / "envoy.yaml"
+    config.write_text(cfg.rendered_config())
+    args[args.index("-c") + 1] = str(config)
+    result = subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", *args, "--drain-strategy", "sometimes"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert broken.returncode != 0  # the binary does check its arguments
+
+
 # --- ports, probes and flags agree ------------------------------------------------------------------
 
 
