@@ -238,9 +238,10 @@ async def test_a_worker_configured_by_name_is_named_to_envoy_by_its_address() ->
 
 async def test_a_worker_name_that_does_not_resolve_is_an_immediate_502_naming_it() -> None:
     workers = [WORKERS[0], {"id": "D0", "role": "decode", "url": "http://vllm-decode-0.nowhere.invalid:8002"}]
-    picker, _, _ = _picker(workers=workers)
+    picker, deps, _ = _picker(workers=workers)
     answers = await _process(picker, _headers(), _body(_chat(FIRST)))
     assert [a.WhichOneof("response") for a in answers] == ["request_headers", "immediate_response"]
+    assert len(cast(Any, deps.sessions)) == 0  # no turn remembered on a D Envoy cannot reach
     assert answers[1].immediate_response.status.code == 502
     assert "worker D0's host" in json.loads(answers[1].immediate_response.body)["error"]["message"]
     passthrough = await _process(picker, _headers("/v1/models", "GET", end=True))
