@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint typecheck vllm unit proto clean redis table-vllm-cpu
+.PHONY: venv run test lint typecheck vllm unit proto clean redis table-vllm-cpu docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,8 +61,14 @@ table-vllm-cpu: vllm
 	  --workloads $(VLLM_TABLE_WORKLOADS) --qps $(VLLM_TABLE_QPS) --qps-levels $(VLLM_TABLE_QPS) \
 	  --duration 40 --seed 0 --min-samples 3 --out $(VLLM_TABLE_RUNS) --publish tables/vllm-cpu/
 
+# The documentation site (mkdocs.yml, pages in docs/) into site/; --strict makes a broken link, a missing
+# page or anchor an error (tests/test_docs_site.py runs the same build under `make test`). Never -q:
+# it hides the warnings --strict counts.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis site
