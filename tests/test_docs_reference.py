@@ -41,7 +41,7 @@ def test_the_reference_page_is_current(name: str) -> None:
 
 
 def test_every_script_has_its_section_on_the_commands_page() -> None:
-    page = (OUT / "commands.md").read_text(encoding="utf-8")
+    page = (ROOT / "docs/reference/commands.md").read_text(encoding="utf-8")
     for name in scripts():
         assert f"## `{name}`" in page
 

@@ -97,6 +97,53 @@ def outside_references(root: Path, files: list[str]) -> list[str]:
     return problems
 
 
+_SITE = ("docs/", "tools/docs/")
+
+
+def bare_doc_names(files: list[str]) -> list[str]:
+    """``path:line: name`` for each page of docs/ named by its bare file name outside docs/ (a reader
+    of a ``--help`` text or a package README must be able to find "docs/emulator-model.md 3.1"). The
+    site's own links are relative to docs/ and mkdocs --strict checks them: the pages, mkdocs.yml's nav
+    and what tools/docs/ writes into docs/reference/ are left to it."""
+    pages = {
+        PurePosixPath(f).name
+        for f in files
+        if f.startswith("docs/")
+        and f.endswith(".md")
+        and PurePosixPath(f).name not in ("README.md", "index.md")
+    }
+    problems = []
+    for name in files:
+        if name.startswith(_SITE) or name == "mkdocs.yml" or not _is_text(name):
+            continue
+        try:
+            text = (ROOT / name).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            for m in _MD_REF.finditer(line):
+                if m.group(1) in pages:
+                    problems.append(f"{name}:{lineno}: {m.group(1)}")
+    return problems
+
+
+def test_docs_pages_are_named_by_their_path() -> None:
+    try:
+        files = tracked_files(ROOT)
+    except (OSError, subprocess.CalledProcessError) as exc:  # pragma: no cover - not a git checkout
+        pytest.skip(f"git ls-files unavailable: {exc}")
+    own = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    problems = bare_doc_names([f for f in files if f != own])
+    assert not problems, "name these docs by their path (docs/NAME.md):\n" + "\n".join(problems)
+
+
+def test_the_path_check_catches_a_bare_doc_name() -> None:
+    files = ["docs/emulator-model.md", "docs/README.md", "tests/test_docs_self_contained.py"]
+    problems = bare_doc_names(files)
+    assert any(p.endswith(": emulator-model.md") for p in problems)  # this file names it bare below
+    assert not any("docs/emulator-model.md" in p.split(": ", 1)[1] for p in problems)
+
+
 def test_no_tracked_file_cites_a_document_outside_the_tree() -> None:
     try:
         files = tracked_files(ROOT)
