@@ -144,6 +144,45 @@ def test_the_path_check_catches_a_bare_doc_name() -> None:
     assert not any("docs/emulator-model.md" in p.split(": ", 1)[1] for p in problems)
 
 
+# Our own issues ("issue 16 item 3"); another project's, cited with its tracker's #, are sources.
+_ISSUE_NUMBER = re.compile(r"\bissues? \d+", re.IGNORECASE)
+README_MAX_LINES = 200
+
+
+def issue_numbers(root: Path, files: list[str]) -> list[str]:
+    """``path:line: text`` for each issue number in the user docs (README.md and docs/): a reader has
+    no issue tracker; the history lives in git."""
+    problems = []
+    for name in files:
+        if not (name == "README.md" or (name.startswith("docs/") and name.endswith(".md"))):
+            continue
+        for lineno, line in enumerate((root / name).read_text(encoding="utf-8").splitlines(), 1):
+            problems.extend(f"{name}:{lineno}: {m.group(0)}" for m in _ISSUE_NUMBER.finditer(line))
+    return problems
+
+
+def test_the_user_docs_name_no_issue_numbers_and_the_readme_stays_short() -> None:
+    try:
+        files = tracked_files(ROOT)
+    except (OSError, subprocess.CalledProcessError) as exc:  # pragma: no cover - not a git checkout
+        pytest.skip(f"git ls-files unavailable: {exc}")
+    problems = issue_numbers(ROOT, files)
+    assert not problems, "issue numbers in the user docs:\n" + "\n".join(problems)
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move the detail into docs/"
+
+
+def test_the_issue_number_check_catches_one(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("fine\nas issue 16 item 3 said\n")
+    (tmp_path / "docs" / "a.md").write_text("(Issue 25); vLLM issue #26896 is a source\n")
+    (tmp_path / "b.md").write_text("issue 7 outside the user docs\n")
+    assert issue_numbers(tmp_path, ["README.md", "docs/a.md", "b.md"]) == [
+        "README.md:2: issue 16",
+        "docs/a.md:1: Issue 25",
+    ]
+
+
 def test_no_tracked_file_cites_a_document_outside_the_tree() -> None:
     try:
         files = tracked_files(ROOT)
