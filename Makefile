@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint typecheck vllm unit proto clean redis table-vllm-cpu
+.PHONY: venv run test lint typecheck vllm unit proto clean redis table-vllm-cpu docs chromium docs-screenshots
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,8 +61,33 @@ table-vllm-cpu: vllm
 	  --workloads $(VLLM_TABLE_WORKLOADS) --qps $(VLLM_TABLE_QPS) --qps-levels $(VLLM_TABLE_QPS) \
 	  --duration 40 --seed 0 --min-samples 3 --out $(VLLM_TABLE_RUNS) --publish tables/vllm-cpu/
 
+# The documentation site (mkdocs.yml, pages in docs/) into site/; --strict makes a broken link, a missing
+# page or anchor an error (tests/test_docs_site.py runs the same build under `make test`). Never -q:
+# it hides the warnings --strict counts.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Debian's chromium, only when missing (as `make redis`): the headless browser of docs-screenshots.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; }
+
+# The built site as a reader sees it: PNGs of the home page and two guides in site-shots/ (for a look by
+# eye; not a test, a browser start is too slow for CI). Headless, no GPU, no network, no profile sync.
+DOCS_SHOTS ?= index guides/tour guides/kubernetes-envoy reference/settings
+docs-screenshots: docs chromium
+	mkdir -p site-shots
+	for page in $(DOCS_SHOTS); do \
+	  chromium --headless --no-sandbox --disable-gpu --disable-background-networking \
+	    --disable-component-update --disable-sync --no-first-run --hide-scrollbars \
+	    --window-size=1280,1800 --screenshot=site-shots/$$(echo $$page | tr / -).png \
+	    "file://$(CURDIR)/site/$$page.html" 2>/dev/null; \
+	done
+
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis site site-shots

@@ -165,7 +165,7 @@ def _unique(label: str, names: Sequence[str]) -> None:
 
 
 def paper_axes() -> Axes:
-    """The grid of the paper's public artifact (architecture.md, "Reference facts")."""
+    """The grid of the paper's public artifact (docs/architecture.md, "Reference facts")."""
     # The nine classes and their benchmark shapes have one definition: the workload catalog.
     workloads = tuple(WorkloadClass(name, shape.n_in, shape.n_out) for name, shape in TURN2_CLASSES.items())
     return Axes(

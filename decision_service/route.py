@@ -1,6 +1,6 @@
 """The decision rule: psi -> PD (x=0) or LOCAL (x=1), or BIDIR for a caller that can serve it.
 
-Rule 1 (architecture.md, "The decision"): turn 1 is always PD. Otherwise psi maps to a cell (context
+Rule 1 (docs/architecture.md, "The decision"): turn 1 is always PD. Otherwise psi maps to a cell (context
 class, workload class, nearest QPS level) and the cell's measured deltas are scored as
 S = w_ttft * delta_ttft - w_tpot * delta_tpot; LOCAL when S > 0, where
 delta_ttft = (ttft_pd - ttft_local) / ttft_pd (relative TTFT gain of LOCAL) and

@@ -55,7 +55,7 @@ _NO_TABLE: Final = ((UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE),)
 # Batch items decided between two turns of the event loop (about 0.2 ms of handler time on a quiet
 # core). A unary call needs several turns of the loop to be answered, each waiting for one slice.
 BATCH_SLICE: Final = 32
-#: One line at most this often for bad frames (README, "Failure policy at the wire").
+#: One line at most this often for bad frames (docs/guides/operate.md, "Failure policy at the wire").
 _BAD_FRAME_LOG_S: Final = 10.0
 
 

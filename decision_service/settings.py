@@ -10,15 +10,33 @@ PPD_DECISION_MAX_BATCH_ITEMS, PPD_DECISION_MAX_MESSAGE_BYTES, PPD_DECISION_KEEPA
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["DEFAULT_MAX_BATCH_ITEMS", "Settings", "SettingsError"]
+__all__ = ["DEFAULT_MAX_BATCH_ITEMS", "ENV_PREFIX", "ENV_VARIABLES", "Settings", "SettingsError"]
 
-_ENV_PREFIX = "PPD_DECISION_"
+ENV_PREFIX: Final = "PPD_DECISION_"
 DEFAULT_MAX_BATCH_ITEMS = 4096
+
+#: Each environment variable (ENV_PREFIX + suffix) as (suffix, Settings field, converter); the flag of
+#: `ppd-decision serve` that overrides it is the suffix in lower case with dashes (TABLES: --tables).
+#: The generated settings reference (docs/reference/settings.md) is written from this table.
+ENV_VARIABLES: Final[tuple[tuple[str, str, Callable[[str], Any]], ...]] = (
+    ("TABLES", "tables_dir", Path),
+    ("HOST", "host", str),
+    ("PORT", "port", int),
+    ("METRICS_HOST", "metrics_host", str),
+    ("METRICS_PORT", "metrics_port", int),
+    ("DEFAULT_KEY", "default_key", str),
+    ("RELOAD_INTERVAL", "reload_interval_s", float),
+    ("GRACE", "grace_s", float),
+    ("WORKERS", "workers", int),
+    ("MAX_BATCH_ITEMS", "max_batch_items", int),
+    ("MAX_MESSAGE_BYTES", "max_message_bytes", int),
+    ("KEEPALIVE_MIN_PING_INTERVAL", "keepalive_min_ping_interval_s", float),
+)
 
 
 class SettingsError(ValueError):
@@ -74,29 +92,15 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Settings:
         """Settings from `PPD_DECISION_*` variables; unset ones keep their defaults."""
-        converters: dict[str, tuple[str, Any]] = {
-            "TABLES": ("tables_dir", Path),
-            "HOST": ("host", str),
-            "PORT": ("port", int),
-            "METRICS_HOST": ("metrics_host", str),
-            "METRICS_PORT": ("metrics_port", int),
-            "DEFAULT_KEY": ("default_key", str),
-            "RELOAD_INTERVAL": ("reload_interval_s", float),
-            "GRACE": ("grace_s", float),
-            "WORKERS": ("workers", int),
-            "MAX_BATCH_ITEMS": ("max_batch_items", int),
-            "MAX_MESSAGE_BYTES": ("max_message_bytes", int),
-            "KEEPALIVE_MIN_PING_INTERVAL": ("keepalive_min_ping_interval_s", float),
-        }
         values: dict[str, Any] = {}
-        for suffix, (name, convert) in converters.items():
-            raw = environ.get(_ENV_PREFIX + suffix)
+        for suffix, name, convert in ENV_VARIABLES:
+            raw = environ.get(ENV_PREFIX + suffix)
             if raw is None:
                 continue
             try:
                 values[name] = convert(raw)
             except ValueError as exc:
-                raise SettingsError(f"{_ENV_PREFIX}{suffix}={raw!r}: {exc}") from exc
+                raise SettingsError(f"{ENV_PREFIX}{suffix}={raw!r}: {exc}") from exc
         return cls(**values)
 
     def with_changes(self, **changes: Any) -> Settings:

@@ -15,13 +15,15 @@ Rule 2 (a completion, `POST /v1/chat/completions` or `/v1/completions` with a bo
 body is there (BUFFERED: its one message, the headers answered empty; full duplex: gathered up to
 `max_body_bytes`, the headers answered afterwards) the core runs (parse and limits, session, ψ,
 decision, exploration, plan, the P leg with its retries and fallback, metrics, the session
-remembered) and the answer sets the destination header `x-gateway-destination-endpoint: host:port`
-(D's, or the replica's) and the same value as `envoy.lb` dynamic metadata, clears the route cache,
-replaces the body with D's (a client-sent `kv_transfer_params` dropped; for pd and bidir P's params)
-(BUFFERED: in the body's answer, with its Content-Length; full duplex: the mutation in the headers'
-answer with Content-Length removed, the body as streamed chunks), sets the legs' `X-Request-Id` (and
-the worker key when one is set; a client's Authorization is kept only with
-`forward_authorization`), and removes a client's `x-prefiller-host-port`.
+remembered) and the answer sets the destination header `x-gateway-destination-endpoint: ip:port`
+(D's, or the replica's; a worker configured by name is resolved first, destinations.py, and one
+that does not resolve is a 502 before the turn is remembered) and the same value as `envoy.lb`
+dynamic metadata, clears the route cache, replaces the body with D's (a client-sent
+`kv_transfer_params` dropped; for pd and bidir P's params) (BUFFERED: in the body's answer, with its
+Content-Length; full duplex: the mutation in the headers' answer with Content-Length removed, the
+body as streamed chunks), sets the legs' `X-Request-Id` (and the worker key when one is set; a
+client's Authorization is kept only with `forward_authorization`), and removes a client's
+`x-prefiller-host-port`.
 Rule 3: a GatewayError (what the standalone gateway renders as an OpenAI-style error, 413 for a body
 over `max_body_bytes` included) is an ImmediateResponse with the same status and body; anything else
 is a 500 with the same body as the standalone's. The stream then ends.
@@ -29,7 +31,7 @@ Rule 4: the response headers get the turn's provenance headers (turn_report.PROV
 full duplex each response body chunk is echoed unchanged and trailers are answered empty.
 Rule 5: any other request (no body, another path or method) goes to a live worker as the standalone's
 pass-through routes do (decode, replica, prefill in that order), on its headers' answer (its body,
-in full duplex, echoed); none live: ImmediateResponse 503.
+in full duplex, echoed); none live: ImmediateResponse 503; its name not resolving: 502.
 Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
 the response body mode stays NONE. A turn is *observed* when it is drawn (share
 `[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
@@ -57,7 +59,6 @@ import random
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import urlsplit
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -68,7 +69,8 @@ from google.protobuf import struct_pb2
 
 from gateway.core import ActiveTurn, RequestCore
 from gateway.deps import Deps
-from gateway.errors import GatewayError, NoWorkerError, error_body
+from gateway.destinations import Destinations, host_port, joined
+from gateway.errors import GatewayError, NoWorkerError, UpstreamUnreachableError, error_body
 from gateway.observed_turn import ObservedTurn
 from gateway.picker_stream import BodyAssembly, Modes, echo, modes, streamed_body
 from gateway.ports import ClientRequest
@@ -146,11 +148,9 @@ class Picked:
 
 
 def destination(url: str) -> str:
-    """`host:port` of a worker URL, as Envoy's ORIGINAL_DST cluster reads it (an IPv6 host in [])."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    """`host:port` of a worker URL as written (an IPv6 host in []); the picker names the resolved
+    `ip:port` instead (destinations.py)."""
+    return joined(*host_port(url))
 
 
 def _header_map(headers: pb.HttpHeaders) -> Headers:
@@ -209,6 +209,7 @@ class Picker:
         self._share = deps.settings.log.picker_observe_share
         self._draw = draw or random.Random().random  # noqa: S311 (a sample's draw, not a secret)
         self._max_body = deps.settings.max_body_bytes
+        self._destinations = Destinations(timeout_s=deps.settings.timeouts.connect_s)
 
     async def Process(  # noqa: N802 (the gRPC method's name)
         self,
@@ -228,7 +229,7 @@ class Picker:
                 answers: list[pb.ProcessingResponse] = []
                 if kind == "request_headers":
                     headers = _header_map(message.request_headers)
-                    endpoint, answers = self._on_headers(message.request_headers, headers, mode)
+                    endpoint, answers = await self._on_headers(message.request_headers, headers, mode)
                     if endpoint is not None and mode.request:  # answered with the body (picker_stream rule 2)
                         gathering = BodyAssembly(self._d.settings.max_body_bytes)
                 elif kind == "request_body" or (kind == "request_trailers" and mode.request):
@@ -286,7 +287,7 @@ class Picker:
             return echo(message)
         return _empty_answer(kind)
 
-    def _on_headers(
+    async def _on_headers(
         self, message: pb.HttpHeaders, headers: Headers, mode: Modes
     ) -> tuple[Endpoint | None, list[pb.ProcessingResponse]]:
         """The request headers: a completion's endpoint (answered empty in BUFFERED mode, later in
@@ -294,7 +295,7 @@ class Picker:
         path = headers.get(":path", "").split("?", 1)[0]
         endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
         if endpoint is None or message.end_of_stream:
-            return None, [self._passthrough()]
+            return None, [await self._passthrough()]
         return endpoint, [] if mode.request else [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
     async def _buffered_request(
@@ -335,11 +336,12 @@ class Picker:
             answers.append(_empty_answer(kind))  # after the body (picker_stream rule 3)
         return answers, picked
 
-    def _passthrough(self) -> pb.ProcessingResponse:
+    async def _passthrough(self) -> pb.ProcessingResponse:
         """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
         try:
-            dest = destination(self._d.pool.view().passthrough().url)
-        except NoWorkerError as exc:
+            worker = self._d.pool.view().passthrough()
+            dest = await self._destinations.of(worker.url, worker=worker.id)
+        except (NoWorkerError, UpstreamUnreachableError) as exc:
             return _immediate(*exc.to_openai_error())
         mutation = pb.HeaderMutation(
             set_headers=[_set(DESTINATION_HEADER, dest)], remove_headers=[PREFILLER_HEADER]
@@ -388,10 +390,12 @@ class Picker:
         core = self._core
         async with core.turn(request, observed=self._share > 0 and self._draw() < self._share) as t:
             leg = await core.route(t)
+            # Before the turn is remembered: a D whose name does not resolve serves no turn.
+            dest = await self._destinations.of(leg.call.url, worker=leg.call.worker)
             await core.remember(t.turn, t.outcome, None, None, completion_chunks=None)
             observed = t.observed or exploration(t.outcome)[0]
             picked = Picked(
-                destination=destination(leg.call.url),
+                destination=dest,
                 body=json.dumps(leg.call.body, separators=(",", ":")).encode(),
                 headers=leg.call.headers,
                 provenance=provenance_headers(t.turn, t.outcome),

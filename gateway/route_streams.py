@@ -1,11 +1,11 @@
 """The gateway's RouteStreams: a small pool of long-lived streams on the decision channel, requests
 spread over them, each answered first-in-first-out on the stream it was written to.
 
-Why a pool (README.md, "The decision transport, side by side"): a stream is one call, so gRPC's
-`round_robin` (or Envoy) places it on one backend for its whole life, where unary calls are spread
-one by one. `stream_pool_size` holds one stream per address the target names or resolves to at
-start-up (`decision.streams = 0`; a positive value is taken as it is), and round_robin puts each new
-stream on the next ready backend. Requests take the streams in turn.
+Why a pool (docs/performance/services.md, "The decision transport, side by side"): a stream is one
+call, so gRPC's `round_robin` (or Envoy) places it on one backend for its whole life, where unary
+calls are spread one by one. `stream_pool_size` holds one stream per address the target names or
+resolves to at start-up (`decision.streams = 0`; a positive value is taken as it is), and
+round_robin puts each new stream on the next ready backend. Requests take the streams in turn.
 - Every stream is retired after `decision.stream_max_age_s` on the injected clock, and at once once
   a request on it timed out: it takes no new requests, is half-closed (its waiters are still
   answered) and the next request opens its successor, which round_robin places on the next backend.

@@ -1,7 +1,8 @@
 """What a turn leaves behind: its provenance headers, its metrics and its request-log line.
 
-Rule 1: every routed response carries the provenance headers (`PROVENANCE_HEADERS`, README);
-`X-PPD-Explored: 1` marks a request exploring the path the table did not choose.
+Rule 1: every routed response carries the provenance headers (`PROVENANCE_HEADERS`,
+docs/reference/http-headers.md); `X-PPD-Explored: 1` marks a request exploring the path the table did
+not choose.
 Rule 2: at the end of every turn, served or not, `finish` counts the decision and the token-count
 source, observes TTFT, TPOT and the gateway's own overhead, and writes one request-log line in the
 benchmark record schema; an explored request, or one whose path was drawn with a propensity below 1,

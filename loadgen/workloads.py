@@ -4,7 +4,7 @@ Rule 1: pure and deterministic. The same (workload, seed, index) always yields t
         byte for byte; randomness comes only from ``random.Random`` seeded with a string.
 Rule 2: ``Turn.n_in`` is the exact token count of ``Turn.content`` under the injected counter, and
         ``Turn.n_out`` is the answer length the client asks for (``max_tokens`` with ``ignore_eos``).
-Rule 3: synthetic names are ``<turn1>_<class>`` (``catalog.py``, architecture.md "Reference facts");
+Rule 3: synthetic names are ``<turn1>_<class>`` (``catalog.py``, docs/architecture.md "Reference facts");
         Turn 1 uses the Turn-1 setting, every later turn uses the class's (n_in, n_out).
 """
 

@@ -99,8 +99,8 @@ def default_header(shape: str, model: str) -> TableHeader:
     ``TableHeader``'s own defaults, plus the paper's axes, ``DEFAULT_PROFILES`` and the decode-load
     guard (decision_service.route rule 5) on: 192 running requests is where, on the simulated H100
     1P3D/3P1D clusters, keeping append-prefills on a loaded decode worker starts to cost more (long
-    answers timing out) than sending them through an idle P (README, "Overload"), unless the prefill
-    queue is deeper than 8.
+    answers timing out) than sending them through an idle P (docs/performance/reproduction.md,
+    "Overload"), unless the prefill queue is deeper than 8.
     """
     return TableHeader(
         shape=shape,

@@ -97,6 +97,92 @@ def outside_references(root: Path, files: list[str]) -> list[str]:
     return problems
 
 
+_SITE = ("docs/", "tools/docs/")
+
+
+def bare_doc_names(files: list[str]) -> list[str]:
+    """``path:line: name`` for each page of docs/ named by its bare file name outside docs/ (a reader
+    of a ``--help`` text or a package README must be able to find "docs/emulator-model.md 3.1"). The
+    site's own links are relative to docs/ and mkdocs --strict checks them: the pages, mkdocs.yml's nav
+    and what tools/docs/ writes into docs/reference/ are left to it."""
+    pages = {
+        PurePosixPath(f).name
+        for f in files
+        if f.startswith("docs/")
+        and f.endswith(".md")
+        and PurePosixPath(f).name not in ("README.md", "index.md")
+    }
+    problems = []
+    for name in files:
+        if name.startswith(_SITE) or name == "mkdocs.yml" or not _is_text(name):
+            continue
+        try:
+            text = (ROOT / name).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            for m in _MD_REF.finditer(line):
+                if m.group(1) in pages:
+                    problems.append(f"{name}:{lineno}: {m.group(1)}")
+    return problems
+
+
+def test_docs_pages_are_named_by_their_path() -> None:
+    try:
+        files = tracked_files(ROOT)
+    except (OSError, subprocess.CalledProcessError) as exc:  # pragma: no cover - not a git checkout
+        pytest.skip(f"git ls-files unavailable: {exc}")
+    own = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    problems = bare_doc_names([f for f in files if f != own])
+    assert not problems, "name these docs by their path (docs/NAME.md):\n" + "\n".join(problems)
+
+
+def test_the_path_check_catches_a_bare_doc_name() -> None:
+    files = ["docs/emulator-model.md", "docs/README.md", "tests/test_docs_self_contained.py"]
+    problems = bare_doc_names(files)
+    assert any(p.endswith(": emulator-model.md") for p in problems)  # this file names it bare below
+    assert not any("docs/emulator-model.md" in p.split(": ", 1)[1] for p in problems)
+
+
+# Our own issues ("issue 16 item 3"); another project's, cited with its tracker's #, are sources.
+_ISSUE_NUMBER = re.compile(r"\bissues? \d+", re.IGNORECASE)
+README_MAX_LINES = 200
+
+
+def issue_numbers(root: Path, files: list[str]) -> list[str]:
+    """``path:line: text`` for each issue number in the user docs (README.md and docs/): a reader has
+    no issue tracker; the history lives in git."""
+    problems: list[str] = []
+    for name in files:
+        if not (name == "README.md" or (name.startswith("docs/") and name.endswith(".md"))):
+            continue
+        for lineno, line in enumerate((root / name).read_text(encoding="utf-8").splitlines(), 1):
+            problems.extend(f"{name}:{lineno}: {m.group(0)}" for m in _ISSUE_NUMBER.finditer(line))
+    return problems
+
+
+def test_the_user_docs_name_no_issue_numbers_and_the_readme_stays_short() -> None:
+    try:
+        files = tracked_files(ROOT)
+    except (OSError, subprocess.CalledProcessError) as exc:  # pragma: no cover - not a git checkout
+        pytest.skip(f"git ls-files unavailable: {exc}")
+    problems = issue_numbers(ROOT, files)
+    assert not problems, "issue numbers in the user docs:\n" + "\n".join(problems)
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move the detail into docs/"
+
+
+def test_the_issue_number_check_catches_one(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("fine\nas issue 16 item 3 said\n")
+    (tmp_path / "docs" / "a.md").write_text("(Issue 25); vLLM issue #26896 is a source\n")
+    (tmp_path / "b.md").write_text("issue 7 outside the user docs\n")
+    assert issue_numbers(tmp_path, ["README.md", "docs/a.md", "b.md"]) == [
+        "README.md:2: issue 16",
+        "docs/a.md:1: Issue 25",
+    ]
+
+
 def test_no_tracked_file_cites_a_document_outside_the_tree() -> None:
     try:
         files = tracked_files(ROOT)

@@ -43,11 +43,11 @@ def test_a_long_module_says_why_it_stays_whole(package: str) -> None:
     assert not unexplained, f"over {MAX_LINES} lines with no word on why they stay whole: {unexplained}"
 
 
-def test_the_readme_layout_table_names_each_package() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    layout = readme[readme.index("## Layout") : readme.index("\n## ", readme.index("## Layout") + 1)]
+def test_the_docs_layout_table_names_each_package() -> None:
+    page = (REPO / "docs" / "development" / "index.md").read_text(encoding="utf-8")
+    layout = page[page.index("## Layout") : page.index("\n## ", page.index("## Layout") + 1)]
     missing = [p for p in PACKAGES if f"`{p}/`" not in layout]
-    assert not missing, f"README.md's Layout table does not name: {missing}"
+    assert not missing, f"docs/development/index.md's Layout table does not name: {missing}"
 
 
 def test_the_checks_walk_every_package_the_import_contracts_know() -> None:

@@ -4,7 +4,7 @@ A :class:`Conversation` is a start time and a list of turns, each ``(n_in, n_out
 tokens of the turn and the tokens of its answer. Turn *k* is sent when turn *k − 1* has finished (plus
 the configured think time); its context ``n_ctx`` is the sum of all earlier inputs and outputs.
 
-Synthetic names are ``<turn1>_<class>`` (architecture.md "Reference facts"): turn 1 is small
+Synthetic names are ``<turn1>_<class>`` (docs/architecture.md "Reference facts"): turn 1 is small
 (128 in / 128 out) or large (1,024 / 1,024); turn 2 is one of nine classes. Arrivals are Poisson at
 ``qps`` conversations per second for ``duration_s`` seconds, from a seeded generator. The workload
 catalog (Turn-1 settings, the nine classes) and the arrival process have one definition each, in

@@ -228,7 +228,7 @@ def run_calibration(profile_name: str, *, as_json: bool, raw: bool, out: TextIO)
     """Print every figure; exit status 1 when one is outside its tolerance."""
     profile = load_profile(profile_name)
     groups = {
-        "interference (emulator-model.md 3.1/3.3)": interference_figures(profile),
+        "interference (docs/emulator-model.md 3.1/3.3)": interference_figures(profile),
         "KV transfer (3.4)": kv_transfer_figures(profile),
     }
     if raw:

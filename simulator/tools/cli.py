@@ -31,7 +31,7 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p = sub.add_parser(
         "calibrate",
         help="print the interference micro-benchmark and KV transfer figures, target vs model",
-        description="Reproduce emulator-model.md 3.1/3.4 in virtual time and print target vs model. "
+        description="Reproduce docs/emulator-model.md 3.1/3.4 in virtual time and print target vs model. "
         "Exit status 1 when a figure is outside its tolerance.",
     )
     p.add_argument("--profile", default="llama-3.1-8b-h100", help="profile name or JSON path")

@@ -44,7 +44,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# The modules simulate() spends its time in (see the README's "Virtual time" section), all in the
+# The modules simulate() spends its time in (see simulator/README.md, "Virtual time"), all in the
 # pure core: ``simulator.core.<name>``.
 NATIVE_MODULES = ("kv_cache", "cost", "engine", "link", "cluster")
 _CORE = "core"

@@ -106,10 +106,16 @@ class PickerStack:
 
 @contextmanager
 def picker_stack(
-    tmp: Path, *, mode: str, extra: list[str] | None = None, topology: str = "1P1D"
+    tmp: Path,
+    *,
+    mode: str,
+    extra: list[str] | None = None,
+    topology: str = "1P1D",
+    worker_host: str | None = None,
 ) -> Iterator[PickerStack]:
     """The simulated cluster (`topology`), `ppd-gateway picker` on it (in `mode`, plus `extra`
-    config lines) and the real Envoy in front, each waited on until ready."""
+    config lines) and the real Envoy in front, each waited on until ready. With `worker_host` the
+    picker's config names the workers by that host name instead of their 127.0.0.1 address."""
     with ExitStack() as exits:
         cluster = Announced.start(
             [sys.executable, "-m", "simulator", "cluster", "--topology", topology, "--base-port", "0"],
@@ -120,7 +126,11 @@ def picker_stack(
         workers = list(cluster.info["workers"])
         config = tmp / "gateway.toml"
         lines = [f'mode = "{mode}"', f'served_model = "{MODEL}"', "", "[pool]", "health_interval_s = 0.5"]
-        config.write_text("\n".join(lines + worker_tables(workers) + (extra or [])) + "\n")
+        configured = [
+            {**w, "url": str(w["url"]).replace("//127.0.0.1:", f"//{worker_host}:")} if worker_host else w
+            for w in workers
+        ]
+        config.write_text("\n".join(lines + worker_tables(configured) + (extra or [])) + "\n")
         picker = Announced.start(
             [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
             log=tmp / "picker.log",

@@ -219,3 +219,30 @@ async def test_a_body_in_pieces_is_refused_not_half_routed() -> None:
     assert answers[1].immediate_response.status.code == 500
     assert "BUFFERED" in json.loads(answers[1].immediate_response.body)["error"]["message"]
     assert upstream.calls == []
+
+
+async def test_a_worker_configured_by_name_is_named_to_envoy_by_its_address() -> None:
+    """Envoy's ORIGINAL_DST cluster resolves no names (destinations.py): a D configured as
+    `localhost` (a StatefulSet pod's DNS name on Kubernetes) is sent as its IP address."""
+    workers = [WORKERS[0], {"id": "D0", "role": "decode", "url": "http://localhost:8002"}]
+    picker, _, _ = _picker(workers=workers)
+    answers = await _process(picker, _headers(), _body(_chat(FIRST)), RESPONSE_HEADERS)
+    headers, _, _ = _routed(answers)
+    assert headers[DESTINATION_HEADER] == "127.0.0.1:8002"
+    assert answers[1].dynamic_metadata["envoy.lb"][DESTINATION_HEADER] == "127.0.0.1:8002"
+    passthrough = await _process(picker, _headers("/v1/models", "GET", end=True))
+    assert _set_headers(passthrough[0].request_headers.response.header_mutation)[DESTINATION_HEADER] == (
+        "127.0.0.1:8002"
+    )
+
+
+async def test_a_worker_name_that_does_not_resolve_is_an_immediate_502_naming_it() -> None:
+    workers = [WORKERS[0], {"id": "D0", "role": "decode", "url": "http://vllm-decode-0.nowhere.invalid:8002"}]
+    picker, deps, _ = _picker(workers=workers)
+    answers = await _process(picker, _headers(), _body(_chat(FIRST)))
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "immediate_response"]
+    assert len(cast(Any, deps.sessions)) == 0  # no turn remembered on a D Envoy cannot reach
+    assert answers[1].immediate_response.status.code == 502
+    assert "worker D0's host" in json.loads(answers[1].immediate_response.body)["error"]["message"]
+    passthrough = await _process(picker, _headers("/v1/models", "GET", end=True))
+    assert passthrough[0].immediate_response.status.code == 502

@@ -1,7 +1,7 @@
 """The shipped tables (tables/*.ppdt, and the real-vLLM one in tables/vllm-cpu/): present, valid, named
 by key, with provenance.
 
-They are produced by one command (README, "Table files and the table builder"); a full rebuild takes
+They are produced by one command (docs/guides/build-tables.md, "Shipped default tables"); a full rebuild takes
 minutes, so CI checks what can be checked cheaply: the server's reader accepts them, they say how they
 were made, and a few of their cells equal a rebuild of those cells on the current simulator.
 """
@@ -69,7 +69,8 @@ SPOT_CELLS = (("small_mid_paste", 8.0), ("huge_big_paste", 20.0), ("large_tiny",
 @pytest.mark.parametrize("shape", DEFAULT_SHAPES)
 def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str) -> None:
     """A full rebuild takes minutes, so rebuild a few cells: if this fails, the simulator or the build
-    rules changed since the tables were made; rerun the README's command and commit the tables."""
+    rules changed since the tables were made; rerun the command of docs/guides/build-tables.md and
+    commit the tables."""
     table = Table.open(TABLES / table_file_name(shape, MODEL))
     try:
         labels = table.header.provenance["labels"]
@@ -98,7 +99,8 @@ def test_default_table_cells_match_a_rebuild_on_the_current_simulator(shape: str
             assert table.measured(*index)
             assert list(table.figures[index]) == list(rebuilt[index]), (
                 f"{shape} {name}@{qps:g} differs from a rebuild: the table came from simulator "
-                f"{labels.get('simulator')}, this is {engine.simulator}; rerun the README's sweep command"
+                f"{labels.get('simulator')}, this is {engine.simulator}; rerun the sweep command of "
+                "docs/guides/build-tables.md"
             )
     finally:
         table.close()

@@ -69,7 +69,7 @@ def test_the_controller_holds_a_tpot_target_and_keeps_part_of_the_ttft_gain(prof
     }
     summary += "; Turn 2 mean TTFT " + " / ".join(f"{name} {ms:.0f}" for name, ms in ttft.items()) + " ms"
 
-    print(summary)  # the figures README.md quotes: pytest -s -k holds_a_tpot_target
+    print(summary)  # the figures docs/reference/gateway.md quotes: pytest -s -k holds_a_tpot_target
     assert _tpot_p99(fixed) > TPOT_MS, summary  # fixed weights miss the target
     assert _tpot_p99(held) <= TPOT_MS * (1 + TARGET.hysteresis), summary
     assert any(state.direction == "up" for _, state in held.slo_trace), summary
