@@ -6,6 +6,9 @@ any other answer streams past Python as before. Two stacks on the simulated 1P1D
 - `sampled`: `local` mode, `[log] picker_observe_share = 1.0`: every turn observed;
 - `explored`: `ppd` mode with the real DecisionService, share 0 and exploration forced (epsilon 1):
   Turn 1 (never explored) is not observed, every Turn 2 is explored and so observed.
+
+The `sampled` picker is also put behind the GIE-style Envoy (envoy-gie.yaml, full duplex both ways),
+where the answer reaches the picker as echoed chunks without any override.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from table_builder.build import BuildOptions, build_from_records, default_header
 from table_builder.records import Record
+from tests.deploy.envoy_harness import SCENARIOS, Envoy
 from tests.deploy.picker_stack import MODEL, PickerStack, decision_service, http, picker_stack, turn
 from tests.deploy.processes import REPO
 from tests.support.metrics import total
@@ -148,6 +153,38 @@ def test_a_sampled_turn_leaves_its_line_with_ttft_tpot_and_tokens_and_moves_the_
     assert _metric(stack, TTFT_COUNT, path="pd", turn_class="first") == ttft_before + 1
     assert _metric(stack, TPOT_COUNT, path="local", turn_class="later") == tpot_before + 1
     assert _metric(stack, "ppd_gateway_requests_in_flight") == 0
+
+
+def test_through_the_gie_config_an_observed_answer_is_read_from_its_echoed_chunks(
+    sampled: tuple[PickerStack, Path], tmp_path: Path
+) -> None:
+    """envoy-gie.yaml (both bodies FULL_DUPLEX_STREAMED): every answer chunk comes to the picker as it
+    is; the drawn turns are observed from those echoes, with the same line as through our config."""
+    stack, log = sampled
+    gie = Envoy.start(
+        "picker",
+        tmp_path / "envoy-gie",
+        cluster="unused",
+        upstream_ports=[],
+        extra={"PICKER_PORT": str(stack.picker.info["grpc"])},
+        template=(SCENARIOS / "picker" / "envoy-gie.yaml").read_text(),
+    )
+    try:
+        gie.await_healthy("picker", {int(stack.picker.info["grpc"])})
+        messages = [{"role": "user", "content": "Observed in full duplex?"}]
+        url = f"http://127.0.0.1:{gie.listeners['picker']}/v1"
+        with openai.OpenAI(base_url=url, api_key="unused", max_retries=0) as client:
+            answer, first = turn(client, messages, stream=True)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Again."}]
+            _, second = turn(client, messages, stream=True)
+    finally:
+        gie.close()
+    assert (first["x-ppd-path"], second["x-ppd-path"]) == ("pd", "local")
+    one, two = _session_lines(log, first["x-ppd-session-id"], 2)
+    for line in (one, two):
+        assert (line["ok"], line["error"], line["n_out"]) == (True, None, 8)
+        assert line["ttft_ms"] > 0
+        assert line["tpot_ms"] > 0
 
 
 def test_the_client_gets_the_same_bytes_observed_or_not(
