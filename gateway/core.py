@@ -19,9 +19,14 @@ Rule 6: a front door that never sees the answer (`relays_answer=False`, the pick
 the client sent it (no `stream_options.include_usage` added: nobody would drop the extra chunk) and
 remembers the turn when it is routed, under the messages it was sent only (session_lookup.py rule 1:
 the next turn's history carries the answer and finds it by the longest stored prefix).
+Rule 7: a turn's request-log line is written only when its front door saw the answer (`observed`;
+the standalone always, the picker for its sampled and explored turns: a line without the answer's
+timings is no evidence). A front door that observes the answer after `turn`'s block (the picker:
+Envoy streams it later) holds the turn (`hold`), and ends it (`end`) when the answer is over; an
+exception out of the block ends it there as always.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
-It stays one module (about 560 lines): its steps share one turn's inputs, outcome and pool view in the
+It stays one module (about 590 lines): its steps share one turn's inputs, outcome and pool view in the
 order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
 plan, turn_report).
 """
@@ -105,6 +110,10 @@ class ActiveTurn:
     turn: TurnInputs
     outcome: TurnOutcome
     view: PoolView
+    # The front door sees this turn's answer: the turn's request-log line is written (rule 7).
+    observed: bool = True
+    # The turn's end (in-flight count, report) is the front door's, by `end` (rule 7).
+    held: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +146,12 @@ class RequestCore:
     # ------------------------------------------------------------------ entry
 
     @contextlib.asynccontextmanager
-    async def turn(self, request: ClientRequest) -> AsyncIterator[ActiveTurn]:
+    async def turn(
+        self, request: ClientRequest, *, observed: bool | None = None
+    ) -> AsyncIterator[ActiveTurn]:
         """Read, check and decide one request (rules 1, 4, 5); the turn is served inside. Raises
-        GatewayError before anything is counted when the request itself is wrong."""
+        GatewayError before anything is counted when the request itself is wrong. `observed`
+        (default: whether this front door relays answers) says whether the turn's line is written."""
         d = self._d
         start, start_wall = d.timer(), d.wall_clock()
         req = parse_completion_request(request.body, request.endpoint, self._s.limits)
@@ -184,9 +196,12 @@ class RequestCore:
             chain=match.chain,
             session_reset=match.reset,
         )
-        active = ActiveTurn(request, turn, TurnOutcome(), view)
+        active = ActiveTurn(
+            request, turn, TurnOutcome(), view, observed=self._relays_answer if observed is None else observed
+        )
         outcome = active.outcome
         d.metrics.inflight.inc()
+        served = False
         try:
             if worker_count is not None:
                 active.turn = dataclasses.replace(
@@ -207,6 +222,7 @@ class RequestCore:
             else:
                 outcome.decision = _NOT_ASKED
             yield active
+            served = True  # rule 7: only a block that ended without an exception leaves the turn held
         except GatewayError as exc:
             outcome.error = exc.message
             raise
@@ -215,8 +231,24 @@ class RequestCore:
                 outcome.error = outcome.error or CLIENT_DISCONNECTED
             raise
         finally:
-            d.metrics.inflight.dec()
-            self._report.finish(active.turn, outcome, end=d.timer())
+            if not (active.held and served):
+                self._end(active)
+
+    def hold(self, t: ActiveTurn) -> None:
+        """Rule 7: the turn outlives `turn`'s block (in flight, unreported) and is observed; the
+        front door calls `end` once its answer is over. Call it last in the block."""
+        t.held = t.observed = True
+
+    def end(self, t: ActiveTurn) -> None:
+        """Rule 7: a held turn ends: no longer in flight, reported with its line. Once: a turn not
+        held (never, or already ended) is left alone."""
+        if t.held:
+            self._end(t)
+
+    def _end(self, t: ActiveTurn) -> None:
+        t.held = False
+        self._d.metrics.inflight.dec()
+        self._report.finish(t.turn, t.outcome, end=self._d.timer(), line=t.observed)
 
     async def route(self, t: ActiveTurn) -> DecodeLeg:
         """The decided turn planned and, for pd and bidir, its P leg run (with its retries and the

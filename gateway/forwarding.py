@@ -186,9 +186,7 @@ class Forwarder:
             received = timer()
             out, content = relay.feed(data)
             if content:
-                if outcome.ttft is None:
-                    outcome.ttft = received - turn.start
-                outcome.last_token = received
+                outcome.content_at(received, turn.start)
             if relay.done and relay.error is None:
                 # Before the client can see [DONE] and send its next turn, which must find this one.
                 await self._complete(turn, outcome, relay)

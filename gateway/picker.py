@@ -1,9 +1,11 @@
 """The Envoy endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor.Process` (one gRPC stream
 per HTTP request) over the gateway's request core (core.py). Envoy carries D's leg and streams the
-answer; Python touches only the request, once. docs/envoy-extproc.md has the protocol facts.
+answer; Python touches only the request, once, but for the few answers it observes (rule 6).
+docs/envoy-extproc.md has the protocol facts.
 
 Rule 1 (processing modes): our config (deploy/envoy/picker/envoy.yaml) sends request headers, the
-request body BUFFERED and response headers (response body NONE, trailers SKIP); the GIE-style config
+request body BUFFERED and response headers (response body NONE, STREAMED for an observed answer by
+rule 6; trailers SKIP); the GIE-style config
 (envoy-gie.yaml, what GIE's gateways send) has request and response bodies FULL_DUPLEX_STREAMED and
 trailers SEND. The mode comes from the stream's first message (picker_stream rule 1); in full duplex
 the body is gathered, answered and echoed by picker_stream.py's rules 2-4. Each message gets its
@@ -30,31 +32,49 @@ full duplex each response body chunk is echoed unchanged and trailers are answer
 Rule 5: any other request (no body, another path or method) goes to a live worker as the standalone's
 pass-through routes do (decode, replica, prefill in that order), on its headers' answer (its body,
 in full duplex, echoed); none live: ImmediateResponse 503; its name not resolving: 502.
-Rule 6: the picker never sees the answer: the turn is remembered when it is routed (core.py rule 6)
-and no TTFT, TPOT or request-log line is recorded yet (issue 25 item 3).
+Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
+the response body mode stays NONE. A turn is *observed* when it is drawn (share
+`[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
+learns from them): the core holds it (core.py rule 7), and the answer to the response headers of a 200
+carries `mode_override` with `response_body_mode: STREAMED` (`_OBSERVE`; Envoy honours it in answers
+to headers messages with the filter's `allow_mode_override`). Envoy then sends each chunk of the
+answer and waits for its (empty) answer before passing the very same bytes on. observed_turn.py
+learns from each (bytes, time) through answer_observer.py: TTFT, the last token, the answer's text,
+usage and chunk count. At `[DONE]` (before that chunk goes on) the turn is remembered again with the
+real answer (its token count, its answer key), and at the body's end the turn ends: the TTFT and
+TPOT metrics and the same request-log line the standalone gateway writes (turn_report.py). A non-200
+answer, a cut stream or a stream that ends early (the client gone: CLIENT_DISCONNECTED) is a line
+with its error.
+In full duplex the response body comes to the picker anyway (echoed, rule 4): an observed answer is
+read from the echoed chunks, without an override. With only the request side in full duplex Envoy
+ignores `mode_override`: the answer cannot be observed, and the turn ends at its response headers
+without a line.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
+import random
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from gateway.core import RequestCore
+from gateway.core import ActiveTurn, RequestCore
 from gateway.deps import Deps
 from gateway.destinations import Destinations, host_port, joined
 from gateway.errors import GatewayError, NoWorkerError, UpstreamUnreachableError, error_body
+from gateway.observed_turn import ObservedTurn
 from gateway.picker_stream import BodyAssembly, Modes, echo, modes, streamed_body
 from gateway.ports import ClientRequest
-from gateway.turn_report import provenance_headers
+from gateway.turn_report import exploration, provenance_headers
 from gateway.types import Endpoint
 
 __all__ = [
@@ -78,6 +98,17 @@ _ENDPOINTS: Final[Mapping[str, Endpoint]] = {"/v1/chat/completions": "chat", "/v
 _SET: Final = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 _UNBUFFERED: Final = (
     "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED or FULL_DUPLEX_STREAMED"
+)
+_Mode = processing_mode_pb2.ProcessingMode
+# Rule 6: an observed turn's processing mode from its response headers on (Envoy takes the body modes
+# as given, so both are named; the config's `allowed_override_modes` lists exactly this one).
+_OBSERVE: Final = _Mode(
+    request_header_mode=_Mode.SEND,
+    request_body_mode=_Mode.BUFFERED,
+    response_header_mode=_Mode.SEND,
+    response_body_mode=_Mode.STREAMED,
+    request_trailer_mode=_Mode.SKIP,
+    response_trailer_mode=_Mode.SKIP,
 )
 
 
@@ -111,6 +142,9 @@ class Picked:
     body: bytes
     headers: tuple[tuple[str, str], ...]
     provenance: Mapping[str, str]
+    # Rule 6: the held turn whose answer is observed (None: not observed), and whether D streams it.
+    observed: ActiveTurn | None = None
+    stream: bool = False
 
 
 def destination(url: str) -> str:
@@ -166,11 +200,15 @@ def _routed(*, headers: pb.HeaderMutation, body: bytes | None) -> pb.CommonRespo
 
 class Picker:
     """Rules 1-6, one `Process` stream per request (registered with
-    `external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server`)."""
+    `external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server`). `draw` (tests: a fixed
+    one) draws the share of observed turns; by default a private random.Random."""
 
-    def __init__(self, deps: Deps) -> None:
+    def __init__(self, deps: Deps, *, draw: Callable[[], float] | None = None) -> None:
         self._d = deps
         self._core = RequestCore(deps, relays_answer=False)
+        self._share = deps.settings.log.picker_observe_share
+        self._draw = draw or random.Random().random  # noqa: S311 (a sample's draw, not a secret)
+        self._max_body = deps.settings.max_body_bytes
         self._destinations = Destinations(timeout_s=deps.settings.timeouts.connect_s)
 
     async def Process(  # noqa: N802 (the gRPC method's name)
@@ -183,34 +221,71 @@ class Picker:
         provenance: Mapping[str, str] = {}
         mode: Modes | None = None
         gathering: BodyAssembly | None = None  # a duplex completion's body (picker_stream rule 2)
-        async for message in request_iterator:
-            mode = mode or modes(message)
-            kind = message.WhichOneof("request")
-            answers: list[pb.ProcessingResponse] = []
-            if kind == "request_headers":
-                headers = _header_map(message.request_headers)
-                endpoint, answers = await self._on_headers(message.request_headers, headers, mode)
-                if endpoint is not None and mode.request:  # answered with the body (picker_stream rule 2)
-                    gathering = BodyAssembly(self._d.settings.max_body_bytes)
-            elif kind == "request_body" or (kind == "request_trailers" and mode.request):
-                if mode.request:
-                    answers, routed = await self._duplex_request(message, gathering, endpoint, headers)
-                else:
-                    answers, routed = await self._buffered_request(message.request_body, endpoint, headers)
-                if routed is not None:
-                    provenance, gathering = routed, None
-            elif kind == "response_headers":
-                mutation = pb.HeaderMutation(set_headers=[_set(k, v) for k, v in provenance.items()])
-                common = pb.CommonResponse(header_mutation=mutation)
-                answers = [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
-            elif kind == "response_body" and mode.response:
-                answers = [echo(message)]  # picker_stream rule 4
-            elif kind is not None:  # the response body outside full duplex, trailers: answered empty
-                answers = [_empty_answer(kind)]
-            for answer in answers:
-                yield answer
-            if answers and answers[0].HasField("immediate_response"):
-                return
+        watch: ObservedTurn | None = None  # rule 6: an observed turn, held until its answer is over
+        try:
+            async for message in request_iterator:
+                mode = mode or modes(message)
+                kind = message.WhichOneof("request")
+                answers: list[pb.ProcessingResponse] = []
+                if kind == "request_headers":
+                    headers = _header_map(message.request_headers)
+                    endpoint, answers = await self._on_headers(message.request_headers, headers, mode)
+                    if endpoint is not None and mode.request:  # answered with the body (picker_stream rule 2)
+                        gathering = BodyAssembly(self._d.settings.max_body_bytes)
+                elif kind == "request_body" or (kind == "request_trailers" and mode.request):
+                    if mode.request:
+                        answers, routed = await self._duplex_request(message, gathering, endpoint, headers)
+                    else:
+                        answers, routed = await self._buffered_request(
+                            message.request_body, endpoint, headers
+                        )
+                    if routed is not None:
+                        provenance, gathering, watch = routed.provenance, None, self._watch(routed)
+                elif kind == "response_headers":
+                    answers = [self._response_headers(message.response_headers, provenance, mode, watch)]
+                elif kind is not None:  # the response body (echoed in duplex; rule 6) and trailers
+                    answers = [await self._after_headers(kind, message, mode, watch)]
+                for answer in answers:
+                    yield answer
+                if answers and answers[0].HasField("immediate_response"):
+                    return
+        finally:
+            ObservedTurn.close_if(watch)
+
+    def _watch(self, picked: Picked) -> ObservedTurn | None:
+        if picked.observed is None:
+            return None
+        return ObservedTurn(self._core, picked.observed, stream=picked.stream, max_body_bytes=self._max_body)
+
+    def _response_headers(
+        self, message: pb.HttpHeaders, provenance: Mapping[str, str], mode: Modes, watch: ObservedTurn | None
+    ) -> pb.ProcessingResponse:
+        """Rule 4's provenance headers; rule 6: an observed answer's body switched to STREAMED (in
+        full duplex it comes anyway; with only the request side duplex it cannot be observed)."""
+        status = _header_map(message).get(":status", "")
+        body_comes = mode.response or not mode.request
+        observe = watch is not None and watch.headers(
+            status, has_body=not message.end_of_stream, body_comes=body_comes
+        )
+        mutation = pb.HeaderMutation(set_headers=[_set(k, v) for k, v in provenance.items()])
+        common = pb.CommonResponse(header_mutation=mutation)
+        return pb.ProcessingResponse(
+            response_headers=pb.HeadersResponse(response=common),
+            mode_override=_OBSERVE if observe and not mode.response else None,
+        )
+
+    async def _after_headers(
+        self, kind: str, message: pb.ProcessingRequest, mode: Modes, watch: ObservedTurn | None
+    ) -> pb.ProcessingResponse:
+        """An observed answer's chunk, learnt from before it goes on (rule 6); the answer echoes it in
+        full duplex (picker_stream rule 4), else is empty, as to the trailers."""
+        if kind == "response_body" and watch is not None:
+            body = message.response_body
+            last = body.end_of_stream or body.end_of_stream_without_message
+            await watch.body(body.body, last=last, at=self._d.timer())
+        if kind == "response_body" and mode.response:
+            return echo(message)
+        return _empty_answer(kind)
 
     async def _on_headers(
         self, message: pb.HttpHeaders, headers: Headers, mode: Modes
@@ -225,8 +300,8 @@ class Picker:
 
     async def _buffered_request(
         self, body: pb.HttpBody, endpoint: Endpoint | None, headers: Headers
-    ) -> tuple[list[pb.ProcessingResponse], Mapping[str, str] | None]:
-        """The request body in BUFFERED mode (rules 1-3): its answer, and the provenance when routed."""
+    ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
+        """The request body in BUFFERED mode (rules 1-3): its answer, and what was picked when routed."""
         if not body.end_of_stream:
             # A body in pieces outside full duplex (STREAMED): refused, never half-routed (rule 1).
             log.warning("request body in pieces: the picker needs BUFFERED or FULL_DUPLEX_STREAMED")
@@ -241,9 +316,9 @@ class Picker:
         gathering: BodyAssembly | None,
         endpoint: Endpoint | None,
         headers: Headers,
-    ) -> tuple[list[pb.ProcessingResponse], Mapping[str, str] | None]:
+    ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """A request body chunk or the request trailers in full duplex (picker_stream rules 2-4): the
-        answers to send now, and the provenance once the completion is routed."""
+        answers to send now, and what was picked once the completion is routed."""
         kind = message.WhichOneof("request")
         if gathering is None or endpoint is None:  # a pass-through's body, or trailers after routing
             return [echo(message) if kind == "request_body" else _empty_answer(kind or "")], None
@@ -256,10 +331,10 @@ class Picker:
             return [_immediate(*exc.to_openai_error())], None
         if not gathering.complete:
             return [], None
-        answers, provenance = await self._pick(endpoint, gathering.body, headers, duplex=gathering)
+        answers, picked = await self._pick(endpoint, gathering.body, headers, duplex=gathering)
         if kind == "request_trailers" and not answers[0].HasField("immediate_response"):
             answers.append(_empty_answer(kind))  # after the body (picker_stream rule 3)
-        return answers, provenance
+        return answers, picked
 
     async def _passthrough(self) -> pb.ProcessingResponse:
         """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
@@ -278,17 +353,18 @@ class Picker:
 
     async def _pick(
         self, endpoint: Endpoint, body: bytes, headers: Headers, *, duplex: BodyAssembly | None = None
-    ) -> tuple[list[pb.ProcessingResponse], Mapping[str, str]]:
+    ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """Rules 2 and 3: the core's answer, as the buffered body's response or, in full duplex, as
-        the headers response and the streamed body (picker_stream rule 3); or one ImmediateResponse."""
+        the headers response and the streamed body (picker_stream rule 3); or one ImmediateResponse.
+        With it what was picked (None: nothing)."""
         try:
             picked = await self.pick(ClientRequest(endpoint, body, headers))
         except GatewayError as exc:
             status, err = exc.to_openai_error()
-            return [_immediate(status, err)], {}
+            return [_immediate(status, err)], None
         except Exception:
             log.exception("unhandled error picking an endpoint")
-            return [_immediate(500, error_body("internal gateway error", "InternalServerError", 500))], {}
+            return [_immediate(500, error_body("internal gateway error", "InternalServerError", 500))], None
         sets = [_set(DESTINATION_HEADER, picked.destination), *(_set(k, v) for k, v in picked.headers)]
         removes = [PREFILLER_HEADER]
         if duplex is None:
@@ -301,24 +377,31 @@ class Picker:
         metadata = _lb_metadata(picked.destination)
         if duplex is None:
             routed = pb.BodyResponse(response=_routed(headers=mutation, body=picked.body))
-            return [pb.ProcessingResponse(request_body=routed, dynamic_metadata=metadata)], picked.provenance
+            return [pb.ProcessingResponse(request_body=routed, dynamic_metadata=metadata)], picked
         first = pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(response=_routed(headers=mutation, body=None)),
             dynamic_metadata=metadata,
         )
-        return [first, *streamed_body(picked.body, end=not duplex.trailers)], picked.provenance
+        return [first, *streamed_body(picked.body, end=not duplex.trailers)], picked
 
     async def pick(self, request: ClientRequest) -> Picked:
-        """The core for one completion request: routed, its P leg run, the turn remembered."""
+        """The core for one completion request: routed, its P leg run, the turn remembered; an
+        observed turn (rule 6) held, to be ended by whoever observes its answer."""
         core = self._core
-        async with core.turn(request) as t:
+        async with core.turn(request, observed=self._share > 0 and self._draw() < self._share) as t:
             leg = await core.route(t)
             # Before the turn is remembered: a D whose name does not resolve serves no turn.
             dest = await self._destinations.of(leg.call.url, worker=leg.call.worker)
             await core.remember(t.turn, t.outcome, None, None, completion_chunks=None)
-            return Picked(
+            observed = t.observed or exploration(t.outcome)[0]
+            picked = Picked(
                 destination=dest,
                 body=json.dumps(leg.call.body, separators=(",", ":")).encode(),
                 headers=leg.call.headers,
                 provenance=provenance_headers(t.turn, t.outcome),
+                observed=t if observed else None,
+                stream=leg.call.stream,
             )
+            if observed:
+                core.hold(t)
+            return picked

@@ -4,7 +4,7 @@ Every setting has a default (an empty file is a valid config); unknown keys are 
 never silently does nothing. `gateway/README.md` documents each key with an example.
 Secrets (`admin_token`, `worker_api_key`) are `Secret` strings: their value is used as is, but their
 repr, and so any printed Settings (`ppd-gateway check-config`), shows `'<redacted>'`.
-It stays one module (about 450 lines): one loader reads and checks every section together, and a
+It stays one module (about 460 lines): one loader reads and checks every section together, and a
 newcomer finds every key of the gateway's file in one place.
 """
 
@@ -246,6 +246,9 @@ class LogSettings:
     workload: str = ""
     workload_header: bool = False
     target_qps: float = 0.0
+    # The Envoy picker only (picker.py rule 6): the share of completions whose answer it observes
+    # (TTFT, TPOT, tokens, a request-log line); explored ones always. The standalone sees every answer.
+    picker_observe_share: float = 0.05
 
     def workload_label(self, header: str | None) -> str:
         """A request's workload label: its X-PPD-Workload header where allowed (an empty header is
@@ -374,6 +377,8 @@ class Settings:
         if not (0 <= slo.base_w_ttft < float("inf") and 0 < slo.base_w_tpot < float("inf")):
             raise SettingsError("slo.base_w_ttft must be >= 0 and slo.base_w_tpot positive")
         self.kv_events.validate()
+        if not 0.0 <= self.log.picker_observe_share <= 1.0:
+            raise SettingsError("log.picker_observe_share must be between 0 and 1")
         limits = self.limits
         if (
             limits.max_messages < 1

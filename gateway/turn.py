@@ -62,3 +62,10 @@ class TurnOutcome:
     # (closing before the worker ended its response) left a served turn, no disconnect.
     delivered: bool = False
     error: str | None = None
+
+    def content_at(self, received: float, start: float) -> None:
+        """Answer content arrived at `received` (the gateway's timer) for a turn that arrived at
+        `start`: the first sets the TTFT, each the last token's time (TPOT spans them)."""
+        if self.ttft is None:
+            self.ttft = received - start
+        self.last_token = received

@@ -10,6 +10,8 @@ also counts in `ppd_gateway_explorations_total` (explored only) and carries `exp
 its line (ppd/records.py leaves them out at their defaults, so with exploration off the lines are as
 they always were). A served turn 2+ on a path the decision chooses between (gateway/slo.py rule 4)
 also feeds its TTFT and TPOT to the SLO controller.
+A front door that did not see the answer (the Envoy picker's unobserved turns) counts the metrics
+without a line: a line without the answer's timings would be evidence of nothing.
 Rule 3: the line says what happened, `error` in the gateway's words; a client gone before its answer
 ended is `ppd.records.CLIENT_DISCONNECTED` (the table refresh leaves such lines out of its evidence).
 """
@@ -97,7 +99,9 @@ class TurnReport:
         self._slo = slo
         self._table_key = table_key
 
-    def finish(self, turn: TurnInputs, outcome: TurnOutcome, *, end: float) -> None:
+    def finish(self, turn: TurnInputs, outcome: TurnOutcome, *, end: float, line: bool = True) -> None:
+        """Rule 2; `line` False: the metrics only, no request-log line (a turn whose answer the
+        front door did not see: the Envoy picker's unobserved turns, picker.py rule 6)."""
         m = self._m
         if outcome.path:
             m.decisions.labels(outcome.path, outcome.reason).inc()
@@ -116,7 +120,7 @@ class TurnReport:
                 m.tpot.labels(outcome.path, turn.turn_class).observe(tpot)
             if self._slo is not None and routed(turn.turn, outcome.path):
                 self._slo.observe(self._table_key, ttft_s=outcome.ttft, tpot_s=tpot, started=turn.start)
-        if self._log is None:
+        if self._log is None or not line:
             return
         s = self._s
         self._log.write(

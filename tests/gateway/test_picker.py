@@ -29,7 +29,7 @@ def _picker(upstream: FakeUpstream | None = None, **extra: Any) -> tuple[Picker,
     upstream = upstream or FakeUpstream()
     config = {"mode": "local", "served_model": MODEL, "workers": WORKERS, **extra}
     _, deps = forwarder_on_fakes(config, upstream=upstream)
-    return Picker(deps), deps, upstream
+    return Picker(deps, draw=lambda: 1.0), deps, upstream  # never drawn for observation: rule 6 apart
 
 
 def _headers(

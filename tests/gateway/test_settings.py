@@ -114,3 +114,11 @@ def test_the_streaming_client_is_chosen_in_the_upstream_section() -> None:
         Settings.from_mapping({"upstream": {"stream_client": "httpx"}})
     with pytest.raises(SettingsError, match="keepalive_s"):
         Settings.from_mapping({"upstream": {"keepalive_s": 0}})
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5, float("nan"), float("inf")])
+def test_the_pickers_observe_share_is_a_share(share: float) -> None:
+    assert Settings().log.picker_observe_share == 0.05
+    assert Settings.from_mapping({"log": {"picker_observe_share": 1}}).log.picker_observe_share == 1.0
+    with pytest.raises(SettingsError, match=r"log\.picker_observe_share must be between 0 and 1"):
+        Settings.from_mapping({"log": {"picker_observe_share": share}})
