@@ -35,7 +35,14 @@ DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 @asynccontextmanager
 async def _served(upstream: FakeUpstream) -> AsyncIterator[pb_grpc.ExternalProcessorStub]:
     """The picker on a real grpc.aio server (port 0), and a client stub on it."""
-    config = {"mode": "local", "served_model": MODEL, "workers": WORKERS, "max_body_bytes": LIMIT}
+    # No answer observed by chance (the default share draws 5%): the replays compare exact answers.
+    config = {
+        "mode": "local",
+        "served_model": MODEL,
+        "workers": WORKERS,
+        "max_body_bytes": LIMIT,
+        "log": {"picker_observe_share": 0.0},
+    }
     _, deps = forwarder_on_fakes(config, upstream=upstream)
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(Picker(deps), server)
