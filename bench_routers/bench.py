@@ -57,8 +57,9 @@ class BenchSettings:
     streams: tuple[int, ...] = (1, 16, 64, 200)
     # Tokens per answer (one SSE chunk each), one set of cells each.
     max_tokens: tuple[int, ...] = (1, 32, 256)
-    # Measured conversations per target in each cell (at least one per stream per round).
-    requests: int = 32
+    # Measured conversations per target in each cell (at least one per stream per round). Small, so
+    # that the whole grid runs in about 10 minutes: at one stream a 256-token conversation takes ~4 s.
+    requests: int = 8
     rounds: int = 2
     timeout_s: float = 120.0
     ready_timeout_s: float = 60.0
