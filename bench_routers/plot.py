@@ -65,7 +65,8 @@ def save_plot(figures: Mapping[str, Any], path: Path) -> Path:
         for i, (name, turn) in enumerate(bars):
             xs = [j + i * width for j in range(len(lengths))]
             ys = [per_1k[str(length)][turn].get(name) or 0.0 for length in lengths]
-            ax.bar(xs, ys, width, label=f"{name}, {turn}")
+            shade = f"C{TARGETS[1:].index(name)}"  # as in the line panels; Turn 1 hatched
+            ax.bar(xs, ys, width, color=shade, hatch="//" if turn == "pd" else "", label=f"{name}, {turn}")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))], [f"{x} tok" for x in lengths])
         ax.set_title("router CPU s per 1,000 requests (all its processes)", fontsize=9)
         ax.legend(fontsize=6)
