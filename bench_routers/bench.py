@@ -68,6 +68,8 @@ class BenchSettings:
     decode_url: str = ""
     # A new client connection for every request instead of keep-alive pools.
     connection_per_request: bool = False
+    # Also Envoy on envoy-gie.yaml (GIE's full-duplex mode: every answer chunk through the picker).
+    envoy_gie: bool = False
 
     def per_stream(self, streams: int) -> int:
         """Conversations per stream in one measured batch."""
@@ -76,7 +78,8 @@ class BenchSettings:
     @property
     def batches(self) -> int:
         """Measured target batches in the whole run (what the progress bar counts)."""
-        return len(self.max_tokens) * len(self.streams) * self.rounds * len(TARGETS)
+        targets = len(TARGETS) if self.envoy_gie else len(TARGETS) - 1
+        return len(self.max_tokens) * len(self.streams) * self.rounds * targets
 
 
 def _loadavg() -> list[float]:
@@ -178,10 +181,15 @@ async def run(settings: BenchSettings, emit: Callable[[str], None], progress: Pr
             await wait_ready(sessions[ours.name], ours, probe, settings.ready_timeout_s)
             envoy = await start_envoy_picker(sup, config, Path(scratch), settings.ready_timeout_s)
             await wait_ready(sessions[envoy.name], envoy, probe, settings.ready_timeout_s)
+            targets = [direct, ours, envoy]
+            if settings.envoy_gie:
+                gie = await start_envoy_picker(sup, config, Path(scratch), settings.ready_timeout_s, gie=True)
+                await wait_ready(sessions[gie.name], gie, probe, settings.ready_timeout_s)
+                targets.append(gie)
             peer = await start_sglang(
                 sup, sessions["sglang"], workers.decode_url, probe, settings.ready_timeout_s
             )
-            targets = [direct, ours, envoy, peer]
+            targets.append(peer)
             bench = _Run(settings, targets, sessions, workers.pid, progress)
             date = datetime.now(UTC).isoformat(timespec="seconds")
             worker_label = (
@@ -217,6 +225,7 @@ async def run(settings: BenchSettings, emit: Callable[[str], None], progress: Pr
                     "requests": settings.requests,
                     "rounds": settings.rounds,
                     "connection_per_request": settings.connection_per_request,
+                    "envoy_gie": settings.envoy_gie,
                     "workers": worker_label,
                     "model": model,
                     "sglang_router": version,

@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ppd-bench-routers",
         description="Start a simulated 1P1D vLLM cluster (or use --prefill-url/--decode-url), our "
-        "standalone gateway, Envoy with our endpoint picker (`ppd-gateway picker`, the same config) and "
+        "standalone gateway, Envoy with our endpoint picker (`ppd-gateway picker`, the same config; with "
+        "--envoy-gie also Envoy on GIE's full-duplex config) and "
         "SGLang's model gateway (sglang-router, round_robin on D), and drive them and the workers "
         "directly with the same two-turn conversations of streamed chat requests, interleaved, at each "
         "answer length and concurrency: Turn 1 through P (pd; the direct path does vLLM's P/D itself; "
@@ -104,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         help="open a new client connection for every request (default: keep-alive pools, as the openai "
         "client keeps)",
     )
+    add(
+        "--envoy-gie",
+        action="store_true",
+        help="also measure Envoy on deploy/envoy/picker/envoy-gie.yaml (GIE's processing mode: bodies "
+        "FULL_DUPLEX_STREAMED both ways, so every answer chunk crosses the picker) as target envoy-gie",
+    )
     add("--json", type=Path, help="also write every figure to this JSON file")
     add("--png", type=Path, help="also draw the figures (added TTFT, router CPU) into this PNG file")
     add("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -129,6 +136,7 @@ def _settings(args: argparse.Namespace) -> BenchSettings | str:
         prefill_url=args.prefill_url,
         decode_url=args.decode_url,
         connection_per_request=args.connection_per_request,
+        envoy_gie=args.envoy_gie,
     )
 
 

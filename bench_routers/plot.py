@@ -59,7 +59,12 @@ def save_plot(figures: Mapping[str, Any], path: Path) -> Path:
             ax.axhline(0, color="grey", linewidth=0.5)
             ax.legend(fontsize=6)
         per_1k = figures["summary"]["router_cpu_s_per_1k"]
-        bars = [(name, turn) for turn in TURNS for name in TARGETS[1:] if name != "sglang" or turn == "local"]
+        bars = [
+            (name, turn)
+            for turn in TURNS
+            for name in TARGETS[1:]
+            if any(name in per_1k[x][turn] for x in per_1k)
+        ]
         width = 0.8 / len(bars)
         ax = axes[2]
         for i, (name, turn) in enumerate(bars):

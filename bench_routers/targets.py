@@ -10,6 +10,8 @@ cluster --topology 1P1D`, one process), or a P/D pair given by URL (e.g. real vL
 - `envoy`: Envoy (deploy/envoy/picker/envoy.yaml) with our endpoint picker (`python -m gateway picker`)
   on the very same config file, started and awaited by devstack/data_plane.py as `ppd-up
   --data-plane envoy` does: Envoy carries D's leg and streams the answer, the picker runs P's leg;
+- `envoy-gie` (with `--envoy-gie` only): the same with deploy/envoy/picker/envoy-gie.yaml, GIE's
+  processing mode (bodies FULL_DUPLEX_STREAMED both ways): every answer chunk crosses the picker;
 - `sglang`: SGLang's model gateway (`python -m sglang_router.launch_router --policy round_robin`) with
   the decode worker as its one worker. Its PD mode (`--pd-disaggregation`) speaks SGLang's own
   handshake (the request sent to P and D at once with bootstrap_host/port/room), which vLLM workers
@@ -41,13 +43,19 @@ from pathlib import Path
 import aiohttp
 
 from bench_routers.load import Conversation, DirectPD, LoadSpec, Post, RequestError, Sender
-from devstack.data_plane import check_addressed_by_ip, start_picker_and_envoy
+from devstack.data_plane import (
+    PICKER_ENVOY_TEMPLATE,
+    PICKER_GIE_ENVOY_TEMPLATE,
+    check_addressed_by_ip,
+    start_picker_and_envoy,
+)
 from devstack.replicas import envoy_argv
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
 __all__ = [
     "DIRECT",
     "ENVOY",
+    "ENVOY_GIE",
     "OURS",
     "PEER",
     "TARGETS",
@@ -70,9 +78,10 @@ __all__ = [
 DIRECT = "direct"
 OURS = "gateway"
 ENVOY = "envoy"
+ENVOY_GIE = "envoy-gie"
 PEER = "sglang"
-#: The targets in the order they are printed.
-TARGETS = (DIRECT, OURS, ENVOY, PEER)
+#: The targets in the order they are printed (`envoy-gie` runs only when asked for).
+TARGETS = (DIRECT, OURS, ENVOY, ENVOY_GIE, PEER)
 
 _HOST = "127.0.0.1"
 _CHAT = "/v1/chat/completions"
@@ -180,15 +189,21 @@ async def start_gateway(sup: Supervisor, config: Path, ready_timeout_s: float) -
     return Target(OURS, post, post, {"gateway": child.proc.pid}, child=child)
 
 
-async def start_envoy_picker(sup: Supervisor, config: Path, scratch: Path, ready_timeout_s: float) -> Target:
-    """The picker on `config` and Envoy in front of it, as `ppd-up --data-plane envoy` starts them."""
+async def start_envoy_picker(
+    sup: Supervisor, config: Path, scratch: Path, ready_timeout_s: float, *, gie: bool = False
+) -> Target:
+    """The picker on `config` and Envoy in front of it, as `ppd-up --data-plane envoy` starts them
+    (with `gie`, Envoy on envoy-gie.yaml)."""
+    name = ENVOY_GIE if gie else ENVOY
+    before = len(sup.children)
     url, _ = await start_picker_and_envoy(
-        picker_argv(config), envoy_argv, sup, scratch / "envoy", port=0, timeout_s=ready_timeout_s
-    )
-    children = {child.name: child for child in sup.children}
+        picker_argv(config), envoy_argv, sup, scratch / name, port=0, timeout_s=ready_timeout_s,
+        template=PICKER_GIE_ENVOY_TEMPLATE if gie else PICKER_ENVOY_TEMPLATE,
+    )  # fmt: skip
+    children = {child.name: child for child in sup.children[before:]}  # this pair's, not another's
     pids = {"envoy": children["envoy"].proc.pid, "picker": children["picker"].proc.pid}
     post = Post(url + _CHAT)
-    return Target(ENVOY, post, post, pids, data_plane="envoy", child=children["envoy"])
+    return Target(name, post, post, pids, data_plane="envoy", child=children["envoy"])
 
 
 async def start_sglang(

@@ -1,7 +1,7 @@
-"""ppd-bench-routers at test size: it runs end to end with all four targets (direct, the standalone
-gateway, Envoy with the picker, SGLang's router), both turns, prints every target's figures, writes the
-JSON and the PNG, counts every process of a router, and stops every process it started. Nothing here
-asserts speed."""
+"""ppd-bench-routers at test size: it runs end to end with all five targets (direct, the standalone
+gateway, Envoy with the picker on envoy.yaml and on envoy-gie.yaml, SGLang's router), both turns,
+prints every target's figures, writes the JSON and the PNG, counts every process of a router, and stops
+every process it started. Nothing here asserts speed."""
 
 from __future__ import annotations
 
@@ -44,7 +44,12 @@ TARGET_KEYS = {
     "data_plane_chunks_per_cpu_s",
     "wall_s",
 }
-ROUTER_PROCESSES = {"gateway": {"gateway"}, "envoy": {"envoy", "picker"}, "sglang": {"sglang"}}
+ROUTER_PROCESSES = {
+    "gateway": {"gateway"},
+    "envoy": {"envoy", "picker"},
+    "envoy-gie": {"envoy", "picker"},
+    "sglang": {"sglang"},
+}
 
 
 def _gone(pid: int) -> bool:
@@ -71,16 +76,17 @@ def test_a_small_run_measures_every_router_on_both_turns_and_writes_the_json_and
     _require_sglang_router()
     out, png = tmp_path / "figures.json", tmp_path / "figures.png"
     argv = ["--streams", "1", "3", "--max-tokens", "1", "4", "--requests", "3", "--rounds", "1"]
-    code = main([*argv, "--json", str(out), "--png", str(png), "--no-progress"])
+    code = main([*argv, "--envoy-gie", "--json", str(out), "--png", str(png), "--no-progress"])
     text = capsys.readouterr().out
     assert code == 0, text
     for length in (1, 4):
         for streams in (1, 3):
             assert f"{length}-token answers, {streams} concurrent streams" in text
-    # Per cell: four targets on Turn 2, three on Turn 1 (SGLang's Turn 1 is not vLLM P/D).
-    for name, rows in (("direct", 8), ("gateway", 8), ("envoy", 8), ("sglang", 4)):
+    # Per cell: five targets on Turn 2, four on Turn 1 (SGLang's Turn 1 is not vLLM P/D).
+    for name, rows in (("direct", 8), ("gateway", 8), ("envoy", 8), ("envoy-gie", 8), ("sglang", 4)):
         assert sum(line.strip().startswith(name + " ") for line in text.splitlines()) == rows, text
-    assert "Envoy (data plane) relayed chunks per CPU-second, 4-token answers" in text
+    assert "Envoy's own CPU (envoy): relayed chunks per CPU-second" in text
+    assert "Envoy's own CPU (envoy-gie): relayed chunks per CPU-second" in text
     assert "envoy/gateway" in text
 
     figures = json.loads(out.read_text())
@@ -92,7 +98,7 @@ def test_a_small_run_measures_every_router_on_both_turns_and_writes_the_json_and
         ROUTER_PROCESSES
     )
     for cell in figures["cells"]:
-        assert set(cell["turns"]["pd"]["targets"]) == {"direct", "gateway", "envoy"}
+        assert set(cell["turns"]["pd"]["targets"]) == {"direct", "gateway", "envoy", "envoy-gie"}
         assert set(cell["turns"]["local"]["targets"]) == set(TARGETS)
         for turn, figs in cell["turns"].items():
             direct_chunks = figs["targets"]["direct"]["chunks"]
@@ -109,19 +115,23 @@ def test_a_small_run_measures_every_router_on_both_turns_and_writes_the_json_and
                 by_process = target["router_cpu_s_per_1k_by_process"]
                 assert set(by_process) == ROUTER_PROCESSES[name]
                 assert target["router_cpu_s_per_1k"] == pytest.approx(sum(by_process.values()), abs=0.01)
-                assert (target["data_plane_cpu_s"] is None) == (name != "envoy")
-                if name in ("gateway", "envoy"):  # our routers say which path each turn took
+                assert (target["data_plane_cpu_s"] is None) == (name not in ("envoy", "envoy-gie"))
+                if name != "sglang":  # our routers say which path each turn took
                     assert target["paths"] == {turn: target["requests"]}
-        assert set(cell["turns"]["pd"]["ratios"]) == {"envoy_over_gateway"}
+        assert set(cell["turns"]["pd"]["ratios"]) == {"envoy_over_gateway", "envoy-gie_over_envoy"}
         assert set(cell["turns"]["local"]["ratios"]) == {
             "envoy_over_gateway",
+            "envoy-gie_over_envoy",
             "gateway_over_sglang",
             "envoy_over_sglang",
         }
     totals = figures["summary"]
     assert set(totals["router_cpu_s_per_1k"]) == {"1", "4"}
-    assert set(totals["router_cpu_s_per_1k"]["4"]["local"]) == {"gateway", "envoy", "sglang"}
-    assert set(totals["data_plane_chunks_per_cpu_s"]) == {"1", "4"}
+    assert set(totals["router_cpu_s_per_1k"]["4"]["local"]) == {"gateway", "envoy", "envoy-gie", "sglang"}
+    assert {name: set(by_length) for name, by_length in totals["data_plane_chunks_per_cpu_s"].items()} == {
+        "envoy": {"1", "4"},
+        "envoy-gie": {"1", "4"},
+    }
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Every process it started is stopped before it returns.
     pids = [figures["processes"]["workers"]]
@@ -149,6 +159,7 @@ def test_help_names_the_command_and_its_options(capsys: pytest.CaptureFixture[st
         "--json",
         "--png",
         "--no-progress",
+        "--envoy-gie",
     ):
         assert option in text
 
@@ -255,5 +266,5 @@ def test_figures_subtract_the_direct_path_add_every_process_and_never_divide_by_
     totals = summary([cell])
     assert totals["router_cpu_s_per_1k"]["32"]["local"]["envoy"] == pytest.approx(3.0)
     assert totals["envoy_over_gateway_cpu"]["32"]["pd"] == pytest.approx(1.5)
-    assert totals["data_plane_chunks_per_cpu_s"]["32"] == 6000  # both turns: 36 chunks / 0.006 s
+    assert totals["data_plane_chunks_per_cpu_s"] == {"envoy": {"32": 6000}}  # both turns: 36 chunks / 0.006 s
     assert [ratio(1.0, 0.0), ratio(1.0, -0.5), ratio(-0.9, 1.0), ratio(None, 1.0)] == [None] * 4
