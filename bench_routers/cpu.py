@@ -5,14 +5,17 @@ Rule 1: a process's utime + stime counts all of its threads; its cutime + cstime
         and added the same way, so a router that forks helpers is charged for them too.
 Rule 2: a process that is gone (or goes while it is read) counts 0: the figure is a difference of two
         reads around a batch, and a vanished process cannot be read after it either.
+Rule 3: a router of several processes that are not one tree (Envoy and the picker, each started on its
+        own) is read as one tree per process, by role (`processes_cpu_seconds`); its CPU is the sum.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["tree_cpu_seconds"]
+__all__ = ["processes_cpu_seconds", "tree_cpu_seconds"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -55,3 +58,8 @@ def tree_cpu_seconds(pid: int) -> float:
         total += _own_and_reaped(current)
         pending += _children(current)
     return total
+
+
+def processes_cpu_seconds(pids: Mapping[str, int]) -> dict[str, float]:
+    """Rule 3: each process's tree CPU seconds, by its role."""
+    return {role: tree_cpu_seconds(pid) for role, pid in pids.items()}
