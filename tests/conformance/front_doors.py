@@ -38,8 +38,9 @@ PICKER_CANNOT: Final = {
         "connection (issue 25 item 4, Envoy failover: branch picker-failover)"
     ),
     "bidir_params": (
-        "the picker never sees D's answer, so never D's bidirectional kv_transfer_params: Turn 2 is full "
-        "PD, not bidir (issue 25 item 3, an observation of the answer)"
+        "D's answer passes Envoy untouched: a bidirectional D's kv_transfer_params reach the client (the "
+        "standalone drops them) and never the picker, so Turn 2 is PD (bidir_no_params), not bidir "
+        "(issue 25 item 3, an observation of the answer)"
     ),
 }
 
