@@ -69,7 +69,7 @@ SCRIPT = (
     Step("a", 300, 64, stream=True),
     Step("a-fork", 10, 16, start_from="a", keep=2),  # a fork after a's Turn 1
     Step("c", 15, 64, session="explicit-c", stream=True),
-    Step("d", 3500, 16),  # a huge context from Turn 1 on
+    Step("d", 5000, 16),  # a huge context from Turn 1 on: the table never measured one (its default)
     Step("b-fork", 20, 128, start_from="b", keep=4, stream=True),
     Step("d", 10, 16),
     Step("a-edit", 10, 32, start_from="a", keep=6, edit=True),  # a's history with Turn 1 edited
@@ -81,6 +81,8 @@ SCRIPT = (
     Step("e", 10, 1024),
     Step("a", 10, 16),
     Step("e", 10, 16, stream=True),
+    Step("f", 20, 16),
+    Step("f", 30, 256),  # (small context, short_gen): a cell the table never measured (its default)
 )
 SEED = 20261203
 
@@ -197,10 +199,9 @@ def test_both_front_doors_make_the_same_decisions_on_the_same_traffic(
 def test_the_script_reaches_the_decision_service_paths_forks_and_explicit_sessions(
     replays: dict[str, list[Outcome]],
 ) -> None:
-    """The script is worth comparing: beyond Turn 1, the table decides (both paths appear), forks
-    and the edit land where they should."""
+    """The script is worth comparing: beyond Turn 1 the table decides, from measured cells and from
+    its default; forks continue their parent's session and the edited history starts a new one."""
     decisions = [o.decision for o in replays["standalone"]]
-    reasons = {reason for _, reason, _ in decisions}
-    assert "turn_one" in reasons
-    assert reasons - {"turn_one"}, decisions
-    assert {path for path, _, turn in decisions if turn != "1"} >= {"local"}, decisions
+    assert {reason for _, reason, _ in decisions} >= {"turn_one", "table", "default"}, decisions
+    turns = {step.conv: decision[2] for step, decision in zip(SCRIPT, decisions, strict=True)}
+    assert (turns["a-fork"], turns["b-fork"], turns["a-edit"]) == ("3", "3", "1"), decisions
