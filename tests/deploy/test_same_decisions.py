@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from tests.support.gateway_config import worker_tables
 
 pytestmark = pytest.mark.integration
 
-_WORDS = "sea wave lamp keeper night stone ship wind salt rope light tide gull harbour storm map".split()
+_WORDS = ("sea", "wave", "lamp", "keeper", "night", "stone", "ship", "wind", "salt", "rope", "light", "tide")
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -171,15 +170,23 @@ def _fast_profile(folder: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def replays(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Outcome]]]:
+def replays(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Outcome]]:
     """SCRIPT's outcomes behind each front door, each on fresh, identical parts."""
     out: dict[str, list[Outcome]] = {}
     for kind in FRONT_DOORS:
         tmp: Path = tmp_path_factory.mktemp(f"same-{kind}")
         with ExitStack() as exits:
             cluster: Process = start(
-                ["simulator", "cluster", "--topology", "1P2D", "--base-port", "0"]
-                + ["--profile", str(_fast_profile(tmp))],
+                [
+                    "simulator",
+                    "cluster",
+                    "--topology",
+                    "1P2D",
+                    "--base-port",
+                    "0",
+                    "--profile",
+                    str(_fast_profile(tmp)),
+                ],
                 tmp,
                 "cluster",
             )
@@ -189,7 +196,7 @@ def replays(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list
             config = _config(int(decision.info["grpc"]), list(cluster.ready["workers"]))
             door = exits.enter_context(running(kind, config, tmp, f"{kind}-{uuid.uuid4().hex[:6]}"))
             out[kind] = replay(door.url)
-    yield out
+    return out
 
 
 def test_both_front_doors_make_the_same_decisions_on_the_same_traffic(
