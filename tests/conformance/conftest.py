@@ -9,7 +9,12 @@
 
 D1 uses ``kv_load_failure_policy: recompute``, the others vLLM's default ``fail``. P0 and D1 run vLLM's
 ``bidirectional_kv_xfer`` (test_bidirectional.py), D0 does not (it answers ``kv_transfer_params: null``).
-Tests that crash a worker carry the ``crashes_workers`` mark and run after every other test of their engine.
+Tests that crash a worker carry the ``crashes_workers`` mark and run after every other test of their engine,
+in the order they are written (a later one may rely on what an earlier one crashed).
+
+``front_door`` (front_doors.py): the gateway's two front doors, ``standalone`` (``gateway serve``) and
+``envoy`` (``gateway picker`` behind the real Envoy); the tests that start a gateway start it behind each.
+Tests are grouped by engine, then by front door, so each starts once per engine where it can.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conformance.front_doors import FRONT_DOORS
 from tests.conformance.workers import Cluster
 from tests.gateway.processes import start
 from vllm_harness.cluster import held_shared_memory
@@ -53,15 +59,19 @@ _KV_EVENTS = {
 _READY_TIMEOUT_S = {"sim": 60.0, "vllm-cpu": 900.0}
 
 
-def _order(item: pytest.Item) -> tuple[str, bool]:
+def _order(item: pytest.Item) -> tuple[str, bool, int, str]:
     callspec = getattr(item, "callspec", None)
-    engine = str(callspec.params.get("cluster", "")) if callspec is not None else ""
-    return engine, item.get_closest_marker("crashes_workers") is not None
+    params = callspec.params if callspec is not None else {}
+    engine, door = str(params.get("cluster", "")), str(params.get("front_door", params.get("door", "")))
+    crashes = item.get_closest_marker("crashes_workers") is not None
+    line = (item.reportinfo()[1] or 0) if crashes else 0
+    return engine, crashes, line, door
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Here, group by engine (one cluster start each) and put the worker-crashing tests last in each
-    group; the slots of the rest of the session are left as they are."""
+    """Here, group by engine (one cluster start each), then by front door, and put the worker-crashing
+    tests last in each engine's group, in the order they are written; the slots of the rest of the
+    session are left as they are."""
     here = Path(__file__).parent
     slots = [i for i, item in enumerate(items) if here in item.path.parents]
     mine = sorted((items[i] for i in slots), key=_order)
@@ -71,6 +81,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def _engines() -> list[str]:
     return ["external"] if os.environ.get("PPD_TEST_CLUSTER") else list(ENGINES)
+
+
+@pytest.fixture(scope="session", params=FRONT_DOORS)
+def front_door(request: pytest.FixtureRequest) -> str:
+    """The front door a gateway test starts its gateway behind (front_doors.py)."""
+    door: str = request.param
+    return door
 
 
 @pytest.fixture(scope="session", params=_engines())

@@ -1,7 +1,7 @@
 """Acceptance (issue 15): D evicts a conversation's prefix, and the gateway, which follows the
 workers' KV events, routes the next turn as a cold one (reason kv_evicted), on the simulator and on
 real vLLM. Both clusters run with a small KV cache (conftest.py); other traffic on the same D fills
-it until the conversation's first block is gone."""
+it until the conversation's first block is gone. Behind both front doors (front_doors.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import pytest
 
 from ppd.kv_events import BlockHasher, BlockRemoved, BlockStored
 from tests.conformance.conftest import KV_EVENTS_SEED
+from tests.conformance.front_doors import FrontDoor, running
 from tests.conformance.test_kv_events import BLOCK, replay
 from tests.conformance.workers import Cluster, http
-from tests.gateway.processes import Process, start
 from tests.support.gateway_config import worker_tables
 from tests.support.metrics import sample
 from tests.support.polling import wait_until
@@ -30,10 +30,12 @@ FILLER_TOKENS = 3000
 
 
 @pytest.fixture(scope="module")
-def kv_gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+def kv_gateway(
+    cluster: Cluster, front_door: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FrontDoor]:
     """A gateway following the cluster's KV events; no DecisionService, so Turn 2+ takes the
     fallback, local, unless the events say the context is gone."""
-    tmp: Path = tmp_path_factory.mktemp(f"kv-gateway-{cluster.engine}")
+    tmp: Path = tmp_path_factory.mktemp(f"kv-gateway-{cluster.engine}-{front_door}")
     lines = ['mode = "ppd"', "", "[decision]", 'address = "127.0.0.1:1"', "deadline_ms = 50.0"]
     lines += ['fallback = "local"', "", "[pool]", "health_interval_s = 0.5", ""]
     lines += ["[kv_events]", f'hash_seed = "{KV_EVENTS_SEED}"', f"block_size = {BLOCK}", ""]
@@ -41,22 +43,19 @@ def kv_gateway(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     lines += ["[kv_events.replay_endpoints]"]
     lines += [*(f'{w["id"]} = "{w["kv_events_replay"]}"' for w in cluster.workers), ""]
     lines += [*worker_tables(cluster.workers), ""]
-    config = tmp / "gateway.toml"
-    config.write_text("\n".join(lines))
-    proc = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, "kv-gateway")
-    yield proc
-    assert proc.stop() == 0, proc.stderr()[-2000:]
+    with running(front_door, lines, tmp, "kv-gateway") as door:
+        yield door
 
 
-def _metrics(gateway: Process) -> bytes:
-    return http(f"http://127.0.0.1:{gateway.ready['http']}/metrics").body
+def _metrics(gateway: FrontDoor) -> bytes:
+    return gateway.metrics()
 
 
-def _events_seen(gateway: Process, worker: str) -> float:
+def _events_seen(gateway: FrontDoor, worker: str) -> float:
     return sample(_metrics(gateway), "ppd_gateway_kv_events_total", {"worker": worker}) or 0.0
 
 
-def _synced(gateway: Process, worker: str) -> bool:
+def _synced(gateway: FrontDoor, worker: str) -> bool:
     return sample(_metrics(gateway), "ppd_gateway_kv_events_synced", {"worker": worker}) == 1.0
 
 
@@ -65,10 +64,8 @@ def _published(cluster: Cluster, worker: str) -> int:
     return sum(len(b.events) for _, b in replay(endpoint))
 
 
-def _chat(gateway: Process, model: str, messages: list[Any]) -> tuple[Any, str]:
-    client = openai.OpenAI(
-        base_url=f"http://127.0.0.1:{gateway.ready['http']}/v1", api_key="unused", max_retries=0, timeout=120
-    )
+def _chat(gateway: FrontDoor, model: str, messages: list[Any]) -> tuple[Any, str]:
+    client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
     with client:
         raw = client.chat.completions.with_raw_response.create(
             model=model, messages=messages, max_tokens=4, temperature=0
@@ -76,7 +73,9 @@ def _chat(gateway: Process, model: str, messages: list[Any]) -> tuple[Any, str]:
     return raw.headers, raw.parse().choices[0].message.content or ""
 
 
-def test_d_evicts_the_prefix_and_the_next_turn_is_routed_cold(cluster: Cluster, kv_gateway: Process) -> None:
+def test_d_evicts_the_prefix_and_the_next_turn_is_routed_cold(
+    cluster: Cluster, kv_gateway: FrontDoor
+) -> None:
     wait_until(
         lambda: all(_synced(kv_gateway, w["id"]) for w in cluster.workers),
         deadline_s=60.0,

@@ -12,7 +12,7 @@ import signal
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tests.gateway.processes import Process
@@ -50,6 +50,8 @@ class Cluster:
     process: Process | None
     #: The served model, read once at the start (later a crashed worker could not say).
     model: str = ""
+    #: The workers crashed so far (``crash``).
+    crashed: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -89,8 +91,12 @@ class Cluster:
         }
 
     def crash(self, worker_id: str) -> None:
-        """The worker's process dies at once: SIGKILL for real vLLM, the simulator's ``down`` fault."""
+        """The worker's process dies at once: SIGKILL for real vLLM, the simulator's ``down`` fault.
+        A worker crashed before stays down (nothing is sent to it again)."""
         worker = next(w for w in self.workers if w["id"] == worker_id)
+        if worker_id in self.crashed:
+            return
+        self.crashed.add(worker_id)
         if self.engine == "sim":
             assert http(worker["url"] + "/admin/faults", {"down": True}).status == 200
             return
