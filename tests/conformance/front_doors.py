@@ -4,12 +4,13 @@
 - ``envoy``: ``gateway picker`` behind the real Envoy on deploy/envoy/picker/envoy.yaml: Envoy carries
   D's leg and streams the answer, the picker (the same request core) says where it goes.
 
-Rule 1: both doors read the same TOML lines; a test sees a ``FrontDoor``: the URL clients use, the
+Rule 1: both doors read the same TOML lines (the picker's with its observation share pinned to 0 unless
+        they set `[log]`: no answer observed by chance); a test sees a ``FrontDoor``: the URL clients use, the
         router's own ``/metrics`` (the gateway's port, or the picker's metrics port) and its stderr.
 Rule 2: a door is ready when its process announced itself and, for ``envoy``, the picker's ``/health``
         answers 200 (a live D) and Envoy reports the picker healthy; stopping it must end the router
         with exit status 0 (asserted when the ``running`` context exits).
-Rule 3: the picker never sees the answer (docs/envoy-extproc.md): what it cannot do yet is marked
+Rule 3: the picker does not see the answer (docs/envoy-extproc.md): what it cannot do yet is marked
         where a test needs it, with ``PICKER_CANNOT`` naming the missing behaviour, never skipped.
 """
 
@@ -24,6 +25,7 @@ from typing import Final
 from tests.conformance.workers import http
 from tests.deploy.envoy_harness import Envoy
 from tests.gateway.processes import Process, start
+from tests.support.gateway_config import unobserved
 from tests.support.metrics import sample
 from tests.support.polling import wait_until
 
@@ -75,7 +77,8 @@ def running(kind: str, config_lines: list[str], tmp: Path, name: str) -> Iterato
     if kind not in FRONT_DOORS:
         raise ValueError(f"unknown front door {kind!r}; one of {FRONT_DOORS}")
     config = tmp / f"{name}.toml"
-    config.write_text("\n".join(config_lines) + "\n")
+    lines = config_lines if kind == "standalone" else unobserved(config_lines)
+    config.write_text("\n".join(lines) + "\n")
     with ExitStack() as exits:
         if kind == "standalone":
             router = start(["gateway", "serve", "--config", str(config), "--port", "0"], tmp, name)

@@ -19,7 +19,7 @@ import openai
 
 from tests.deploy.envoy_harness import Envoy
 from tests.deploy.processes import REPO, Announced
-from tests.support.gateway_config import worker_tables
+from tests.support.gateway_config import unobserved, worker_tables
 from tests.support.metrics import total
 from tests.support.polling import wait_until
 
@@ -130,7 +130,7 @@ def picker_stack(
             {**w, "url": str(w["url"]).replace("//127.0.0.1:", f"//{worker_host}:")} if worker_host else w
             for w in workers
         ]
-        config.write_text("\n".join(lines + worker_tables(configured) + (extra or [])) + "\n")
+        config.write_text("\n".join(unobserved(lines + worker_tables(configured) + (extra or []))) + "\n")
         picker = Announced.start(
             [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
             log=tmp / "picker.log",
