@@ -12,7 +12,9 @@ prints `{"url": ...}` once listening (the tests' announcement contract, tests/de
    `max_completion_tokens` when sent) 1, to `http://<that ip:port>` on the same path with one
    `x-request-id` for both legs; then D's leg, the original body with P's `kv_transfer_params`.
    A P answering 400-451 is the client's error (passed on); any other P failure: D alone.
-2. Anything else goes to D as it is (health, metrics, /v1/models), so the gateway probes D through it.
+2. `GET /health` is answered 200 by the sidecar itself, whatever D's state (as llm-d's does:
+   `pkg/sidecar/proxy/proxy.go`, `createRoutes`); anything else goes to D as it is (/metrics,
+   /v1/models), so the gateway scrapes D through it.
 3. `GET /_sidecar/seen` lists the prefiller header of each completion (null when absent): what the
    test asserts the picker sent.
 """
@@ -59,6 +61,8 @@ class Sidecar:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/_sidecar/seen":
             return web.json_response(self.seen)
+        if request.method == "GET" and request.path == "/health":
+            return web.Response(status=200)
         headers = {
             k: v for k, v in request.headers.items() if k.lower() not in _HOP and k.lower() != PREFILLER
         }
