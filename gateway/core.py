@@ -11,7 +11,10 @@ OpenAI-style error: an HTTP status with its body, or Envoy's ImmediateResponse).
 Rule 3: the session's D being unreachable is not the client's problem: the edge that found it out
 calls `reroute`, which marks it down and re-plans once, through P to a live D; the session is rebound.
 Rule 4: one `PoolView` per request, taken when it arrives; ψ is measured once (psi.py); whether the
-session's D is gone is decided by plan.py alone.
+session's D is gone is decided by plan.py alone. A front door may narrow the D and R candidates to
+a set of worker ids (`turn`'s `subset`: the picker's GIE subset hint; pool.py rule 7); P is never
+narrowed (it is not the request's destination). The session's D outside the subset is gone for
+this request (plan.py rule 5); no live candidate inside is a NoWorkerError (503) saying so.
 Rule 5: `turn` is the turn's whole life: everything in its `async with` counts as in flight, and on the
 way out, served or not, the turn is reported once (turn_report.py); a GatewayError or a cancellation
 (the client left) inside it is recorded as the turn's error.
@@ -24,9 +27,13 @@ the standalone always, the picker for its sampled and explored turns: a line wit
 timings is no evidence). A front door that observes the answer after `turn`'s block (the picker:
 Envoy streams it later) holds the turn (`hold`), and ends it (`end`) when the answer is over; an
 exception out of the block ends it there as always.
+Rule 8: `route(t, run_prefill=False)` plans without running the P leg (llm-d's convention: D's
+routing sidecar runs it): a pd or bidir plan is returned with the chosen P in `DecodeLeg.prefiller`
+and D's body as planned (no P params); a bidir plan becomes pd (reason `bidir_sidecar`: the sidecar
+sends a plain P leg), and P counts as picked (its load share) but is not called here.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
-It stays one module (about 590 lines): its steps share one turn's inputs, outcome and pool view in the
+It stays one module (about 620 lines): its steps share one turn's inputs, outcome and pool view in the
 order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
 plan, turn_report).
 """
@@ -65,6 +72,7 @@ from gateway.plan import (
     decode_gone,
     local_fallback,
     plan,
+    prefill_elsewhere,
 )
 from gateway.pool import PoolView, WorkerView
 from gateway.ports import ClientRequest, LiveSignals, RouteQuery
@@ -91,6 +99,8 @@ SESSION_HEADER = "X-Session-ID"
 WORKLOAD_HEADER = "X-PPD-Workload"
 ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "replica", "bidir": "decode"}
 _THROUGH_P: Final = ("pd", "bidir")
+# Rule 4: the roles a request's destination can have (what a subset narrows).
+_DESTINATION_ROLES: Final[tuple[Role, ...]] = ("decode", "replica")
 # What a gateway whose workers run vLLM's bidirectional mode tells the DecisionService it can serve.
 _BIDIR: Final = frozenset({"bidir"})
 # What the core passes to plan() when the session's D is gone: plan() overrules any decision
@@ -122,6 +132,8 @@ class DecodeLeg:
 
     plan: Plan
     call: UpstreamCall
+    # Rule 8: the P leg left to D's sidecar (None: no P leg, or the core ran it).
+    prefiller: UpstreamCall | None = None
 
 
 class RequestCore:
@@ -147,11 +159,17 @@ class RequestCore:
 
     @contextlib.asynccontextmanager
     async def turn(
-        self, request: ClientRequest, *, observed: bool | None = None
+        self,
+        request: ClientRequest,
+        *,
+        observed: bool | None = None,
+        subset: frozenset[str] | None = None,
+        subset_scope: str = "the gateway's endpoint subset",
     ) -> AsyncIterator[ActiveTurn]:
         """Read, check and decide one request (rules 1, 4, 5); the turn is served inside. Raises
         GatewayError before anything is counted when the request itself is wrong. `observed`
-        (default: whether this front door relays answers) says whether the turn's line is written."""
+        (default: whether this front door relays answers) says whether the turn's line is written;
+        `subset` (rule 4) the ids D or R may be chosen from, named `subset_scope` in errors."""
         d = self._d
         start, start_wall = d.timer(), d.wall_clock()
         req = parse_completion_request(request.body, request.endpoint, self._s.limits)
@@ -163,7 +181,7 @@ class RequestCore:
             counter=d.tokenizers.encoding(req.model),
         )
         mode = self._mode(request.headers)
-        view = d.pool.view()
+        view = self._view(subset, subset_scope)
         match = await self._find_session(request, req)
         static = static_decision(mode, turn=match.turn, session_id=match.session_id)
         ask = static is None and not decode_gone(match.session, view)
@@ -234,6 +252,11 @@ class RequestCore:
             if not (active.held and served):
                 self._end(active)
 
+    def _view(self, subset: frozenset[str] | None, scope: str) -> PoolView:
+        """Rule 4: this request's pool view, its D and R narrowed to `subset` when given."""
+        view = self._d.pool.view()
+        return view if subset is None else view.within(subset, roles=_DESTINATION_ROLES, scope=scope)
+
     def hold(self, t: ActiveTurn) -> None:
         """Rule 7: the turn outlives `turn`'s block (in flight, unreported) and is observed; the
         front door calls `end` once its answer is over. Call it last in the block."""
@@ -250,12 +273,14 @@ class RequestCore:
         self._d.metrics.inflight.dec()
         self._report.finish(t.turn, t.outcome, end=self._d.timer(), line=t.observed)
 
-    async def route(self, t: ActiveTurn) -> DecodeLeg:
+    async def route(self, t: ActiveTurn, *, run_prefill: bool = True) -> DecodeLeg:
         """The decided turn planned and, for pd and bidir, its P leg run (with its retries and the
-        `prefill_failure` fallback): where D's leg goes and with which body."""
+        `prefill_failure` fallback): where D's leg goes and with which body. `run_prefill` False
+        (rule 8): the P leg is chosen, not run."""
         assert t.outcome.decision is not None
         preq = self._plan_request(t.request.headers, t.turn)
-        return await self._through_p(t, plan(preq, t.turn.session, t.outcome.decision, t.view))
+        p = plan(preq, t.turn.session, t.outcome.decision, t.view)
+        return await self._through_p(t, p, run_prefill=run_prefill)
 
     def decode_unreachable(self, t: ActiveTurn, leg: DecodeLeg) -> None:
         """D's leg could not reach its worker: counted, and the worker marked down."""
@@ -273,16 +298,22 @@ class RequestCore:
         preq = self._plan_request(t.request.headers, t.turn)
         return await self._through_p(t, plan(preq, t.turn.session, retry, t.view))
 
-    async def _through_p(self, t: ActiveTurn, p: Plan) -> DecodeLeg:
+    async def _through_p(self, t: ActiveTurn, p: Plan, *, run_prefill: bool = True) -> DecodeLeg:
         kv: Mapping[str, Any] | None = None
-        if p.path in _THROUGH_P:
+        prefiller: UpstreamCall | None = None
+        if p.path in _THROUGH_P and not run_prefill:  # rule 8: D's sidecar runs it
+            p = prefill_elsewhere(p)
+            prefiller = p.prefill[0]
+            t.outcome.prefill_worker = prefiller.worker
+            self._d.pool.note_pick(prefiller.worker)
+        elif p.path in _THROUGH_P:
             p, kv = await self._prefill(t.turn, t.outcome, p)
         call = decode_after_prefill(p, kv) if p.path in _THROUGH_P else p.decode
         outcome = t.outcome
         outcome.path, outcome.reason, outcome.rebound = p.path, p.reason, p.rebound
         outcome.decode_worker = call.worker
         self._d.pool.note_pick(call.worker)
-        return DecodeLeg(p, call)
+        return DecodeLeg(p, call, prefiller)
 
     async def _find_session(self, request: ClientRequest, req: CompletionRequest) -> SessionMatch:
         """The session this request continues (session_lookup.py), with its lookup counted."""

@@ -98,8 +98,8 @@ class NoWorkerError(GatewayError):
     status = 503
     error_type = "ServiceUnavailableError"
 
-    def __init__(self, role: str) -> None:
-        super().__init__(f"no live {role} worker in the pool")
+    def __init__(self, role: str, *, scope: str = "") -> None:
+        super().__init__(f"no live {role} worker in {scope or 'the pool'}")
         self.role = role
 
 

@@ -45,6 +45,13 @@ real answer (its token count, its answer key), and at the body's end the turn en
 TPOT metrics and the same request-log line the standalone gateway writes (turn_report.py). A non-200
 answer, a cut stream or a stream that ends early (the client gone: CLIENT_DISCONNECTED) is a line
 with its error.
+Rule 7 (llm-d's decode sidecar, `[routing] llmd_sidecar`): the picker runs no P leg (core.py rule
+8). A pd (or bidir, then pd) turn's answer sets `x-prefiller-host-port: ip:port` of the chosen P
+beside D's destination, and D's body carries no P params; a local or replica turn sets none. A
+client's `x-prefiller-host-port` is removed either way.
+Rule 8 (GIE's subset hint, picker_subset.py): a hint on the request headers message narrows the
+candidates: D or R of a completion (the core's view, core.py rule 4), any worker of a pass-through;
+none live inside is an ImmediateResponse 503.
 In full duplex the response body comes to the picker anyway (echoed, rule 4): an observed answer is
 read from the echoed chunks, without an override. With only the request side in full duplex Envoy
 ignores `mode_override`: the answer cannot be observed, and the turn ends at its response headers
@@ -73,9 +80,10 @@ from gateway.destinations import Destinations, host_port, joined
 from gateway.errors import GatewayError, NoWorkerError, UpstreamUnreachableError, error_body
 from gateway.observed_turn import ObservedTurn
 from gateway.picker_stream import BodyAssembly, Modes, echo, modes, streamed_body
+from gateway.picker_subset import SUBSET_SCOPE, Subset, subset_hint
 from gateway.ports import ClientRequest
 from gateway.turn_report import exploration, provenance_headers
-from gateway.types import Endpoint
+from gateway.types import Endpoint, Role
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -100,6 +108,8 @@ _UNBUFFERED: Final = (
     "the endpoint picker needs Envoy's ext_proc request_body_mode BUFFERED or FULL_DUPLEX_STREAMED"
 )
 _Mode = processing_mode_pb2.ProcessingMode
+_ANY_ROLE: Final[tuple[Role, ...]] = ("decode", "replica", "prefill")  # rule 8: a pass-through's
+_DESTINATION: Final[tuple[Role, ...]] = ("decode", "replica")  # rule 8: a completion's
 # Rule 6: an observed turn's processing mode from its response headers on (Envoy takes the body modes
 # as given, so both are named; the config's `allowed_override_modes` lists exactly this one).
 _OBSERVE: Final = _Mode(
@@ -145,6 +155,8 @@ class Picked:
     # Rule 6: the held turn whose answer is observed (None: not observed), and whether D streams it.
     observed: ActiveTurn | None = None
     stream: bool = False
+    # Rule 7: P's `ip:port` for D's llm-d sidecar (None: no P leg left to it).
+    prefiller: str | None = None
 
 
 def destination(url: str) -> str:
@@ -210,6 +222,7 @@ class Picker:
         self._draw = draw or random.Random().random  # noqa: S311 (a sample's draw, not a secret)
         self._max_body = deps.settings.max_body_bytes
         self._destinations = Destinations(timeout_s=deps.settings.timeouts.connect_s)
+        self._run_prefill = not deps.settings.routing.llmd_sidecar  # rule 7
 
     async def Process(  # noqa: N802 (the gRPC method's name)
         self,
@@ -222,22 +235,25 @@ class Picker:
         mode: Modes | None = None
         gathering: BodyAssembly | None = None  # a duplex completion's body (picker_stream rule 2)
         watch: ObservedTurn | None = None  # rule 6: an observed turn, held until its answer is over
+        subset: Subset | None = None  # rule 8
         try:
             async for message in request_iterator:
                 mode = mode or modes(message)
                 kind = message.WhichOneof("request")
                 answers: list[pb.ProcessingResponse] = []
                 if kind == "request_headers":
-                    headers = _header_map(message.request_headers)
-                    endpoint, answers = await self._on_headers(message.request_headers, headers, mode)
+                    headers, subset = _header_map(message.request_headers), subset_hint(message)
+                    endpoint, answers = await self._on_headers(message.request_headers, headers, mode, subset)
                     if endpoint is not None and mode.request:  # answered with the body (picker_stream rule 2)
                         gathering = BodyAssembly(self._d.settings.max_body_bytes)
                 elif kind == "request_body" or (kind == "request_trailers" and mode.request):
                     if mode.request:
-                        answers, routed = await self._duplex_request(message, gathering, endpoint, headers)
+                        answers, routed = await self._duplex_request(
+                            message, gathering, endpoint, headers, subset
+                        )
                     else:
                         answers, routed = await self._buffered_request(
-                            message.request_body, endpoint, headers
+                            message.request_body, endpoint, headers, subset
                         )
                     if routed is not None:
                         provenance, gathering, watch = routed.provenance, None, self._watch(routed)
@@ -288,18 +304,18 @@ class Picker:
         return _empty_answer(kind)
 
     async def _on_headers(
-        self, message: pb.HttpHeaders, headers: Headers, mode: Modes
+        self, message: pb.HttpHeaders, headers: Headers, mode: Modes, subset: Subset | None
     ) -> tuple[Endpoint | None, list[pb.ProcessingResponse]]:
         """The request headers: a completion's endpoint (answered empty in BUFFERED mode, later in
         full duplex), or rule 5's pass-through."""
         path = headers.get(":path", "").split("?", 1)[0]
         endpoint = _ENDPOINTS.get(path) if headers.get(":method") == "POST" else None
         if endpoint is None or message.end_of_stream:
-            return None, [await self._passthrough()]
+            return None, [await self._passthrough(subset)]
         return endpoint, [] if mode.request else [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
     async def _buffered_request(
-        self, body: pb.HttpBody, endpoint: Endpoint | None, headers: Headers
+        self, body: pb.HttpBody, endpoint: Endpoint | None, headers: Headers, subset: Subset | None
     ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """The request body in BUFFERED mode (rules 1-3): its answer, and what was picked when routed."""
         if not body.end_of_stream:
@@ -308,7 +324,7 @@ class Picker:
             return [_immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))], None
         if endpoint is None:
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())], None
-        return await self._pick(endpoint, body.body, headers)
+        return await self._pick(endpoint, body.body, headers, subset)
 
     async def _duplex_request(
         self,
@@ -316,6 +332,7 @@ class Picker:
         gathering: BodyAssembly | None,
         endpoint: Endpoint | None,
         headers: Headers,
+        subset: Subset | None,
     ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """A request body chunk or the request trailers in full duplex (picker_stream rules 2-4): the
         answers to send now, and what was picked once the completion is routed."""
@@ -331,15 +348,20 @@ class Picker:
             return [_immediate(*exc.to_openai_error())], None
         if not gathering.complete:
             return [], None
-        answers, picked = await self._pick(endpoint, gathering.body, headers, duplex=gathering)
+        answers, picked = await self._pick(endpoint, gathering.body, headers, subset, duplex=gathering)
         if kind == "request_trailers" and not answers[0].HasField("immediate_response"):
             answers.append(_empty_answer(kind))  # after the body (picker_stream rule 3)
         return answers, picked
 
-    async def _passthrough(self) -> pb.ProcessingResponse:
-        """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer)."""
+    async def _passthrough(self, subset: Subset | None) -> pb.ProcessingResponse:
+        """Rule 5: any live worker, as the standalone's pass-through routes (the headers' answer);
+        inside the subset hint when there is one (rule 8)."""
+        view = self._d.pool.view()
+        if subset is not None:
+            inside = await subset.inside(self._d.pool.specs(), self._destinations, roles=_ANY_ROLE)
+            view = view.within(inside, roles=_ANY_ROLE, scope=SUBSET_SCOPE)
         try:
-            worker = self._d.pool.view().passthrough()
+            worker = view.passthrough()
             dest = await self._destinations.of(worker.url, worker=worker.id)
         except (NoWorkerError, UpstreamUnreachableError) as exc:
             return _immediate(*exc.to_openai_error())
@@ -352,13 +374,19 @@ class Picker:
         )
 
     async def _pick(
-        self, endpoint: Endpoint, body: bytes, headers: Headers, *, duplex: BodyAssembly | None = None
+        self,
+        endpoint: Endpoint,
+        body: bytes,
+        headers: Headers,
+        subset: Subset | None,
+        *,
+        duplex: BodyAssembly | None = None,
     ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """Rules 2 and 3: the core's answer, as the buffered body's response or, in full duplex, as
         the headers response and the streamed body (picker_stream rule 3); or one ImmediateResponse.
         With it what was picked (None: nothing)."""
         try:
-            picked = await self.pick(ClientRequest(endpoint, body, headers))
+            picked = await self.pick(ClientRequest(endpoint, body, headers), subset=subset)
         except GatewayError as exc:
             status, err = exc.to_openai_error()
             return [_immediate(status, err)], None
@@ -367,6 +395,9 @@ class Picker:
             return [_immediate(500, error_body("internal gateway error", "InternalServerError", 500))], None
         sets = [_set(DESTINATION_HEADER, picked.destination), *(_set(k, v) for k, v in picked.headers)]
         removes = [PREFILLER_HEADER]
+        if picked.prefiller is not None:  # rule 7
+            sets.append(_set(PREFILLER_HEADER, picked.prefiller))
+            removes = []
         if duplex is None:
             sets.append(_set("content-length", str(len(picked.body))))
         else:  # Envoy sends a replaced duplex body chunked: a Content-Length would be stale
@@ -384,14 +415,22 @@ class Picker:
         )
         return [first, *streamed_body(picked.body, end=not duplex.trailers)], picked
 
-    async def pick(self, request: ClientRequest) -> Picked:
-        """The core for one completion request: routed, its P leg run, the turn remembered; an
-        observed turn (rule 6) held, to be ended by whoever observes its answer."""
+    async def pick(self, request: ClientRequest, *, subset: Subset | None = None) -> Picked:
+        """The core for one completion request: routed, its P leg run (or left to D's sidecar, rule
+        7), the turn remembered; an observed turn (rule 6) held, to be ended by whoever observes its
+        answer. D or R chosen inside `subset` (rule 8)."""
         core = self._core
-        async with core.turn(request, observed=self._share > 0 and self._draw() < self._share) as t:
-            leg = await core.route(t)
-            # Before the turn is remembered: a D whose name does not resolve serves no turn.
+        inside = None
+        if subset is not None:
+            inside = await subset.inside(self._d.pool.specs(), self._destinations, roles=_DESTINATION)
+        observed = self._share > 0 and self._draw() < self._share
+        async with core.turn(request, observed=observed, subset=inside, subset_scope=SUBSET_SCOPE) as t:
+            leg = await core.route(t, run_prefill=self._run_prefill)
+            # Before the turn is remembered: a D (or a sidecar's P) whose name does not resolve
+            # serves no turn.
             dest = await self._destinations.of(leg.call.url, worker=leg.call.worker)
+            p = leg.prefiller
+            prefiller = None if p is None else await self._destinations.of(p.url, worker=p.worker)
             await core.remember(t.turn, t.outcome, None, None, completion_chunks=None)
             observed = t.observed or exploration(t.outcome)[0]
             picked = Picked(
@@ -401,6 +440,7 @@ class Picker:
                 provenance=provenance_headers(t.turn, t.outcome),
                 observed=t if observed else None,
                 stream=leg.call.stream,
+                prefiller=prefiller,
             )
             if observed:
                 core.hold(t)

@@ -21,6 +21,9 @@ back. The P retries after it are plain rule-1 legs (full PD): once a P has tried
 may be gone, so a retry recomputes (`bidir_retry`: path pd, reason `bidir_prefill_failed`). Without
 params the turn is full PD with reason `bidir_no_params`, with expired ones `bidir_expired`; a gone D is
 rule 5 (`decode_gone`).
+Rule 7 (P run elsewhere, llm-d's decode sidecar): `prefill_elsewhere` keeps a pd plan as it is (its
+first P named to the sidecar, the D body without P's params) and turns a bidir plan into pd, reason
+`bidir_sidecar` (the sidecar sends a plain rule-1 leg, never D's params).
 Turn 1 picks the least-loaded P and D. `decode_gone` is that test, the only one: the forwarder asks
 it only to spare the DecisionService a question whose answer `plan` would overrule.
 Deliberate addition: a streaming D leg gets `stream_options.include_usage` when the client did not ask
@@ -55,6 +58,7 @@ __all__ = [
     "plan",
     "plan_to_json",
     "prefill_body",
+    "prefill_elsewhere",
 ]
 
 KV_FIELD = "kv_transfer_params"
@@ -220,6 +224,13 @@ def decode_after_prefill(p: Plan, kv_params: Mapping[str, Any] | None) -> Upstre
 def bidir_retry(p: Plan) -> Plan:
     """Rule 6: the bidirectional P leg failed and a plain P leg answered; the turn was full PD."""
     return replace(p, path="pd", reason="bidir_prefill_failed") if p.path == "bidir" else p
+
+
+def prefill_elsewhere(p: Plan) -> Plan:
+    """Rule 7: the plan whose P leg another party runs (a plain one): bidir becomes pd."""
+    if p.path != "bidir":
+        return p
+    return replace(p, path="pd", reason="bidir_sidecar", prefill=p.prefill[1:] or p.prefill)
 
 
 def local_fallback(p: Plan, reason: str) -> Plan:

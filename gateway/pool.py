@@ -18,13 +18,16 @@ Rule 5: the served models' `max_model_len`, read from each worker's `/v1/models`
 a request is checked against the smallest one any worker serving its model declares.
 Rule 6: at most `max_registered` workers are registered at once (static ones not counted): every one
 costs a health probe per interval, so the admin API cannot make the gateway probe without bound.
+Rule 7: a view may be narrowed to the workers one request may be sent to (`within`: a GIE gateway's
+endpoint subset, named by the Envoy picker); a role left empty in a narrowed view is a NoWorkerError
+that says where it looked (`scope`).
 Concurrency: owned by one event loop; no locks.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import get_args
 from urllib.parse import SplitResult, urlsplit
@@ -140,6 +143,8 @@ class PoolView:
     """An immutable snapshot of the live workers."""
 
     workers: tuple[WorkerView, ...] = ()
+    # Rule 7: what narrowed this view ("" the whole pool), for the NoWorkerError's message.
+    scope: str = ""
 
     def get(self, worker_id: str | None) -> WorkerView | None:
         for w in self.workers:
@@ -154,7 +159,13 @@ class PoolView:
 
     def without(self, worker_id: str) -> PoolView:
         """This snapshot less one worker (one found down while a request was being served)."""
-        return PoolView(tuple(w for w in self.workers if w.id != worker_id))
+        return PoolView(tuple(w for w in self.workers if w.id != worker_id), self.scope)
+
+    def within(self, allowed: Collection[str], *, roles: Collection[Role], scope: str) -> PoolView:
+        """Rule 7: this snapshot with the workers of `roles` narrowed to the ids in `allowed` (the
+        other roles untouched); `scope` names the narrowing in a NoWorkerError."""
+        kept = tuple(w for w in self.workers if w.role not in roles or w.id in allowed)
+        return PoolView(kept, scope)
 
     def passthrough(self) -> WorkerView:
         """The worker a request outside the routing goes to (`/v1/models`, `/tokenize`, ...): the least
@@ -163,12 +174,12 @@ class PoolView:
             ranked = self.ranked(role)
             if ranked:
                 return ranked[0]
-        raise NoWorkerError("decode")
+        raise NoWorkerError("decode", scope=self.scope)
 
     def least_loaded(self, role: Role, *, exclude: Iterable[str] = ()) -> WorkerView:
         ranked = self.ranked(role, exclude=exclude)
         if not ranked:
-            raise NoWorkerError(role)
+            raise NoWorkerError(role, scope=self.scope)
         return ranked[0]
 
 

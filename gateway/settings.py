@@ -4,7 +4,7 @@ Every setting has a default (an empty file is a valid config); unknown keys are 
 never silently does nothing. `gateway/README.md` documents each key with an example.
 Secrets (`admin_token`, `worker_api_key`) are `Secret` strings: their value is used as is, but their
 repr, and so any printed Settings (`ppd-gateway check-config`), shows `'<redacted>'`.
-It stays one module (about 460 lines): one loader reads and checks every section together, and a
+It stays one module (about 470 lines): one loader reads and checks every section together, and a
 newcomer finds every key of the gateway's file in one place.
 """
 
@@ -122,10 +122,19 @@ class RoutingSettings:
     # How long after D's final chunk the gateway still sends D's params to P: vLLM's multi-turn proxy
     # keeps them 450 s, below D's decoder_kv_blocks_ttl (480 s) less P's 5 s safety margin.
     bidir_params_ttl_s: float = 450.0
+    # The Envoy picker only: the decode workers run llm-d's routing sidecar, which runs the P leg
+    # itself when the request names P in `x-prefiller-host-port`; the picker then names P there and
+    # runs no P leg (picker.py rule 7). The workers' D URLs are the sidecars'.
+    llmd_sidecar: bool = False
 
     def validate(self) -> None:
         if not 0 < self.bidir_params_ttl_s < float("inf"):
             raise SettingsError("routing.bidir_params_ttl_s must be a positive number of seconds")
+        if self.bidir and self.llmd_sidecar:
+            raise SettingsError(
+                "routing.bidir and routing.llmd_sidecar exclude each other: llm-d's sidecar sends a "
+                "plain P leg, never D's params"
+            )
 
 
 @dataclass(frozen=True, slots=True)

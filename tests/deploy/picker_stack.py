@@ -9,7 +9,7 @@ import shutil
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,10 +112,15 @@ def picker_stack(
     extra: list[str] | None = None,
     topology: str = "1P1D",
     worker_host: str | None = None,
+    worker_urls: Callable[[ExitStack, dict[str, str]], dict[str, str]] | None = None,
+    envoy_template: str | None = None,
 ) -> Iterator[PickerStack]:
     """The simulated cluster (`topology`), `ppd-gateway picker` on it (in `mode`, plus `extra`
     config lines) and the real Envoy in front, each waited on until ready. With `worker_host` the
-    picker's config names the workers by that host name instead of their 127.0.0.1 address."""
+    picker's config names the workers by that host name instead of their 127.0.0.1 address; with
+    `worker_urls` (given the stack's exits and each worker's URL by id; it may start what it
+    returns on them) by the URLs it returns for some ids. `envoy_template`: another config's text
+    instead of the scenario's envoy.yaml."""
     with ExitStack() as exits:
         cluster = Announced.start(
             [sys.executable, "-m", "simulator", "cluster", "--topology", topology, "--base-port", "0"],
@@ -130,6 +135,9 @@ def picker_stack(
             {**w, "url": str(w["url"]).replace("//127.0.0.1:", f"//{worker_host}:")} if worker_host else w
             for w in workers
         ]
+        if worker_urls is not None:
+            urls = worker_urls(exits, {w["id"]: w["url"] for w in workers})
+            configured = [{**w, "url": urls.get(w["id"], w["url"])} for w in configured]
         config.write_text("\n".join(unobserved(lines + worker_tables(configured) + (extra or []))) + "\n")
         picker = Announced.start(
             [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
@@ -147,6 +155,7 @@ def picker_stack(
             cluster="unused",
             upstream_ports=[],
             extra={"PICKER_PORT": str(picker.info["grpc"])},
+            template=envoy_template,
         )
         exits.callback(envoy.close)
         envoy.await_healthy("picker", {int(picker.info["grpc"])})

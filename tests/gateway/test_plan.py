@@ -27,6 +27,7 @@ from gateway.plan import (
     plan,
     plan_to_json,
     prefill_body,
+    prefill_elsewhere,
 )
 from gateway.pool import Load, PoolView, WorkerView
 from gateway.routing import Decision
@@ -216,3 +217,22 @@ def test_a_failed_bidirectional_p_leg_turns_the_plan_into_full_pd() -> None:
     assert (retried.path, retried.reason, retried.prefill) == ("pd", "bidir_prefill_failed", p.prefill)
     pd = plan(PlanRequest("chat", BODY, "rid"), None, Decision("pd", "table"), pool)
     assert bidir_retry(pd) == pd
+
+
+def test_a_p_leg_run_elsewhere_is_a_plain_one_and_bidir_becomes_pd() -> None:
+    """Rule 7 (llm-d's decode sidecar sends a plain rule-1 leg, never D's params)."""
+    pool = _pool(
+        [
+            {"id": "P0", "role": "prefill", "url": "http://p0"},
+            {"id": "D0", "role": "decode", "url": "http://d0"},
+        ]
+    )
+    session = Session("s", worker="D0", decode_kv_params=json.dumps(D_PARAMS), decode_kv_expires_at=10.0)
+    p = plan(PlanRequest("chat", BODY, "rid", now=5.0), session, Decision("bidir", "table"), pool)
+    elsewhere = prefill_elsewhere(p)
+    assert (elsewhere.path, elsewhere.reason) == ("pd", "bidir_sidecar")
+    assert [c.worker for c in elsewhere.prefill] == ["P0"]
+    assert elsewhere.prefill[0].body[KV_FIELD]["remote_block_ids"] is None
+    assert KV_FIELD not in elsewhere.decode.body
+    pd = plan(PlanRequest("chat", BODY, "rid"), None, Decision("pd", "table"), pool)
+    assert prefill_elsewhere(pd) == pd

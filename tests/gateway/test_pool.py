@@ -184,3 +184,22 @@ def test_a_view_without_a_worker_is_the_same_snapshot_less_that_worker() -> None
     less = view.without("D0")
     assert [w.id for w in less.workers] == ["D1"]
     assert [w.id for w in view.workers] == ["D0", "D1"]  # the snapshot itself is unchanged
+
+
+def test_a_view_narrowed_within_a_subset_keeps_other_roles_and_names_its_scope() -> None:
+    """Rule 7: only the named roles are narrowed; an empty role says where it looked, also after
+    `without`."""
+    view = PoolView(
+        (
+            WorkerView("P0", "prefill", "http://p0"),
+            WorkerView("D0", "decode", "http://d0"),
+            WorkerView("D1", "decode", "http://d1"),
+        )
+    )
+    narrowed = view.within({"D1"}, roles=("decode", "replica"), scope="the hint")
+    assert [w.id for w in narrowed.workers] == ["P0", "D1"]
+    assert narrowed.least_loaded("decode").id == "D1"
+    with pytest.raises(NoWorkerError, match=r"^no live decode worker in the hint$"):
+        narrowed.without("D1").least_loaded("decode")
+    with pytest.raises(NoWorkerError, match=r"^no live decode worker in the pool$"):
+        view.within(set(), roles=("decode", "replica"), scope="").least_loaded("decode")
