@@ -1,6 +1,6 @@
 """The Envoy endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor.Process` (one gRPC stream
 per HTTP request) over the gateway's request core (core.py). Envoy carries D's leg and streams the
-answer; Python touches only the request, once, but for the few answers it observes (rule 6).
+answer; Python touches only the request, once, but for the few answers it observes (rules 6 and 7).
 docs/envoy-extproc.md has the protocol facts.
 
 Rule 1 (processing modes): our config (deploy/envoy/picker/envoy.yaml) sends request headers, the
@@ -35,7 +35,7 @@ in full duplex, echoed); none live: ImmediateResponse 503; its name not resolvin
 Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
 the response body mode stays NONE. A turn is *observed* when it is drawn (share
 `[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
-learns from them): the core holds it (core.py rule 7), and the answer to the response headers of a 200
+learns from them), or its D may answer with bidirectional params (rule 7): the core holds it (core.py rule 7), and the answer to the response headers of a 200
 carries `mode_override` with `response_body_mode: STREAMED` (`_OBSERVE`; Envoy honours it in answers
 to headers messages with the filter's `allow_mode_override`). Envoy then sends each chunk of the
 answer and waits for its (empty) answer before passing the very same bytes on. observed_turn.py
