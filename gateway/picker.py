@@ -1,6 +1,6 @@
 """The Envoy endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor.Process` (one gRPC stream
 per HTTP request) over the gateway's request core (core.py). Envoy carries D's leg and streams the
-answer; Python touches only the request, once, but for the few answers it observes (rules 6 and 7).
+answer; Python touches only the request, once, but for the few answers it observes (rules 6 and 9).
 docs/envoy-extproc.md has the protocol facts.
 
 Rule 1 (processing modes): our config (deploy/envoy/picker/envoy.yaml) sends request headers, the
@@ -35,9 +35,10 @@ in full duplex, echoed); none live: ImmediateResponse 503; its name not resolvin
 Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
 the response body mode stays NONE. A turn is *observed* when it is drawn (share
 `[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
-learns from them), or its D may answer with bidirectional params (rule 7): the core holds it (core.py rule 7), and the answer to the response headers of a 200
-carries `mode_override` with `response_body_mode: STREAMED` (`_OBSERVE`; Envoy honours it in answers
-to headers messages with the filter's `allow_mode_override`). Envoy then sends each chunk of the
+learns from them), or its D may answer with bidirectional params (rule 9): the core holds it (core.py
+rule 7), and the answer to the response headers of a 200 carries `mode_override` with
+`response_body_mode: STREAMED` (`_OBSERVE`; Envoy honours it in answers to headers messages with the
+filter's `allow_mode_override`). Envoy then sends each chunk of the
 answer and waits for its (empty) answer before passing the very same bytes on. observed_turn.py
 learns from each (bytes, time) through answer_observer.py: TTFT, the last token, the answer's text,
 usage and chunk count. At `[DONE]` (before that chunk goes on) the turn is remembered again with the
@@ -56,17 +57,15 @@ In full duplex the response body comes to the picker anyway (echoed, rule 4): an
 read from the echoed chunks, without an override. With only the request side in full duplex Envoy
 ignores `mode_override`: the answer cannot be observed, and the turn ends at its response headers
 without a line.
-Rule 9 (vLLM's bidirectional mode, `[routing] bidir`): a D leg that carries params (pd and bidir,
-plan.py `decode_returns_params`) is answered by such a D with its own `kv_transfer_params`, which the
-standalone gateway keeps from the client and stores with the session. So that turn is always observed
-(rule 6's override, its cost included), and its answer chunks are answered with what the standalone
-would send (observed_turn rule 2b, answer_observer rule 4: the same relay code): STREAMED, a
-`BodyMutation` replacing the chunk when its bytes change (`clear_body` when nothing goes on yet); full
-duplex, the `streamed_response` carrying those bytes instead of the echo. The response headers lose
-their Content-Length (the body's length changes after they went). The turn is remembered with D's
-params at `[DONE]` (or the whole body's end), so the next turn finds them and may take the bidir path.
-A D leg without params (local; any leg in llm-d's sidecar mode, rule 7, whose P leg is not ours) is not
-observed for this.
+Rule 9 (vLLM's bidirectional mode, `[routing] bidir`): a D leg that carries params (pd, bidir: plan.py
+`decode_returns_params`; never in rule 7's mode) is answered by such a D with its own
+`kv_transfer_params`, so that turn is always observed (rule 6), each chunk answered with the bytes the
+standalone would send instead, without them (observed_turn rule 2b; a replacing `BodyMutation`, or
+the `streamed_response` in full duplex: picker_stream rule 5), the response's Content-Length removed,
+and the turn remembered with D's params at `[DONE]` (or the body's end), so the next turn can go bidir.
+It stays one module (about 470 lines): `Process` and the answers it builds share one stream's state
+(modes, headers, the routed and held turn) in the order Envoy requires; what stands alone lives apart
+(picker_stream, picker_subset, observed_turn, answer_observer, destinations).
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def streamed_body(
 
 
 def replaced_chunk(message: pb.ProcessingRequest, data: bytes, *, duplex: bool) -> pb.ProcessingResponse:
-    """Rule 5: a response body chunk answered with `data` in its place (picker.py rule 7)."""
+    """Rule 5: a response body chunk answered with `data` in its place (picker.py rule 9)."""
     if duplex:
         return _body_answer("response_body", data, message.response_body.end_of_stream)
     mutation = pb.BodyMutation(body=data) if data else pb.BodyMutation(clear_body=True)
