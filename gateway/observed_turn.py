@@ -34,11 +34,6 @@ log = logging.getLogger(__name__)
 class ObservedTurn:
     """Rules 1-3 for one held turn; `stream` as D was asked, `strip` as rule 2b."""
 
-    @property
-    def strips(self) -> bool:
-        """Rule 2b: the answer's bytes may be replaced (so its Content-Length cannot stand)."""
-        return self._strip
-
     __slots__ = ("_chunks", "_core", "_max", "_observer", "_stream", "_strip", "_t")
 
     def __init__(
@@ -51,6 +46,11 @@ class ObservedTurn:
         self._max = max_body_bytes
         self._observer: AnswerObserver | None = None
         self._chunks = 0
+
+    @property
+    def strips(self) -> bool:
+        """Rule 2b: the answer's bytes may be replaced (so its Content-Length cannot stand)."""
+        return self._strip
 
     def headers(self, status: str, *, has_body: bool, body_comes: bool) -> bool:
         """Rule 1: True when the body is to be observed."""
