@@ -1,6 +1,6 @@
 """The Envoy endpoint picker: `envoy.service.ext_proc.v3.ExternalProcessor.Process` (one gRPC stream
 per HTTP request) over the gateway's request core (core.py). Envoy carries D's leg and streams the
-answer; Python touches only the request, once, but for the few answers it observes (rule 6).
+answer; Python touches only the request, once, but for the few answers it observes (rules 6 and 9).
 docs/envoy-extproc.md has the protocol facts.
 
 Rule 1 (processing modes): our config (deploy/envoy/picker/envoy.yaml) sends request headers, the
@@ -35,9 +35,10 @@ in full duplex, echoed); none live: ImmediateResponse 503; its name not resolvin
 Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
 the response body mode stays NONE. A turn is *observed* when it is drawn (share
 `[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
-learns from them): the core holds it (core.py rule 7), and the answer to the response headers of a 200
-carries `mode_override` with `response_body_mode: STREAMED` (`_OBSERVE`; Envoy honours it in answers
-to headers messages with the filter's `allow_mode_override`). Envoy then sends each chunk of the
+learns from them), or its D may answer with bidirectional params (rule 9): the core holds it (core.py
+rule 7), and the answer to the response headers of a 200 carries `mode_override` with
+`response_body_mode: STREAMED` (`_OBSERVE`; Envoy honours it in answers to headers messages with the
+filter's `allow_mode_override`). Envoy then sends each chunk of the
 answer and waits for its (empty) answer before passing the very same bytes on. observed_turn.py
 learns from each (bytes, time) through answer_observer.py: TTFT, the last token, the answer's text,
 usage and chunk count. At `[DONE]` (before that chunk goes on) the turn is remembered again with the
@@ -56,6 +57,15 @@ In full duplex the response body comes to the picker anyway (echoed, rule 4): an
 read from the echoed chunks, without an override. With only the request side in full duplex Envoy
 ignores `mode_override`: the answer cannot be observed, and the turn ends at its response headers
 without a line.
+Rule 9 (vLLM's bidirectional mode, `[routing] bidir`): a D leg that carries params (pd, bidir: plan.py
+`decode_returns_params`; never in rule 7's mode) is answered by such a D with its own
+`kv_transfer_params`, so that turn is always observed (rule 6), each chunk answered with the bytes the
+standalone would send instead, without them (observed_turn rule 2b; a replacing `BodyMutation`, or
+the `streamed_response` in full duplex: picker_stream rule 5), the response's Content-Length removed,
+and the turn remembered with D's params at `[DONE]` (or the body's end), so the next turn can go bidir.
+It stays one module (about 470 lines): `Process` and the answers it builds share one stream's state
+(modes, headers, the routed and held turn) in the order Envoy requires; what stands alone lives apart
+(picker_stream, picker_subset, observed_turn, answer_observer, destinations).
 """
 
 from __future__ import annotations
@@ -79,8 +89,9 @@ from gateway.deps import Deps
 from gateway.destinations import Destinations, host_port, joined
 from gateway.errors import GatewayError, NoWorkerError, UpstreamUnreachableError, error_body
 from gateway.observed_turn import ObservedTurn
-from gateway.picker_stream import BodyAssembly, Modes, echo, modes, streamed_body
+from gateway.picker_stream import BodyAssembly, Modes, echo, modes, replaced_chunk, streamed_body
 from gateway.picker_subset import SUBSET_SCOPE, Subset, subset_hint
+from gateway.plan import decode_returns_params
 from gateway.ports import ClientRequest
 from gateway.turn_report import exploration, provenance_headers
 from gateway.types import Endpoint, Role
@@ -157,6 +168,8 @@ class Picked:
     stream: bool = False
     # Rule 7: P's `ip:port` for D's llm-d sidecar (None: no P leg left to it).
     prefiller: str | None = None
+    # Rule 9: D may answer with its bidirectional params: the answer's bytes are rewritten.
+    strip: bool = False
 
 
 def destination(url: str) -> str:
@@ -211,7 +224,7 @@ def _routed(*, headers: pb.HeaderMutation, body: bytes | None) -> pb.CommonRespo
 
 
 class Picker:
-    """Rules 1-6, one `Process` stream per request (registered with
+    """Rules 1-9, one `Process` stream per request (registered with
     `external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server`). `draw` (tests: a fixed
     one) draws the share of observed turns; by default a private random.Random."""
 
@@ -271,7 +284,13 @@ class Picker:
     def _watch(self, picked: Picked) -> ObservedTurn | None:
         if picked.observed is None:
             return None
-        return ObservedTurn(self._core, picked.observed, stream=picked.stream, max_body_bytes=self._max_body)
+        return ObservedTurn(
+            self._core,
+            picked.observed,
+            stream=picked.stream,
+            max_body_bytes=self._max_body,
+            strip=picked.strip,
+        )
 
     def _response_headers(
         self, message: pb.HttpHeaders, provenance: Mapping[str, str], mode: Modes, watch: ObservedTurn | None
@@ -283,7 +302,10 @@ class Picker:
         observe = watch is not None and watch.headers(
             status, has_body=not message.end_of_stream, body_comes=body_comes
         )
-        mutation = pb.HeaderMutation(set_headers=[_set(k, v) for k, v in provenance.items()])
+        mutation = pb.HeaderMutation(
+            set_headers=[_set(k, v) for k, v in provenance.items()],
+            remove_headers=["content-length"] if observe and watch is not None and watch.strips else [],
+        )
         common = pb.CommonResponse(header_mutation=mutation)
         return pb.ProcessingResponse(
             response_headers=pb.HeadersResponse(response=common),
@@ -294,13 +316,15 @@ class Picker:
         self, kind: str, message: pb.ProcessingRequest, mode: Modes, watch: ObservedTurn | None
     ) -> pb.ProcessingResponse:
         """An observed answer's chunk, learnt from before it goes on (rule 6); the answer echoes it in
-        full duplex (picker_stream rule 4), else is empty, as to the trailers."""
+        full duplex (picker_stream rule 4), else is empty, as to the trailers; rule 9's carries the
+        bytes the client gets instead."""
+        out: bytes | None = None  # rule 9: the bytes the client gets instead
         if kind == "response_body" and watch is not None:
             body = message.response_body
             last = body.end_of_stream or body.end_of_stream_without_message
-            await watch.body(body.body, last=last, at=self._d.timer())
-        if kind == "response_body" and mode.response:
-            return echo(message)
+            out = await watch.body(body.body, last=last, at=self._d.timer())
+        if kind == "response_body" and (mode.response or out is not None):
+            return echo(message) if out is None else replaced_chunk(message, out, duplex=mode.response)
         return _empty_answer(kind)
 
     async def _on_headers(
@@ -432,7 +456,8 @@ class Picker:
             p = leg.prefiller
             prefiller = None if p is None else await self._destinations.of(p.url, worker=p.worker)
             await core.remember(t.turn, t.outcome, None, None, completion_chunks=None)
-            observed = t.observed or exploration(t.outcome)[0]
+            strip = self._d.settings.routing.bidir and decode_returns_params(leg.call)
+            observed = t.observed or exploration(t.outcome)[0] or strip
             picked = Picked(
                 destination=dest,
                 body=json.dumps(leg.call.body, separators=(",", ":")).encode(),
@@ -441,6 +466,7 @@ class Picker:
                 observed=t if observed else None,
                 stream=leg.call.stream,
                 prefiller=prefiller,
+                strip=strip,
             )
             if observed:
                 core.hold(t)

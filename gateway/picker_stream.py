@@ -21,6 +21,10 @@ Rule 4 (any other request in duplex: pass-through): its headers are answered at 
 5) and each body chunk is echoed unchanged, as is each response body chunk in duplex (the same bytes,
 the same `end_of_stream`). Every body message in duplex gets a streamed answer: an empty
 `BodyResponse` is a protocol error that Envoy turns into a 500.
+Rule 5 (a response chunk replaced, `replaced_chunk`): in duplex, a `streamed_response` with the new
+bytes (possibly none) and the chunk's `end_of_stream`; in STREAMED mode (an observed answer), a
+`BodyMutation` whose `body` replaces that chunk's bytes, or `clear_body` when none go on (Envoy then
+injects nothing for it, but still ends the body on the last chunk).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from gateway.errors import PayloadTooLargeError
 
-__all__ = ["CHUNK_BYTES", "BodyAssembly", "Modes", "echo", "modes", "streamed_body"]
+__all__ = ["CHUNK_BYTES", "BodyAssembly", "Modes", "echo", "modes", "replaced_chunk", "streamed_body"]
 
 #: The largest body chunk sent back: under Envoy's advised 64 KiB, as GIE's reference picker (62,000).
 CHUNK_BYTES: Final = 62_000
@@ -106,6 +110,16 @@ def streamed_body(
     pieces = [data[i : i + chunk_bytes] for i in range(0, len(data), chunk_bytes)] or [b""]
     for n, piece in enumerate(pieces, start=1):
         yield _body_answer(kind, piece, end and n == len(pieces))
+
+
+def replaced_chunk(message: pb.ProcessingRequest, data: bytes, *, duplex: bool) -> pb.ProcessingResponse:
+    """Rule 5: a response body chunk answered with `data` in its place (picker.py rule 9)."""
+    if duplex:
+        return _body_answer("response_body", data, message.response_body.end_of_stream)
+    mutation = pb.BodyMutation(body=data) if data else pb.BodyMutation(clear_body=True)
+    return pb.ProcessingResponse(
+        response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+    )
 
 
 def echo(message: pb.ProcessingRequest) -> pb.ProcessingResponse:

@@ -20,7 +20,9 @@ computes only the new tokens); the D leg then carries P's params as in rule 2, s
 back. The P retries after it are plain rule-1 legs (full PD): once a P has tried to read D's blocks they
 may be gone, so a retry recomputes (`bidir_retry`: path pd, reason `bidir_prefill_failed`). Without
 params the turn is full PD with reason `bidir_no_params`, with expired ones `bidir_expired`; a gone D is
-rule 5 (`decode_gone`).
+rule 5 (`decode_gone`). A D running this mode answers every D leg that carries params (pd and bidir)
+with its own (`decode_returns_params`; a local leg carries none and gets none), which the front door
+keeps with the session and keeps from the client.
 Rule 7 (P run elsewhere, llm-d's decode sidecar): `prefill_elsewhere` keeps a pd plan as it is (its
 first P named to the sidecar, the D body without P's params) and turns a bidir plan into pd, reason
 `bidir_sidecar` (the sidecar sends a plain rule-1 leg, never D's params).
@@ -54,6 +56,7 @@ __all__ = [
     "bidir_retry",
     "decode_after_prefill",
     "decode_gone",
+    "decode_returns_params",
     "local_fallback",
     "plan",
     "plan_to_json",
@@ -219,6 +222,12 @@ def decode_after_prefill(p: Plan, kv_params: Mapping[str, Any] | None) -> Upstre
     body = dict(p.decode.body)
     body[KV_FIELD] = dict(kv_params)
     return replace(p.decode, body=body)
+
+
+def decode_returns_params(call: UpstreamCall) -> bool:
+    """Rule 6: whether a D running vLLM's bidirectional mode answers this leg with its own params
+    (it does for a leg that carries params: P's, on the pd and bidir paths)."""
+    return KV_FIELD in call.body
 
 
 def bidir_retry(p: Plan) -> Plan:

@@ -39,11 +39,6 @@ PICKER_CANNOT: Final = {
         "the picker cannot re-plan a D gone before its first byte: Envoy answers 503 for the refused "
         "connection (issue 25 item 4, Envoy failover: branch picker-failover)"
     ),
-    "bidir_params": (
-        "D's answer passes Envoy untouched: a bidirectional D's kv_transfer_params reach the client (the "
-        "standalone drops them) and never the picker, so Turn 2 is PD (bidir_no_params), not bidir "
-        "(issue 25 item 3, an observation of the answer)"
-    ),
 }
 
 

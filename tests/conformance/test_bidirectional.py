@@ -6,8 +6,8 @@ This test runs its own gateway over P0 and D1 only, in static mode ``bidir``: Tu
 returns its blocks' params on the final chunk; Turn 2 sends them to P0, which pulls the history from D1
 (P0's ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` grows) and computes only
 the rest; D1 pulls the result back; Turn 3 continues the same way. Behind both front doors
-(front_doors.py); through Envoy, D1's answer with its params goes to the client untouched and the
-picker never sees it (a strict xfail).
+(front_doors.py); through Envoy the picker observes every answer D1 may send its params with
+(picker.py rule 7), takes them out of the client's answer and keeps them for the next turn.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.conformance.front_doors import PICKER_CANNOT, FrontDoor, running
+from tests.conformance.front_doors import FrontDoor, running
 from tests.conformance.workers import Cluster, http
 from tests.support.gateway_config import worker_tables
 
@@ -74,10 +74,8 @@ def _answer_tokens_in_history(cluster: Cluster, messages: list[dict[str, Any]], 
 
 
 def test_turn_two_takes_the_bidirectional_path_and_p_pulls_the_history_from_d(
-    cluster: Cluster, bidir_gateway: FrontDoor, request: pytest.FixtureRequest
+    cluster: Cluster, bidir_gateway: FrontDoor
 ) -> None:
-    if bidir_gateway.kind == "envoy":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=PICKER_CANNOT["bidir_params"]))
     session = ""
     messages: list[dict[str, Any]] = []
 

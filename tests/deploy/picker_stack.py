@@ -114,16 +114,28 @@ def picker_stack(
     worker_host: str | None = None,
     worker_urls: Callable[[ExitStack, dict[str, str]], dict[str, str]] | None = None,
     envoy_template: str | None = None,
+    cluster_args: tuple[str, ...] = (),
 ) -> Iterator[PickerStack]:
     """The simulated cluster (`topology`), `ppd-gateway picker` on it (in `mode`, plus `extra`
     config lines) and the real Envoy in front, each waited on until ready. With `worker_host` the
     picker's config names the workers by that host name instead of their 127.0.0.1 address; with
     `worker_urls` (given the stack's exits and each worker's URL by id; it may start what it
     returns on them) by the URLs it returns for some ids. `envoy_template`: another config's text
-    instead of the scenario's envoy.yaml."""
+    instead of the scenario's envoy.yaml; `cluster_args` go to `simulator cluster`
+    (`--bidir-workers all`, say)."""
     with ExitStack() as exits:
         cluster = Announced.start(
-            [sys.executable, "-m", "simulator", "cluster", "--topology", topology, "--base-port", "0"],
+            [
+                sys.executable,
+                "-m",
+                "simulator",
+                "cluster",
+                "--topology",
+                topology,
+                "--base-port",
+                "0",
+                *cluster_args,
+            ],
             log=tmp / "cluster.log",
             deadline_s=60,
         )
