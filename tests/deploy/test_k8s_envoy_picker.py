@@ -375,7 +375,7 @@ def running_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Envoy]:
     """The picker scenario's Envoy (no picker behind it: its admin is what the commands ask)."""
     envoy = Envoy.start(
         "picker", tmp_path_factory.mktemp("envoy"), cluster="unused", upstream_ports=[],
-        extra={"PICKER_PORT": "9"},
+        extra={"PICKER_PORT": "9", "FAILURE_MODE_ALLOW": "false", "WORKER_ENDPOINTS": "[]"},
     )  # fmt: skip
     yield envoy
     envoy.close()
