@@ -32,9 +32,8 @@ full duplex each response body chunk is echoed unchanged and trailers are answer
 Rule 5: any other request (no body, another path or method) goes to a live worker as the standalone's
 pass-through routes do (decode, replica, prefill in that order), on its headers' answer (its body,
 in full duplex, echoed); none live: ImmediateResponse 503; its name not resolving: 502.
-Rule 5b (picker_failover.py): the destination names a fallback worker after the chosen one; when
-Envoy's retry reached it (the chosen worker gone before its first byte), the answer to the response
-headers rebinds the session to it first and the provenance headers name it.
+Rule 5b (picker_failover.py): the destination names a fallback worker after the chosen one; if
+Envoy's retry reached it, the response headers' answer rebinds the session to it and names it.
 Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
 the response body mode stays NONE. A turn is *observed* when it is drawn (share
 `[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
@@ -66,9 +65,9 @@ Rule 9 (vLLM's bidirectional mode, `[routing] bidir`): a D leg that carries para
 standalone would send instead, without them (observed_turn rule 2b; a replacing `BodyMutation`, or
 the `streamed_response` in full duplex: picker_stream rule 5), the response's Content-Length removed,
 and the turn remembered with D's params at `[DONE]` (or the body's end), so the next turn can go bidir.
-It stays one module (about 470 lines): `Process` and the answers it builds share one stream's state
+It stays one module (about 480 lines): `Process` and the answers it builds share one stream's state
 (modes, headers, the routed and held turn) in the order Envoy requires; what stands alone lives apart
-(picker_stream, picker_subset, observed_turn, answer_observer, destinations).
+(picker_stream, picker_subset, picker_failover, observed_turn, answer_observer, destinations).
 """
 
 from __future__ import annotations

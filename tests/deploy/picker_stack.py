@@ -123,8 +123,8 @@ def picker_stack(
 ) -> Iterator[PickerStack]:
     """The simulated cluster (`topology`), `ppd-gateway picker` on it (in `mode`, plus `extra`
     config lines, its pool checking the workers every `health_interval_s`) and the real Envoy in
-    front (`failure_mode` closed or open, its workers rendered as devstack/data_plane.py does: the
-    URLs the picker's config names), each waited on until ready. With `worker_host` the picker's
+    front (`failure_mode` closed or open, its workers rendered as devstack/data_plane.py does, by
+    IP), each waited on until ready. With `worker_host` the picker's
     config names the workers by that host name instead of their 127.0.0.1 address; with
     `worker_urls` (given the stack's exits and each worker's URL by id; it may start what it
     returns on them) by the URLs it returns for some ids. `envoy_template`: another config's text
@@ -155,9 +155,11 @@ def picker_stack(
             {**w, "url": str(w["url"]).replace("//127.0.0.1:", f"//{worker_host}:")} if worker_host else w
             for w in workers
         ]
+        listed = workers  # Envoy's workers cluster: by IP, as ppd-up lists them from the ready line
         if worker_urls is not None:
             urls = worker_urls(exits, {w["id"]: w["url"] for w in workers})
             configured = [{**w, "url": urls.get(w["id"], w["url"])} for w in configured]
+            listed = [{**w, "url": urls.get(w["id"], w["url"])} for w in workers]
         config.write_text("\n".join(unobserved(lines + worker_tables(configured) + (extra or []))) + "\n")
         picker = Announced.start(
             [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
@@ -177,7 +179,7 @@ def picker_stack(
             extra={
                 "PICKER_PORT": str(picker.info["grpc"]),
                 "FAILURE_MODE_ALLOW": FAILURE_MODES[failure_mode],
-                "WORKER_ENDPOINTS": (endpoints := json.dumps(worker_localities(configured))),
+                "WORKER_ENDPOINTS": (endpoints := json.dumps(worker_localities(listed))),
             },
             template=envoy_template,
         )
