@@ -179,11 +179,13 @@ async def run(settings: BenchSettings, emit: Callable[[str], None], progress: Pr
             await wait_ready(sessions[DIRECT], direct, probe, settings.ready_timeout_s)
             ours = await start_gateway(sup, config, settings.ready_timeout_s)
             await wait_ready(sessions[ours.name], ours, probe, settings.ready_timeout_s)
-            envoy = await start_envoy_picker(sup, config, Path(scratch), settings.ready_timeout_s)
+            envoy = await start_envoy_picker(sup, config, Path(scratch), settings.ready_timeout_s, workers)
             await wait_ready(sessions[envoy.name], envoy, probe, settings.ready_timeout_s)
             targets = [direct, ours, envoy]
             if settings.envoy_gie:
-                gie = await start_envoy_picker(sup, config, Path(scratch), settings.ready_timeout_s, gie=True)
+                gie = await start_envoy_picker(
+                    sup, config, Path(scratch), settings.ready_timeout_s, workers, gie=True
+                )
                 await wait_ready(sessions[gie.name], gie, probe, settings.ready_timeout_s)
                 targets.append(gie)
             peer = await start_sglang(

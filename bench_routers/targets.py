@@ -190,15 +190,22 @@ async def start_gateway(sup: Supervisor, config: Path, ready_timeout_s: float) -
 
 
 async def start_envoy_picker(
-    sup: Supervisor, config: Path, scratch: Path, ready_timeout_s: float, *, gie: bool = False
+    sup: Supervisor,
+    config: Path,
+    scratch: Path,
+    ready_timeout_s: float,
+    workers: Workers,
+    *,
+    gie: bool = False,
 ) -> Target:
     """The picker on `config` and Envoy in front of it, as `ppd-up --data-plane envoy` starts them
-    (with `gie`, Envoy on envoy-gie.yaml)."""
+    (with `gie`, Envoy on envoy-gie.yaml); Envoy's workers cluster lists `workers`."""
     name = ENVOY_GIE if gie else ENVOY
     before = len(sup.children)
+    listed = [{"role": "prefill", "url": workers.prefill_url}, {"role": "decode", "url": workers.decode_url}]
     url, _ = await start_picker_and_envoy(
         picker_argv(config), envoy_argv, sup, scratch / name, port=0, timeout_s=ready_timeout_s,
-        template=PICKER_GIE_ENVOY_TEMPLATE if gie else PICKER_ENVOY_TEMPLATE,
+        workers=listed, template=PICKER_GIE_ENVOY_TEMPLATE if gie else PICKER_ENVOY_TEMPLATE,
     )  # fmt: skip
     children = {child.name: child for child in sup.children[before:]}  # this pair's, not another's
     pids = {"envoy": children["envoy"].proc.pid, "picker": children["picker"].proc.pid}

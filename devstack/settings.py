@@ -41,3 +41,6 @@ class StackSettings:
     bidir: bool = False
     # "envoy": Envoy on the stack's port streams every answer; the picker (not a gateway) routes.
     data_plane: str = "python"
+    # With data_plane "envoy": "closed" (no picker, a 500 from Envoy) or "open" (no picker: the body
+    # unchanged to a decode worker, which prefills it locally); devstack/data_plane.py rule 3.
+    picker_failure_mode: str = "closed"

@@ -10,7 +10,8 @@ Starts, in order, each through its command-line contract (one JSON ready line on
    round robin (``deploy/envoy/gateway-shared``), once it sees every replica healthy;
    with ``--data-plane envoy``, not the gateway: ``ppd-gateway picker`` on the same config, as the
    ext_proc endpoint picker of Envoy on 127.0.0.1:8000, which carries the traffic and streams every
-   answer (``deploy/envoy/picker``, data_plane.py), once it sees the picker healthy.
+   answer (``deploy/envoy/picker``, data_plane.py), once it sees the picker healthy;
+   ``--picker-failure-mode open`` lets Envoy send requests to a decode worker while the picker is down.
 
 ``--kv-events`` has every worker publish vLLM's KV cache events and the gateway follow them
 (``[kv_events]``, endpoints from the cluster's ready line); ``--bidir`` runs every worker in vLLM's
@@ -40,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from devstack.data_plane import check_addressed_by_ip, start_picker_and_envoy
+from devstack.data_plane import add_data_plane_arguments, check_addressed_by_ip, start_picker_and_envoy
 from devstack.gateway_config import gateway_config
 from devstack.replicas import answers_ping, envoy_argv, poll, redis_argv, start_envoy
-from devstack.settings import DATA_PLANES, DEFAULT_MODEL, ENGINES, KV_BLOCK_TOKENS, StackSettings
+from devstack.settings import DEFAULT_MODEL, ENGINES, KV_BLOCK_TOKENS, StackSettings
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
 
 __all__ = ["StackCommands", "main", "parse_settings", "run_stack"]
@@ -286,6 +287,8 @@ async def _start(
             scratch / "envoy",
             port=settings.port,
             timeout_s=timeout,
+            workers=cluster.ready["workers"],
+            failure_mode=settings.picker_failure_mode,
         )
         return _Up(url, cluster.ready, decision.ready, (), picker=picker)
     if settings.gateways == 1:
@@ -376,14 +379,7 @@ def _parser() -> argparse.ArgumentParser:
         help="every worker runs vLLM's bidirectional KV mode and the gateway may serve the bidir path "
         "([routing] bidir), where the table has bidir figures (the shipped H100 tables do)",
     )
-    parser.add_argument(
-        "--data-plane",
-        choices=DATA_PLANES,
-        default="python",
-        help="python (default): the gateway on --port relays every answer; envoy: Envoy on --port carries "
-        "the traffic and streams every answer, `ppd-gateway picker` routing each request over ext_proc "
-        "(deploy/envoy/picker; one picker, so not with --gateways N > 1; workers addressed by IP)",
-    )
+    add_data_plane_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
@@ -423,6 +419,7 @@ def parse_settings(
         kv_hash_seed=(environ or {}).get("PYTHONHASHSEED", ""),
         bidir=args.bidir,
         data_plane=args.data_plane,
+        picker_failure_mode=args.picker_failure_mode,
     ), str(args.log_level)
 
 

@@ -32,6 +32,8 @@ full duplex each response body chunk is echoed unchanged and trailers are answer
 Rule 5: any other request (no body, another path or method) goes to a live worker as the standalone's
 pass-through routes do (decode, replica, prefill in that order), on its headers' answer (its body,
 in full duplex, echoed); none live: ImmediateResponse 503; its name not resolving: 502.
+Rule 5b (picker_failover.py): the destination names a fallback worker after the chosen one; if
+Envoy's retry reached it, the response headers' answer rebinds the session to it and names it.
 Rule 6: the turn is remembered when it is routed (core.py rule 6). Most answers never cross Python:
 the response body mode stays NONE. A turn is *observed* when it is drawn (share
 `[log] picker_observe_share`, drawn when its body arrives) or explored (every one: the table refresh
@@ -63,9 +65,9 @@ Rule 9 (vLLM's bidirectional mode, `[routing] bidir`): a D leg that carries para
 standalone would send instead, without them (observed_turn rule 2b; a replacing `BodyMutation`, or
 the `streamed_response` in full duplex: picker_stream rule 5), the response's Content-Length removed,
 and the turn remembered with D's params at `[DONE]` (or the body's end), so the next turn can go bidir.
-It stays one module (about 470 lines): `Process` and the answers it builds share one stream's state
+It stays one module (about 480 lines): `Process` and the answers it builds share one stream's state
 (modes, headers, the routed and held turn) in the order Envoy requires; what stands alone lives apart
-(picker_stream, picker_subset, observed_turn, answer_observer, destinations).
+(picker_stream, picker_subset, picker_failover, observed_turn, answer_observer, destinations).
 """
 
 from __future__ import annotations
@@ -89,11 +91,12 @@ from gateway.deps import Deps
 from gateway.destinations import Destinations, host_port, joined
 from gateway.errors import GatewayError, NoWorkerError, UpstreamUnreachableError, error_body
 from gateway.observed_turn import ObservedTurn
+from gateway.picker_failover import Failover, answered
 from gateway.picker_stream import BodyAssembly, Modes, echo, modes, replaced_chunk, streamed_body
 from gateway.picker_subset import SUBSET_SCOPE, Subset, subset_hint
 from gateway.plan import decode_returns_params
 from gateway.ports import ClientRequest
-from gateway.turn_report import exploration, provenance_headers
+from gateway.turn_report import exploration
 from gateway.types import Endpoint, Role
 
 __all__ = [
@@ -170,6 +173,7 @@ class Picked:
     prefiller: str | None = None
     # Rule 9: D may answer with its bidirectional params: the answer's bytes are rewritten.
     strip: bool = False
+    failover: Failover | None = None  # rule 5b
 
 
 def destination(url: str) -> str:
@@ -249,6 +253,7 @@ class Picker:
         gathering: BodyAssembly | None = None  # a duplex completion's body (picker_stream rule 2)
         watch: ObservedTurn | None = None  # rule 6: an observed turn, held until its answer is over
         subset: Subset | None = None  # rule 8
+        failover: Failover | None = None  # rule 5b
         try:
             async for message in request_iterator:
                 mode = mode or modes(message)
@@ -270,7 +275,9 @@ class Picker:
                         )
                     if routed is not None:
                         provenance, gathering, watch = routed.provenance, None, self._watch(routed)
+                        failover = routed.failover
                 elif kind == "response_headers":
+                    provenance = await answered(failover, message, provenance)
                     answers = [self._response_headers(message.response_headers, provenance, mode, watch)]
                 elif kind is not None:  # the response body (echoed in duplex; rule 6) and trailers
                     answers = [await self._after_headers(kind, message, mode, watch)]
@@ -458,15 +465,17 @@ class Picker:
             await core.remember(t.turn, t.outcome, None, None, completion_chunks=None)
             strip = self._d.settings.routing.bidir and decode_returns_params(leg.call)
             observed = t.observed or exploration(t.outcome)[0] or strip
+            failover = await Failover.plan(core, t, leg, dest, self._destinations.of)
             picked = Picked(
-                destination=dest,
+                destination=failover.destination,
                 body=json.dumps(leg.call.body, separators=(",", ":")).encode(),
                 headers=leg.call.headers,
-                provenance=provenance_headers(t.turn, t.outcome),
+                provenance=failover.provenance,
                 observed=t if observed else None,
                 stream=leg.call.stream,
                 prefiller=prefiller,
                 strip=strip,
+                failover=failover,
             )
             if observed:
                 core.hold(t)

@@ -16,12 +16,15 @@ Rule 3: the picker does not see the answer (docs/envoy-extproc.md): what it cann
 
 from __future__ import annotations
 
+import json
+import tomllib
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from devstack.data_plane import worker_localities
 from tests.conformance.workers import http
 from tests.deploy.envoy_harness import Envoy
 from tests.gateway.processes import Process, start
@@ -34,12 +37,7 @@ __all__ = ["FRONT_DOORS", "PICKER_CANNOT", "FrontDoor", "running"]
 FRONT_DOORS: Final = ("standalone", "envoy")
 
 #: Rule 3: the behaviours the picker lacks today (issue 25), as xfail reasons.
-PICKER_CANNOT: Final = {
-    "decode_retry": (
-        "the picker cannot re-plan a D gone before its first byte: Envoy answers 503 for the refused "
-        "connection (issue 25 item 4, Envoy failover: branch picker-failover)"
-    ),
-}
+PICKER_CANNOT: Final[dict[str, str]] = {}  # none left: a crashed D and bidir pass behind both doors
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,14 @@ def running(kind: str, config_lines: list[str], tmp: Path, name: str) -> Iterato
             tmp / f"{name}-envoy",
             cluster="unused",
             upstream_ports=[],
-            extra={"PICKER_PORT": str(router.ready["grpc"])},
+            extra={
+                "PICKER_PORT": str(router.ready["grpc"]),
+                "FAILURE_MODE_ALLOW": "false",
+                # Envoy's workers cluster lists the config's workers (devstack/data_plane.py rule 2).
+                "WORKER_ENDPOINTS": json.dumps(
+                    worker_localities(tomllib.loads(config.read_text())["workers"])
+                ),
+            },
         )
         exits.callback(envoy.close)  # closed first: the picker outlives its client
         envoy.await_healthy("picker", {int(router.ready["grpc"])}, deadline_s=60.0)

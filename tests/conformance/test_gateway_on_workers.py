@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from tests.conformance.front_doors import FRONT_DOORS, PICKER_CANNOT, FrontDoor, running
+from tests.conformance.front_doors import FRONT_DOORS, FrontDoor, running
 from tests.conformance.workers import Cluster
 from tests.support.gateway_config import worker_tables
 from tests.support.polling import wait_until
@@ -252,15 +252,7 @@ def crashed_prefill(
 
 
 @pytest.mark.crashes_workers
-@pytest.mark.parametrize(
-    "door",
-    [
-        d
-        if d == "standalone"
-        else pytest.param(d, marks=pytest.mark.xfail(strict=True, reason=PICKER_CANNOT["decode_retry"]))
-        for d in FRONT_DOORS
-    ],
-)
+@pytest.mark.parametrize("door", FRONT_DOORS)
 def test_a_crashed_decode_worker_rebinds_the_session_through_p(
     cluster: Cluster, crashed_decode: dict[str, tuple[Conversation, str]], door: str
 ) -> None:

@@ -36,6 +36,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from devstack.data_plane import worker_localities
 from gateway.picker import SERVICE_NAME, Picker
 from tests.deploy.envoy_harness import SCENARIOS, Envoy
 from tests.deploy.processes import REPO
@@ -260,7 +261,7 @@ def gie_template() -> str:
     HTTP/1 trailers otherwise), for the recording only."""
     text = (SCENARIOS / "picker" / "envoy-gie.yaml").read_text()
     hcm = "          stat_prefix: picker\n"
-    cluster = "    lb_policy: CLUSTER_PROVIDED\n"
+    cluster = "    dns_lookup_family: V4_PREFERRED\n"
     assert hcm in text, "envoy-gie.yaml changed shape; update gie_template"
     assert cluster in text, "envoy-gie.yaml changed shape; update gie_template"
     text = text.replace(hcm, hcm + "          http_protocol_options: { enable_trailers: true }\n")
@@ -306,7 +307,14 @@ def record(folder: Path) -> Recorded:
             folder,
             cluster="unused",
             upstream_ports=[],
-            extra={"PICKER_PORT": str(picker_port)},
+            extra={
+                "PICKER_PORT": str(picker_port),
+                "WORKER_ENDPOINTS": json.dumps(
+                    worker_localities(
+                        [{"role": "decode", "url": f"http://127.0.0.1:{upstream.server_address[1]}"}]
+                    )
+                ),
+            },
             template=gie_template(),
         )
         exits.callback(envoy.close)

@@ -43,13 +43,28 @@ DEPLOYMENT: Final = COMPONENT / "envoy-picker.yaml"
 CONFIG_HASH_ANNOTATION: Final = "ppd-router/envoy-config-sha256"
 
 #: The component's value of each placeholder: Envoy's client port (the container's `http` port),
-#: its admin port (127.0.0.1 inside the pod: the probes and preStop hook use it) and the picker
-#: sidecar's gRPC port (`ppd-gateway picker --grpc-port`). The tests check each against the manifests.
-VALUES: Final = {"LISTEN_PORT": "8080", "ADMIN_PORT": "9901", "PICKER_PORT": "9002"}
+#: its admin port (127.0.0.1 inside the pod: the probes and preStop hook use it), the picker
+#: sidecar's gRPC port (`ppd-gateway picker --grpc-port`), fail closed, and the workers: every
+#: overlay's headless Services `vllm-decode` (port 8200, priority 0) and `vllm-prefill` (8100,
+#: priority 1), which Envoy resolves to every pod's IP (STRICT_DNS), the IPs the picker names them by.
+#: The tests check each against the manifests.
+VALUES: Final = {
+    "LISTEN_PORT": "8080",
+    "ADMIN_PORT": "9901",
+    "PICKER_PORT": "9002",
+    "FAILURE_MODE_ALLOW": "false",
+    "WORKER_ENDPOINTS": (
+        "[{priority: 0, lb_endpoints: [{endpoint: {address: {socket_address: "
+        "{address: vllm-decode, port_value: 8200}}}}]}, "
+        "{priority: 1, lb_endpoints: [{endpoint: {address: {socket_address: "
+        "{address: vllm-prefill, port_value: 8100}}}}]}]"
+    ),
+}
 
 _HEADER: Final = """\
 # GENERATED from deploy/envoy/picker/envoy.yaml (the one template; its comments explain every
-# setting) with LISTEN_PORT={LISTEN_PORT}, ADMIN_PORT={ADMIN_PORT}, PICKER_PORT={PICKER_PORT}.
+# setting) with LISTEN_PORT={LISTEN_PORT}, ADMIN_PORT={ADMIN_PORT}, PICKER_PORT={PICKER_PORT},
+# FAILURE_MODE_ALLOW={FAILURE_MODE_ALLOW} and WORKER_ENDPOINTS the Services vllm-decode and vllm-prefill.
 # Do not edit: run `python -m tests.deploy.k8s_envoy_config` after changing the template (the
 # tests fail until this copy equals the rendered template).
 apiVersion: v1

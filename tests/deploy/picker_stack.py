@@ -17,6 +17,7 @@ from typing import Any
 
 import openai
 
+from devstack.data_plane import FAILURE_MODES, worker_localities
 from tests.deploy.envoy_harness import Envoy
 from tests.deploy.processes import REPO, Announced
 from tests.support.gateway_config import unobserved, worker_tables
@@ -70,6 +71,8 @@ class PickerStack:
     envoy: Envoy
     picker: Announced
     workers: dict[str, str]  # id -> url
+    # Envoy's WORKER_ENDPOINTS for this cluster (devstack/data_plane.py rule 2), for a second Envoy.
+    worker_endpoints: str = ""
 
     @property
     def url(self) -> str:
@@ -115,10 +118,14 @@ def picker_stack(
     worker_urls: Callable[[ExitStack, dict[str, str]], dict[str, str]] | None = None,
     envoy_template: str | None = None,
     cluster_args: tuple[str, ...] = (),
+    failure_mode: str = "closed",
+    health_interval_s: float = 0.5,
 ) -> Iterator[PickerStack]:
     """The simulated cluster (`topology`), `ppd-gateway picker` on it (in `mode`, plus `extra`
-    config lines) and the real Envoy in front, each waited on until ready. With `worker_host` the
-    picker's config names the workers by that host name instead of their 127.0.0.1 address; with
+    config lines, its pool checking the workers every `health_interval_s`) and the real Envoy in
+    front (`failure_mode` closed or open, its workers rendered as devstack/data_plane.py does, by
+    IP), each waited on until ready. With `worker_host` the picker's
+    config names the workers by that host name instead of their 127.0.0.1 address; with
     `worker_urls` (given the stack's exits and each worker's URL by id; it may start what it
     returns on them) by the URLs it returns for some ids. `envoy_template`: another config's text
     instead of the scenario's envoy.yaml; `cluster_args` go to `simulator cluster`
@@ -142,14 +149,17 @@ def picker_stack(
         exits.callback(cluster.close)
         workers = list(cluster.info["workers"])
         config = tmp / "gateway.toml"
-        lines = [f'mode = "{mode}"', f'served_model = "{MODEL}"', "", "[pool]", "health_interval_s = 0.5"]
+        lines = [f'mode = "{mode}"', f'served_model = "{MODEL}"', "", "[pool]"]
+        lines.append(f"health_interval_s = {health_interval_s}")
         configured = [
             {**w, "url": str(w["url"]).replace("//127.0.0.1:", f"//{worker_host}:")} if worker_host else w
             for w in workers
         ]
+        listed = workers  # Envoy's workers cluster: by IP, as ppd-up lists them from the ready line
         if worker_urls is not None:
             urls = worker_urls(exits, {w["id"]: w["url"] for w in workers})
             configured = [{**w, "url": urls.get(w["id"], w["url"])} for w in configured]
+            listed = [{**w, "url": urls.get(w["id"], w["url"])} for w in workers]
         config.write_text("\n".join(unobserved(lines + worker_tables(configured) + (extra or []))) + "\n")
         picker = Announced.start(
             [sys.executable, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0"],
@@ -166,12 +176,16 @@ def picker_stack(
             tmp / "envoy",
             cluster="unused",
             upstream_ports=[],
-            extra={"PICKER_PORT": str(picker.info["grpc"])},
+            extra={
+                "PICKER_PORT": str(picker.info["grpc"]),
+                "FAILURE_MODE_ALLOW": FAILURE_MODES[failure_mode],
+                "WORKER_ENDPOINTS": (endpoints := json.dumps(worker_localities(listed))),
+            },
             template=envoy_template,
         )
         exits.callback(envoy.close)
         envoy.await_healthy("picker", {int(picker.info["grpc"])})
-        yield PickerStack(envoy=envoy, picker=picker, workers={w["id"]: w["url"] for w in workers})
+        yield PickerStack(envoy, picker, {w["id"]: w["url"] for w in workers}, endpoints)
 
 
 def turn(

@@ -21,6 +21,17 @@ SCENARIO_NAMES = sorted(p.name for p in SCENARIOS.iterdir() if p.is_dir())
 PLACEHOLDER = re.compile(r"\$\{([A-Z_]+)\}")
 
 
+#: An operator's WORKER_ENDPOINTS for the picker: two decode workers by IP, the prefill workers by a
+#: name Envoy resolves (a Kubernetes headless Service).
+EXAMPLE_WORKERS = (
+    "[{priority: 0, lb_endpoints: ["
+    "{endpoint: {address: {socket_address: {address: 10.0.0.2, port_value: 8000}}}}, "
+    "{endpoint: {address: {socket_address: {address: 10.0.0.3, port_value: 8000}}}}]}, "
+    "{priority: 1, lb_endpoints: ["
+    "{endpoint: {address: {socket_address: {address: vllm-prefill, port_value: 8100}}}}]}]"
+)
+
+
 def rendered(scenario: str, folder: Path, descriptor_set: Path) -> str:
     """The scenario's config with its example endpoints (where it reads any), as an operator would
     render it."""
@@ -34,12 +45,14 @@ def rendered(scenario: str, folder: Path, descriptor_set: Path) -> str:
         "ENDPOINTS_PATH": str(endpoints),
         "DESCRIPTOR_PATH": str(descriptor_set),
         "PICKER_PORT": "9002",
+        "FAILURE_MODE_ALLOW": "false",
+        "WORKER_ENDPOINTS": EXAMPLE_WORKERS,
     }
     return render((SCENARIOS / scenario / "envoy.yaml").read_text(), values)
 
 
 def _uses_endpoints(scenario: str) -> bool:
-    """Whether the scenario reads an endpoint list (the picker's workers come from its header)."""
+    """Whether the scenario reads an endpoint list from a file."""
     return "${ENDPOINTS_PATH}" in (SCENARIOS / scenario / "envoy.yaml").read_text()
 
 
@@ -178,7 +191,7 @@ def test_picker_strips_the_clients_routing_headers_before_ext_proc(
     assert removed == {"x-gateway-destination-endpoint", "x-prefiller-host-port"}
 
 
-def test_picker_ext_proc_mode_fails_closed_and_waits_for_a_p_leg(
+def test_picker_ext_proc_mode_fails_closed_by_default_and_waits_for_a_p_leg(
     tmp_path: Path, descriptor_set: Path
 ) -> None:
     ext = _picker_filters(_picker_config(tmp_path, descriptor_set))[1]["typed_config"]
@@ -194,28 +207,48 @@ def test_picker_ext_proc_mode_fails_closed_and_waits_for_a_p_leg(
     # Two P attempts of the gateway's default prefill timeout fit in one message's wait.
     assert float(ext["message_timeout"].removesuffix("s")) > 2 * TimeoutSettings().prefill_s
     assert ext["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    # The endpoint that answered reaches the picker with the response headers (picker_failover.py).
+    assert ext["metadata_options"]["forwarding_namespaces"]["untyped"] == ["envoy.lb"]
 
 
-def test_picker_routes_on_the_destination_header_without_a_route_timeout(
+def test_picker_routes_on_the_destination_metadata_retrying_before_the_first_byte_only(
     tmp_path: Path, descriptor_set: Path
 ) -> None:
     config = _picker_config(tmp_path, descriptor_set)
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     workers = clusters["workers"]
-    assert workers["type"] == "ORIGINAL_DST"
-    assert workers["original_dst_lb_config"] == {
-        "use_http_header": True,
-        "http_header_name": "x-gateway-destination-endpoint",
+    assert workers["type"] == "STRICT_DNS"
+    assert [locality["priority"] for locality in workers["load_assignment"]["endpoints"]] == [0, 1]
+    (policy,) = workers["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]
+    assert override["name"] == "envoy.load_balancing_policies.override_host"
+    # Only the picker can write envoy.lb metadata: a client's header never routes.
+    assert override["typed_config"]["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    ]
+    assert override["typed_config"]["selected_host_key"] == {
+        "key": "envoy.lb",
+        "path": [{"key": "x-gateway-destination-endpoint-served"}],
     }
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert route["route"] == {"cluster": "workers", "timeout": "0s"}
+    assert route["route"]["timeout"] == "0s"
+    retry = route["route"]["retry_policy"]
+    # Never a retry once the worker may have started: no 5xx, reset or timeout conditions.
+    assert set(retry["retry_on"].split(",")) == {"connect-failure", "reset-before-request"}
+    assert retry["num_retries"] == 1
     (check,) = clusters["picker"]["health_checks"]
     assert check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    assert check["no_traffic_interval"] == "2s"
 
 
 def _picker_gie_config(tmp_path: Path) -> dict[str, Any]:
-    values = {"LISTEN_PORT": "10000", "ADMIN_PORT": "9901", "PICKER_PORT": "9002"}
+    values = {
+        "LISTEN_PORT": "10000",
+        "ADMIN_PORT": "9901",
+        "PICKER_PORT": "9002",
+        "WORKER_ENDPOINTS": EXAMPLE_WORKERS,
+    }
     text = render((SCENARIOS / "picker" / "envoy-gie.yaml").read_text(), values)
     result = validate(text, tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -248,7 +281,12 @@ def test_picker_gie_variant_passes_validate_with_full_duplex_bodies(tmp_path: Pa
 def test_validate_rejects_full_duplex_without_trailers(tmp_path: Path) -> None:
     """Envoy itself refuses a FULL_DUPLEX_STREAMED body with its trailers skipped: why the variant
     sends them."""
-    values = {"LISTEN_PORT": "10000", "ADMIN_PORT": "9901", "PICKER_PORT": "9002"}
+    values = {
+        "LISTEN_PORT": "10000",
+        "ADMIN_PORT": "9901",
+        "PICKER_PORT": "9002",
+        "WORKER_ENDPOINTS": EXAMPLE_WORKERS,
+    }
     text = render((SCENARIOS / "picker" / "envoy-gie.yaml").read_text(), values)
     broken = text.replace("request_trailer_mode: SEND", "request_trailer_mode: SKIP")
     assert broken != text

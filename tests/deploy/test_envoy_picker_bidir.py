@@ -44,7 +44,7 @@ def gie_url(stack: PickerStack, tmp_path_factory: pytest.TempPathFactory) -> Ite
         tmp_path_factory.mktemp("envoy-gie"),
         cluster="unused",
         upstream_ports=[],
-        extra={"PICKER_PORT": str(stack.picker.info["grpc"])},
+        extra={"PICKER_PORT": str(stack.picker.info["grpc"]), "WORKER_ENDPOINTS": stack.worker_endpoints},
         template=(SCENARIOS / "picker" / "envoy-gie.yaml").read_text(),
     )
     try:

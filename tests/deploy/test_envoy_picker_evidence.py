@@ -166,7 +166,7 @@ def test_through_the_gie_config_an_observed_answer_is_read_from_its_echoed_chunk
         tmp_path / "envoy-gie",
         cluster="unused",
         upstream_ports=[],
-        extra={"PICKER_PORT": str(stack.picker.info["grpc"])},
+        extra={"PICKER_PORT": str(stack.picker.info["grpc"]), "WORKER_ENDPOINTS": stack.worker_endpoints},
         template=(SCENARIOS / "picker" / "envoy-gie.yaml").read_text(),
     )
     try:

@@ -68,7 +68,10 @@ def test_a_multi_turn_streamed_chat_is_the_same_through_the_gie_config(tmp_path:
             tmp_path / "envoy-gie",
             cluster="unused",
             upstream_ports=[],
-            extra={"PICKER_PORT": str(stack.picker.info["grpc"])},
+            extra={
+                "PICKER_PORT": str(stack.picker.info["grpc"]),
+                "WORKER_ENDPOINTS": stack.worker_endpoints,
+            },
             template=(SCENARIOS / "picker" / "envoy-gie.yaml").read_text(),
         )
         try:

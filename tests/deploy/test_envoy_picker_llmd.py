@@ -41,9 +41,15 @@ _HINT_FILTER = """\
                   key: x-gateway-destination-endpoint-subset
                   type: STRING
 """
+# envoy.yaml forwards envoy.lb already (the served endpoint, gateway/picker_failover.py); the hint's
+# namespace joins it.
+_FORWARDED = """\
+                forwarding_namespaces:
+                  untyped: ["envoy.lb"]
+"""
 _FORWARD = """\
                 forwarding_namespaces:
-                  untyped: ["envoy.lb.subset_hint"]
+                  untyped: ["envoy.lb", "envoy.lb.subset_hint"]
 """
 
 
@@ -54,12 +60,10 @@ _RECEIVING = "                receiving_namespaces:\n"
 def hinting_config() -> str:
     """deploy/envoy/picker/envoy.yaml with the hint filter before ext_proc and the namespace forwarded."""
     text = (SCENARIOS / "picker" / "envoy.yaml").read_text()
-    for anchor in ("          # 2. The picker.\n", "                receiving_namespaces:\n"):
+    for anchor in ("          # 2. The picker.\n", _FORWARDED):
         assert text.count(anchor) == 1, f"envoy.yaml changed: {anchor!r} is no longer there once"
     text = text.replace("          # 2. The picker.\n", _HINT_FILTER + "          # 2. The picker.\n")
-    return text.replace(
-        "                receiving_namespaces:\n", _FORWARD + "                receiving_namespaces:\n"
-    )
+    return text.replace(_FORWARDED, _FORWARD)
 
 
 def _address(url: str) -> str:

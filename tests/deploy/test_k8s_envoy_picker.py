@@ -351,11 +351,22 @@ def test_picker_flags_probes_and_config_agree_with_its_cli_and_the_overlay(
 def test_workers_named_by_dns_resolve_while_they_load(
     stacks: dict[str, tuple[Manifest, ...]], overlay: str
 ) -> None:
-    """The picker resolves worker names to the IP Envoy's ORIGINAL_DST cluster needs
-    (gateway/destinations.py): every worker is a StatefulSet pod under a headless Service that
-    publishes not-ready addresses."""
+    """The picker resolves worker names to IPs (gateway/destinations.py), which must be hosts of
+    Envoy's workers cluster: every worker is a StatefulSet pod under a headless Service that
+    publishes not-ready addresses, and Envoy's WORKER_ENDPOINTS names that Service on the worker's
+    port (STRICT_DNS: one host per pod IP), decode workers at priority 0, prefill at priority 1."""
     docs = stacks[overlay]
     config = tomllib.loads(one(docs, "ConfigMap", "ppd-gateway-config")["data"]["gateway.toml"])
+    (workers,) = [c for c in envoy_config()["static_resources"]["clusters"] if c["name"] == "workers"]
+    assert workers["type"] == "STRICT_DNS"
+    listed = {
+        (
+            e["endpoint"]["address"]["socket_address"]["address"],
+            e["endpoint"]["address"]["socket_address"]["port_value"],
+        ): locality["priority"]
+        for locality in workers["load_assignment"]["endpoints"]
+        for e in locality["lb_endpoints"]
+    }
     for worker in config["workers"]:
         host = re.fullmatch(r"http://([a-z0-9-]+)-(\d+)\.([a-z0-9-]+):(\d+)", worker["url"])
         assert host, worker["url"]
@@ -365,6 +376,7 @@ def test_workers_named_by_dns_resolve_while_they_load(
         service = one(docs, "Service", host[3])
         assert service["spec"]["clusterIP"] == "None"
         assert service["spec"]["publishNotReadyAddresses"] is True
+        assert listed[(host[3], int(host[4]))] == (1 if worker["role"] == "prefill" else 0), worker
 
 
 # --- the probe and the hook, for real ---------------------------------------------------------------
@@ -375,7 +387,7 @@ def running_envoy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Envoy]:
     """The picker scenario's Envoy (no picker behind it: its admin is what the commands ask)."""
     envoy = Envoy.start(
         "picker", tmp_path_factory.mktemp("envoy"), cluster="unused", upstream_ports=[],
-        extra={"PICKER_PORT": "9"},
+        extra={"PICKER_PORT": "9", "FAILURE_MODE_ALLOW": "false", "WORKER_ENDPOINTS": "[]"},
     )  # fmt: skip
     yield envoy
     envoy.close()

@@ -373,20 +373,23 @@ def test_the_picker_scenarios_envoy_is_rendered_on_loopback_with_the_pickers_por
 
     from devstack.data_plane import picker_envoy_config
 
-    config = yaml.safe_load(picker_envoy_config(port=18002, picker_grpc=9002))
+    workers = [{"id": "D0", "role": "decode", "url": "http://127.0.0.1:8200"}]
+    config = yaml.safe_load(picker_envoy_config(port=18002, picker_grpc=9002, workers=workers))
     (listener,) = config["static_resources"]["listeners"]
     assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 18002}
     assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 0}
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     (host,) = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert host["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9002}
-    assert clusters["workers"]["type"] == "ORIGINAL_DST"
+    (locality,) = clusters["workers"]["load_assignment"]["endpoints"]
+    (worker,) = locality["lb_endpoints"]
+    assert worker["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 8200}
 
 
 async def test_an_envoy_data_plane_refuses_workers_addressed_by_name(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Envoy's ORIGINAL_DST cluster connects to the ip:port the picker names and resolves no names."""
+    """Envoy's workers cluster lists workers by ip:port, the picker names them so: nothing resolves names."""
     out, stop = _Out(), asyncio.Event()
     p0 = {"id": "P0", "role": "prefill", "url": "http://127.0.0.1:1001"}
     named = {"workers": [p0, {"id": "D0", "role": "decode", "url": "http://localhost:1002"}]}

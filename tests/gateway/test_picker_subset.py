@@ -108,13 +108,13 @@ async def test_a_completion_goes_to_a_d_inside_the_hint_and_p_is_not_narrowed() 
 async def test_without_a_hint_the_whole_pool_is_chosen_from() -> None:
     picker, _, _ = _picker()
     answers = await _process(picker, _headers(), _body(_chat(FIRST)), RESPONSE_HEADERS)
-    assert _routed(answers)[0][DESTINATION_HEADER] == D0
+    assert _routed(answers)[0][DESTINATION_HEADER] == f"{D0},{D1}"  # D0, then the fallback D1
 
 
 async def test_a_session_whose_d_is_outside_the_hint_goes_through_p_to_one_inside() -> None:
     picker, _, upstream = _picker()
     first = await _process(picker, _headers(), _body(_chat(FIRST)), RESPONSE_HEADERS)
-    assert _routed(first)[0][DESTINATION_HEADER] == D0
+    assert _routed(first)[0][DESTINATION_HEADER] == f"{D0},{D1}"  # D0, then the fallback D1
     history = [*FIRST, {"role": "assistant", "content": "an answer"}, {"role": "user", "content": "more"}]
     second = await _process(picker, _headers_with(D1), _body(_chat(history)), RESPONSE_HEADERS)
     assert _routed(second)[0][DESTINATION_HEADER] == D1
