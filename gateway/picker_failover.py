@@ -6,8 +6,9 @@ in deploy/envoy/picker/envoy.yaml; docs/envoy-extproc.md has the protocol facts.
 Rule 1: the destination is the GIE protocol's ordered list `ip:port,ip:port`: the chosen worker, then
 the least loaded other live worker of its role (a decode worker for pd, local and bidir, a replica for
 replica), or the chosen worker alone when there is no other. Envoy's override_host policy takes them
-in order, one per attempt; the route retries `connect-failure` and `reset-before-request` once, so a
-retry happens only before any byte of the request reached the worker, never after the answer started.
+in order, one per attempt; the route retries `connect-failure` and `reset` once: the connection
+refused, or dropped before the worker answered (as the standalone re-plans), never after the answer
+started.
 Rule 2: the same body serves on the fallback: P's `kv_transfer_params` name P, not D (docs/vllm-protocol.md),
 so a fallback D pulls from the same P; a local turn (no params) is prefilled on the fallback D from its
 whole history.

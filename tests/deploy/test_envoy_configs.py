@@ -235,7 +235,7 @@ def test_picker_routes_on_the_destination_metadata_retrying_before_the_first_byt
     assert route["route"]["timeout"] == "0s"
     retry = route["route"]["retry_policy"]
     # Never a retry once the worker may have started: no 5xx, reset or timeout conditions.
-    assert set(retry["retry_on"].split(",")) == {"connect-failure", "reset-before-request"}
+    assert set(retry["retry_on"].split(",")) == {"connect-failure", "reset"}
     assert retry["num_retries"] == 1
     (check,) = clusters["picker"]["health_checks"]
     assert check["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
