@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from aiohttp import web
 
 from devstack.ready import start_ready
 
-__all__ = ["main"]
+__all__ = ["main", "stub_worker_app"]
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -85,11 +85,19 @@ def _upstream_app(chunks: int, interval_s: float) -> web.Application:
         await resp.write_eof()
         return resp
 
+    return stub_worker_app(complete)
+
+
+def stub_worker_app(
+    complete: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> web.Application:
+    """A stand-in worker: `complete` answers chat completions; `/health` and `/metrics` answer empty,
+    `/v1/models` vLLM's card (the gateway checks every request against max_model_len)."""
+
     async def ok(request: web.Request) -> web.StreamResponse:
         return web.Response(text="")
 
     async def models(request: web.Request) -> web.StreamResponse:
-        # vLLM's card: the gateway checks every request against max_model_len.
         return web.json_response({"object": "list", "data": [{"id": MODEL, "max_model_len": 131072}]})
 
     app = web.Application()

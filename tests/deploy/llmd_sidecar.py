@@ -30,6 +30,8 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
+from tests.support.nixl import prefill_kv_params
+
 PREFILLER: Final = "x-prefiller-host-port"
 _COMPLETIONS: Final = ("/v1/chat/completions", "/v1/completions")
 _HOP: Final = frozenset({"host", "content-length", "transfer-encoding", "connection"})
@@ -37,14 +39,7 @@ _HOP: Final = frozenset({"host", "content-length", "transfer-encoding", "connect
 
 def _prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in body.items() if k != "stream_options"}
-    out["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    out["kv_transfer_params"] = prefill_kv_params()
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
