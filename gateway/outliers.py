@@ -45,10 +45,13 @@ class OutlierSettings:
     consecutive_errors: int = 5
     # Or this share of errors among at least min_requests requests within the last window_s seconds.
     error_rate: float = 0.5
+    # Fewer requests than this in the window: error_rate is not judged.
     min_requests: int = 10
+    # The sliding window of error_rate, in seconds.
     window_s: float = 30.0
-    # The first ejection lasts base_ejection_s; each re-ejection doubles it, up to max_ejection_s.
+    # The first ejection's length; each re-ejection (a failed probe) doubles it.
     base_ejection_s: float = 10.0
+    # The longest ejection; a worker restored this long without an ejection starts again at the base.
     max_ejection_s: float = 300.0
 
     def validate(self) -> None:

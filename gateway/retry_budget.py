@@ -25,9 +25,11 @@ class RetryBudgetSettings:
 
     # Cap retries (off: every retry the request path wants is made).
     enabled: bool = True
-    # Retries within window_s may be at most ratio x the requests that arrived, plus min_per_s x window_s.
+    # Retries may be at most this share of the requests that arrived within window_s (plus the floor).
     ratio: float = 0.2
+    # The floor: this many retries a second are allowed whatever the traffic (low traffic can retry).
     min_per_s: float = 1.0
+    # The sliding window over which requests and retries are counted, in seconds.
     window_s: float = 10.0
 
     def validate(self) -> None:
