@@ -7,8 +7,11 @@ from __future__ import annotations
 import pytest
 
 from gateway.outliers import Ejection, Held, OutlierDetector, OutlierSettings, Restoration
+from gateway.plan import PlanRequest, plan
 from gateway.pool import WorkerPool, WorkerSpec
 from gateway.retry_budget import RetryBudget, RetryBudgetSettings
+from gateway.routing import Decision
+from gateway.sessions import Session
 from gateway.settings import Settings, SettingsError
 from gateway.window_counts import WindowCounts
 
@@ -263,3 +266,11 @@ def test_a_view_keeps_the_ejected_workers_of_a_role_the_others_left() -> None:
     assert _decodes(pool) == ["D0"]
     pool.mark_failed("D0")  # after the ejection: D1 is all that is left
     assert _decodes(pool) == ["D1"]
+
+
+def test_a_session_whose_decode_worker_is_ejected_goes_through_p_to_another_and_rebinds() -> None:
+    pool = _pool(Clock())
+    _ = [pool.note_failure("D1") for _ in range(5)]
+    request = PlanRequest(endpoint="chat", body={"messages": []}, request_id="r1")
+    p = plan(request, Session("s", worker="D1"), Decision("local", "table"), pool.view())
+    assert (p.path, p.reason, p.rebound, p.decode.worker) == ("pd", "decode_gone", True, "D0")
