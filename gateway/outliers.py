@@ -12,7 +12,8 @@ Rule 3 (backoff): an ejection lasts `base_ejection_s`, doubled for each re-eject
 `max_ejection_s`. The doubling starts again from the base once a restored worker has gone
 `max_ejection_s` without being ejected.
 Rule 4 (half-open): when its backoff is over, an ejected worker is admitted for one probe request
-(the pool lets it be picked again; the first request sent to it claims the probe). Its success
+(the pool lets it be picked again; the first request sent to it claims the probe, and views taken
+from then on leave it out; a request whose view was taken just before may still reach it). Its success
 restores the worker (counts cleared); its failure re-ejects it with the doubled backoff (reason
 `probe_failed`). A probe claimed but never answered (its client left) frees the slot for another after
 one backoff. Outcomes of requests sent before the ejection, arriving while it lasts, change nothing.
