@@ -38,7 +38,8 @@ held back as the last of its role logged at most once a minute. A retry (the nex
 the local prefill after every P failed, a re-plan after D or R was unreachable) happens only before
 the answer started and only within the retry budget (retry_budget.py): counted by the failure that
 caused it (`ppd_gateway_retries_total{reason}`); refused, it is counted
-(`ppd_gateway_retry_budget_exhausted_total{reason}`) and the request is answered with the error it had.
+(`ppd_gateway_retry_budget_exhausted_total{reason}`, a WARNING line every 10 s at most) and the
+request is answered with the error it had.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
 It stays one module (about 700 lines): its steps share one turn's inputs, outcome and pool view in the
@@ -164,6 +165,7 @@ class RequestCore:
             )
         self._budget = RetryBudget(s.retry_budget)
         self._held_log = RateLimitedLog(log, clock=deps.clock)
+        self._budget_log = RateLimitedLog(log, interval_s=10.0, clock=deps.clock)
         self._worker_headers: tuple[tuple[str, str], ...] = (
             (("Authorization", f"Bearer {s.worker_api_key}"),) if s.worker_api_key else ()
         )
@@ -593,7 +595,10 @@ class RequestCore:
             self._d.metrics.retries.labels(reason).inc()
             return True
         self._d.metrics.retry_budget_exhausted.labels(reason).inc()
-        log.warning("retry budget exhausted: no retry after %s; the request gets the error it had", reason)
+        self._budget_log.log(
+            "retry budget exhausted ([retry_budget]): no retry after %s; the request gets the error it had",
+            reason,
+        )
         return False
 
     def worker_answered(self, worker: str) -> None:

@@ -178,6 +178,8 @@ def test_the_retry_budget_caps_retries_and_answers_the_error_it_had(cluster: Pro
         assert _count(door, "ppd_gateway_retries_total", reason="prefill_status") == 1
         assert _count(door, "ppd_gateway_retry_budget_exhausted_total", reason="prefill_status") == 5
         assert _count(door, "ppd_gateway_prefill_retries_total") == 1
+        lines = door.router.stderr().count("retry budget exhausted")
+        assert 1 <= lines < 5  # rate-limited: fewer lines than refusals
 
 
 def test_through_envoy_the_picker_stops_naming_an_ejected_decode_worker(cluster: Process, tmp: Path) -> None:
