@@ -31,9 +31,18 @@ Rule 8: `route(t, run_prefill=False)` plans without running the P leg (llm-d's c
 routing sidecar runs it): a pd or bidir plan is returned with the chosen P in `DecodeLeg.prefiller`
 and D's body as planned (no P params); a bidir plan becomes pd (reason `bidir_sidecar`: the sidecar
 sends a plain P leg), and P counts as picked (its load share) but is not called here.
+Rule 9 (bad workers, retries): every call to a worker reports its outcome to the pool before its
+first byte reaches the client (`worker_answered`, `worker_failed`: pool.py rule 8, outliers.py rule 1),
+which may eject the worker; each ejection is counted and logged, each restoration logged, a worker
+held back as the last of its role logged at most once a minute. A retry (the next P after a failed one,
+the local prefill after every P failed, a re-plan after D or R was unreachable) happens only before
+the answer started and only within the retry budget (retry_budget.py): counted by the failure that
+caused it (`ppd_gateway_retries_total{reason}`); refused, it is counted
+(`ppd_gateway_retry_budget_exhausted_total{reason}`, a WARNING line every 10 s at most) and the
+request is answered with the error it had.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
-It stays one module (about 620 lines): its steps share one turn's inputs, outcome and pool view in the
+It stays one module (about 700 lines): its steps share one turn's inputs, outcome and pool view in the
 order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
 plan, turn_report).
 """
@@ -62,6 +71,7 @@ from gateway.errors import (
 )
 from gateway.limits import check_client_id, check_model_length
 from gateway.openai_types import CompletionRequest, parse_completion_request
+from gateway.outliers import Ejection, Held
 from gateway.plan import (
     KV_FIELD,
     Plan,
@@ -79,6 +89,7 @@ from gateway.ports import ClientRequest, LiveSignals, RouteQuery
 from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
 from gateway.relay import Usage
 from gateway.residency import KvTracking
+from gateway.retry_budget import RetryBudget
 from gateway.routing import Decision, static_decision
 from gateway.session_lookup import SessionMatch, find_session, remember_turn
 from gateway.sessions import Session, prompt_fingerprint
@@ -87,6 +98,7 @@ from gateway.turn_report import TurnReport
 from gateway.types import Role
 from ppd.explore import ExplorationPolicy, secret_seed
 from ppd.modes import Mode, ModeError, parse_mode
+from ppd.rate_limited_log import RateLimitedLog
 from ppd.records import CLIENT_DISCONNECTED
 
 __all__ = ["ActiveTurn", "DecodeLeg", "RequestCore"]
@@ -151,6 +163,9 @@ class RequestCore:
                 "explore.seed is not set: this process drew a random secret one "
                 "(set explore.seed for draws that repeat across runs)"
             )
+        self._budget = RetryBudget(s.retry_budget)
+        self._held_log = RateLimitedLog(log, clock=deps.clock)
+        self._budget_log = RateLimitedLog(log, interval_s=10.0, clock=deps.clock)
         self._worker_headers: tuple[tuple[str, str], ...] = (
             (("Authorization", f"Bearer {s.worker_api_key}"),) if s.worker_api_key else ()
         )
@@ -218,7 +233,7 @@ class RequestCore:
             request, turn, TurnOutcome(), view, observed=self._relays_answer if observed is None else observed
         )
         outcome = active.outcome
-        d.metrics.inflight.inc()
+        self._begin()
         served = False
         try:
             if worker_count is not None:
@@ -252,6 +267,11 @@ class RequestCore:
             if not (active.held and served):
                 self._end(active)
 
+    def _begin(self) -> None:
+        """A turn is served from here on: in flight, and one request the retry budget counts."""
+        self._d.metrics.inflight.inc()
+        self._budget.note_request(self._d.clock())
+
     def _view(self, subset: frozenset[str] | None, scope: str) -> PoolView:
         """Rule 4: this request's pool view, its D and R narrowed to `subset` when given."""
         view = self._d.pool.view()
@@ -284,8 +304,14 @@ class RequestCore:
 
     def decode_unreachable(self, t: ActiveTurn, leg: DecodeLeg) -> None:
         """D's leg could not reach its worker: counted, and the worker marked down."""
-        self.count_upstream_error(leg.call.worker, ROLE_OF[leg.plan.path], "unreachable")
+        role = ROLE_OF[leg.plan.path]
+        self.count_upstream_error(leg.call.worker, role, "unreachable")
+        self.worker_failed(leg.call.worker, role)
         self._d.pool.mark_failed(leg.call.worker)
+
+    def may_reroute(self, leg: DecodeLeg) -> bool:
+        """Rule 9: whether the retry budget lets `reroute` re-plan the turn (counted either way)."""
+        return self.may_retry("replica_unreachable" if leg.plan.path == "replica" else "decode_unreachable")
 
     async def reroute(self, t: ActiveTurn, leg: DecodeLeg, why: UpstreamUnreachableError) -> DecodeLeg:
         """Rule 3: the turn re-planned without the unreachable worker, through P to a live D (or to
@@ -507,8 +533,11 @@ class RequestCore:
         self, turn: TurnInputs, outcome: TurnOutcome, p: Plan
     ) -> tuple[Plan, Mapping[str, Any] | None]:
         d = self._d
+        failure: tuple[str, GatewayError] | None = None  # the last P's: the retry's reason and error
         for i, call in enumerate(p.prefill):
-            if i:
+            if failure is not None:
+                if not self.may_retry(failure[0]):
+                    raise failure[1]
                 d.metrics.prefill_retries.inc()
             d.pool.acquire(call.worker)
             sent = d.timer()
@@ -517,18 +546,21 @@ class RequestCore:
                 body = reply.json()
             except UpstreamStatusError as exc:
                 if 400 <= exc.upstream_status < 500:
+                    self.worker_answered(call.worker)
                     raise
-                self.count_upstream_error(call.worker, "prefill", "status")
+                failure = self._prefill_failed(call.worker, "status", exc)
                 continue
-            except UpstreamUnreachableError:
-                self.count_upstream_error(call.worker, "prefill", "unreachable")
+            except UpstreamUnreachableError as exc:
+                failure = self._prefill_failed(call.worker, "unreachable", exc)
                 d.pool.mark_failed(call.worker)
                 continue
-            except UpstreamTimeoutError:
-                self.count_upstream_error(call.worker, "prefill", "timeout")
+            except UpstreamTimeoutError as exc:
+                failure = self._prefill_failed(call.worker, "timeout", exc)
                 continue
             except ValueError:
                 self.count_upstream_error(call.worker, "prefill", "bad_body")
+                bad = UpstreamError(f"worker {call.worker} sent a malformed answer", worker=call.worker)
+                failure = ("prefill_bad_body", bad)
                 continue
             finally:
                 d.pool.release(call.worker)
@@ -536,16 +568,71 @@ class RequestCore:
             outcome.prefill_worker = call.worker
             if i:  # a bidirectional first leg failed; the retries are plain P legs (plan.py rule 6)
                 p = bidir_retry(p)
-            d.pool.note_success(call.worker)
+            self.worker_answered(call.worker)
             d.pool.note_pick(call.worker)
             params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
             return p, params if isinstance(params, Mapping) else None
         if self._s.policy.prefill_failure == "local":
+            if failure is not None and not self.may_retry("prefill_failed"):
+                raise failure[1]
             log.warning(
                 "every prefill attempt failed for %s; prefilling on the decode worker", turn.request_id
             )
             return local_fallback(p, "prefill_failed"), None
         raise PrefillFailedError(f"every prefill worker failed ({len(p.prefill)} tried)")
+
+    def _prefill_failed(self, worker: str, kind: str, exc: GatewayError) -> tuple[str, GatewayError]:
+        """A P leg failed before its answer (rule 9): counted, reported; the retry's reason and error."""
+        self.count_upstream_error(worker, "prefill", kind)
+        self.worker_failed(worker, "prefill")
+        return f"prefill_{kind}", exc
+
+    # ------------------------------------------------------------------ bad workers (rule 9)
+
+    def may_retry(self, reason: str) -> bool:
+        """Whether the retry budget lets one more retry go now; counted by `reason` either way."""
+        if self._budget.try_retry(self._d.clock()):
+            self._d.metrics.retries.labels(reason).inc()
+            return True
+        self._d.metrics.retry_budget_exhausted.labels(reason).inc()
+        self._budget_log.log(
+            "retry budget exhausted ([retry_budget]): no retry after %s; the request gets the error it had",
+            reason,
+        )
+        return False
+
+    def worker_answered(self, worker: str) -> None:
+        """A call to `worker` was answered (a 4xx included); logs a restored worker."""
+        restored = self._d.pool.note_success(worker)
+        if restored is not None:
+            log.warning(
+                "worker %s restored: its probe request succeeded after %.1f s out of rotation",
+                worker,
+                restored.ejected_s,
+            )
+
+    def worker_failed(self, worker: str, role: str) -> None:
+        """A call to `worker` failed before its first byte (connection, timeout, 5xx)."""
+        event = self._d.pool.note_failure(worker)
+        if isinstance(event, Ejection):
+            self._d.metrics.worker_ejections.labels(worker, role, event.reason).inc()
+            log.warning(
+                "worker %s (%s) ejected (%s) for %.1f s; then one probe request decides",
+                worker, role, event.reason, event.backoff_s,
+            )  # fmt: skip
+        elif isinstance(event, Held):
+            self._held_log.log(
+                "worker %s (%s) meets an ejection rule (%s) but is the last live %s worker: "
+                "it stays in rotation and requests keep going to it",
+                worker, role, event.reason, role,
+            )  # fmt: skip
+
+    def answer_status(self, worker: str, role: str, status: int) -> None:
+        """A worker's answer status seen by a front door that does not call it (the picker)."""
+        if status >= 500:
+            self.worker_failed(worker, role)
+        elif status > 0:
+            self.worker_answered(worker)
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -9,6 +9,10 @@ re-planned once, through P to a live D (core.py rule 3), and the session is rebo
 Rule 3: when the client goes away, the upstream requests are closed at once (the worker sees the
 abort): aiohttp's handler cancellation (`ppd-gateway serve` sets it) cancels the handler wherever it
 waits, on the P leg or the D leg, streaming or not.
+Rule 2b: the re-plan is a retry: made only within the retry budget (core.py rule 9), else the
+client gets the unreachable worker's error (502). Each D (or R) call reports its outcome before the
+first byte goes to the client: answered, or failed (a 5xx, a timeout, no connection), which may eject
+the worker (core.py rule 9); a 4xx is the client's and counts as answered.
 Rule 4: the turn is remembered with its answer, before the client can see `[DONE]` (and send its next
 turn, which must find this one).
 No transport here: the client is reached through the `ClientConnection` of ports.py, so this module is
@@ -58,7 +62,7 @@ class Forwarder:
                     return
                 except UpstreamUnreachableError as exc:
                     core.decode_unreachable(t, leg)
-                    if attempt:
+                    if attempt or not core.may_reroute(leg):
                         raise
                     leg = await core.reroute(t, leg, exc)
 
@@ -78,13 +82,15 @@ class Forwarder:
             reply = await d.upstream.call_json(call, prefill=False)
         except UpstreamStatusError as exc:
             self._core.count_upstream_error(call.worker, role, "status")
+            self._core.answer_status(call.worker, role, exc.upstream_status)
             raise exc from None
         except UpstreamTimeoutError:
             self._core.count_upstream_error(call.worker, role, "timeout")
+            self._core.worker_failed(call.worker, role)
             raise
         finally:
             d.pool.release(call.worker)
-        d.pool.note_success(call.worker)
+        self._core.worker_answered(call.worker)
         try:
             body = reply.json()
         except ValueError:
@@ -108,12 +114,14 @@ class Forwarder:
             try:
                 outcome.decode_sent = d.timer()
                 upstream = await d.upstream.open_stream(call)
-                d.pool.note_success(call.worker)
-            except UpstreamStatusError:
+                self._core.worker_answered(call.worker)
+            except UpstreamStatusError as exc:
                 self._core.count_upstream_error(call.worker, role, "status")
+                self._core.answer_status(call.worker, role, exc.upstream_status)
                 raise
             except UpstreamTimeoutError:
                 self._core.count_upstream_error(call.worker, role, "timeout")
+                self._core.worker_failed(call.worker, role)
                 raise
             try:
                 await self._relay(client, turn, outcome, p=p, call=call, upstream=upstream)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["GatewayMetrics"]
+
+R = TypeVar("R", bound=str)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -112,6 +116,32 @@ class GatewayMetrics:
         self.prefill_retries = Counter(
             "ppd_gateway_prefill_retries", "P legs retried on another prefill worker", registry=r
         )
+        # Outlier detection (gateway/outliers.py) and the retry budget (gateway/retry_budget.py).
+        self.worker_ejections = Counter(
+            "ppd_gateway_worker_ejections",
+            "Workers taken out of rotation for failing requests, by reason (consecutive_errors, "
+            "error_rate, probe_failed)",
+            ["worker", "role", "reason"],
+            registry=r,
+        )
+        self.workers_ejected = Gauge(
+            "ppd_gateway_workers_ejected",
+            "Workers out of rotation now (backoff running or awaiting their probe), by role",
+            ["role"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "ppd_gateway_retries",
+            "Requests retried on another worker before their first byte reached the client, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.retry_budget_exhausted = Counter(
+            "ppd_gateway_retry_budget_exhausted",
+            "Retries refused by the retry budget (the request answered with the error it had), by reason",
+            ["reason"],
+            registry=r,
+        )
         self.session_resets = Counter(
             "ppd_gateway_session_resets",
             "Requests naming a session whose history does not extend what that session was sent, by how "
@@ -204,5 +234,14 @@ class GatewayMetrics:
     def bind_qps(self, rate: Callable[[], float]) -> None:
         self.qps.set_function(rate)
 
+    def bind_ejected(self, roles: Sequence[R], count: Callable[[R], int]) -> None:
+        """`ppd_gateway_workers_ejected{role}` read from the pool when scraped."""
+        for role in roles:
+            self.workers_ejected.labels(role).set_function(functools.partial(_as_float, count, role))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _as_float(count: Callable[[R], int], role: R) -> float:
+    return float(count(role))

@@ -21,6 +21,9 @@ session rebound, `ppd_gateway_session_rebinds_total`) and the provenance headers
 `decode_unreachable` (`replica_unreachable` for a replica). A 5xx (the fallback failed too, and Envoy's
 own 503 reads the same) rebinds nothing: the turn stays as routed.
 A session store failing to rebind is logged; the answer goes on.
+Rule 4b: the answer's status is the outcome of the worker that served it (the chosen one when Envoy
+names none): a 5xx counts as its failure, anything else as answered (core.py rule 9: passive outlier
+detection ejects a worker that keeps failing, so the picker stops naming it).
 Rule 5: no served metadata (an Envoy not configured to report it), or an address that is neither of the
 two named, leaves the turn as it was routed.
 """
@@ -116,6 +119,8 @@ class Failover:
         """Rules 3-5: the provenance headers for a response with `status` from `served`'s attempt."""
         chosen = self.leg.call.worker
         worker = self.candidates.get(served or "")
+        role = ROLE_OF[self.leg.plan.path]
+        self.core.answer_status(worker or chosen, role, status)
         if worker is None or worker == chosen:
             return self.provenance
         t, outcome = self.active, self.active.outcome

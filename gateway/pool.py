@@ -21,6 +21,13 @@ costs a health probe per interval, so the admin API cannot make the gateway prob
 Rule 7: a view may be narrowed to the workers one request may be sent to (`within`: a GIE gateway's
 endpoint subset, named by the Envoy picker); a role left empty in a narrowed view is a NoWorkerError
 that says where it looked (`scope`).
+Rule 8: passive outlier detection (outliers.py): the request path reports each call's outcome
+(`note_success`, `note_failure`); an ejected worker is left out of every view until its backoff is over,
+then admitted for one probe (the first `acquire` or `note_pick` after claims it). A worker is never
+ejected while it is the last live, admitted worker of its role (outliers.py rule 5), and a view whose
+role would be left empty by ejections (the others went down since) keeps that role's ejected workers:
+requests keep going. The extra work per view is one dict lookup per worker, none while no worker is
+ejected.
 Concurrency: owned by one event loop; no locks.
 """
 
@@ -33,6 +40,7 @@ from typing import get_args
 from urllib.parse import SplitResult, urlsplit
 
 from gateway.errors import BadRequestError, ConflictError, NoWorkerError
+from gateway.outliers import Ejection, Held, OutlierDetector, OutlierSettings, Restoration
 from gateway.types import Clock, Role
 
 _PASSTHROUGH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
@@ -219,8 +227,10 @@ class WorkerPool:
         heartbeat_expiry_s: float,
         clock: Clock,
         max_registered: int = 256,
+        outliers: OutlierSettings | None = None,
     ) -> None:
         self._clock = clock
+        self._outliers = OutlierDetector(outliers or OutlierSettings())
         self._expiry = heartbeat_expiry_s
         self._max_registered = max_registered
         self._workers: dict[str, _State] = {}
@@ -259,6 +269,7 @@ class WorkerPool:
         if state is None or state.static:
             return False
         del self._workers[worker_id]
+        self._outliers.forget(worker_id)
         self._index_models()
         return True
 
@@ -268,6 +279,7 @@ class WorkerPool:
         gone = [w for w, s in self._workers.items() if not s.static and s.last_heartbeat < deadline]
         for worker_id in gone:
             del self._workers[worker_id]
+            self._outliers.forget(worker_id)
         if gone:
             self._index_models()
         return gone
@@ -302,11 +314,42 @@ class WorkerPool:
         if state is not None:
             state.healthy = healthy
 
-    def note_success(self, worker_id: str) -> None:
-        """A request to the worker was answered."""
+    def note_success(self, worker_id: str) -> Restoration | None:
+        """A request to the worker was answered (a 4xx included: outliers.py rule 1); a Restoration
+        when it was the probe of an ejected worker (rule 8)."""
         state = self._workers.get(worker_id)
-        if state is not None:
-            state.last_ok = self._clock()
+        if state is None:
+            return None
+        state.last_ok = now = self._clock()
+        return self._outliers.success(worker_id, now)
+
+    def note_failure(self, worker_id: str) -> Ejection | Held | None:
+        """A request to the worker failed before its first byte (connection, timeout, 5xx): rule 8's
+        Ejection, a Held (the last live worker of its role), or None."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return None
+        now = self._clock()
+        return self._outliers.failure(worker_id, now, may_eject=self._has_other(state, now))
+
+    def _has_other(self, state: _State, now: float) -> bool:
+        """Another live worker of the worker's role that is in rotation (outliers.py rule 5)."""
+        role, me, outliers = state.spec.role, state.spec.id, self._outliers
+        return any(
+            s.healthy and s.spec.role == role and s.spec.id != me and not outliers.is_ejected(s.spec.id)
+            for s in self._workers.values()
+        )
+
+    def is_ejected(self, worker_id: str) -> bool:
+        return self._outliers.is_ejected(worker_id)
+
+    def ejected(self, role: Role) -> int:
+        """Workers of `role` ejected now (half-open ones included)."""
+        if not self._outliers.any_ejected:
+            return 0
+        return sum(
+            1 for s in self._workers.values() if s.spec.role == role and self._outliers.is_ejected(s.spec.id)
+        )
 
     def record_check(
         self, worker_id: str, ok: bool, *, unhealthy_after: int = 1, served_within_s: float = 0.0
@@ -342,6 +385,8 @@ class WorkerPool:
         state = self._workers.get(worker_id)
         if state is not None:
             state.inflight += 1
+            if self._outliers.any_ejected:
+                self._outliers.claim(worker_id, self._clock())
 
     def release(self, worker_id: str) -> None:
         state = self._workers.get(worker_id)
@@ -354,17 +399,30 @@ class WorkerPool:
         if state is not None:
             self._picks += 1
             state.last_pick = self._picks
+            if self._outliers.any_ejected:
+                self._outliers.claim(worker_id, self._clock())
 
     def view(self) -> PoolView:
+        live = [s for s in self._workers.values() if s.healthy]
+        if self._outliers.any_ejected:
+            live = self._admitted(live)
         return PoolView(
             tuple(
-                WorkerView(s.spec.id, s.spec.role, s.spec.url, s.load, s.inflight, s.last_pick)
-                for s in self._workers.values()
-                if s.healthy
+                WorkerView(s.spec.id, s.spec.role, s.spec.url, s.load, s.inflight, s.last_pick) for s in live
             )
         )
 
+    def _admitted(self, live: list[_State]) -> list[_State]:
+        """Rule 8: the live workers less the ejected ones, except in a role that would be left empty."""
+        now, outliers = self._clock(), self._outliers
+        admitted = [s for s in live if outliers.admits(s.spec.id, now)]
+        if len(admitted) == len(live):
+            return live
+        roles = {s.spec.role for s in admitted}
+        return [s for s in live if s.spec.role not in roles or outliers.admits(s.spec.id, now)]
+
     def describe(self) -> list[dict[str, object]]:
+        now = self._clock()
         return [
             {
                 "id": s.spec.id,
@@ -377,6 +435,7 @@ class WorkerPool:
                 "waiting": s.load.waiting,
                 "kv_usage": s.load.kv_usage,
                 "max_model_len": dict(s.models) if s.models is not None else None,
+                "outlier": self._outliers.describe(s.spec.id, now),
             }
             for s in self._workers.values()
         ]

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import get_args
 
 from gateway.decision_client import GrpcDecisionClient
 from gateway.deps import Deps
@@ -29,7 +30,7 @@ from gateway.sessions import InMemorySessionStore, SessionStore
 from gateway.settings import Settings
 from gateway.slo import SloControl
 from gateway.stream_upstream import ProtocolStreamUpstream
-from gateway.types import Clock
+from gateway.types import Clock, Role
 from gateway.upstream import HttpUpstream
 from ppd.kv_events import DEFAULT_NONE_HASH_SEED, BlockHasher
 
@@ -69,6 +70,7 @@ async def running(
         heartbeat_expiry_s=settings.pool.heartbeat_expiry_s,
         clock=clock,
         max_registered=settings.pool.max_registered_workers,
+        outliers=settings.outliers,
     )
     qps = QpsMeter(
         window_s=settings.policy.qps_window_s, hysteresis=settings.policy.qps_hysteresis, clock=clock
@@ -96,6 +98,7 @@ async def running(
     )
     app_metrics.bind_sessions(store.__len__)
     app_metrics.bind_qps(qps.measured)
+    app_metrics.bind_ejected(get_args(Role), pool.ejected)
     # Load the served model's tokenizer now, not on the first request (it takes ~0.5 s).
     deps.tokenizers.encoding(settings.served_model)
     await decider.start()

@@ -4,7 +4,7 @@ Every setting has a default (an empty file is a valid config); unknown keys are 
 never silently does nothing. `gateway/README.md` documents each key with an example.
 Secrets (`admin_token`, `worker_api_key`) are `Secret` strings: their value is used as is, but their
 repr, and so any printed Settings (`ppd-gateway check-config`), shows `'<redacted>'`.
-It stays one module (about 470 lines): one loader reads and checks every section together, and a
+It stays one module (about 490 lines): one loader reads and checks every section together, and a
 newcomer finds every key of the gateway's file in one place.
 """
 
@@ -17,7 +17,9 @@ from pathlib import Path as FsPath
 from typing import Any, Literal
 
 from gateway.limits import LimitSettings
+from gateway.outliers import OutlierSettings
 from gateway.pool import WorkerSpec
+from gateway.retry_budget import RetryBudgetSettings
 from ppd.explore import ExploreSettings
 from ppd.modes import Mode, parse_mode
 from ppd.slo import SloSettings
@@ -28,8 +30,10 @@ __all__ = [
     "KvEventSettings",
     "LimitSettings",
     "LogSettings",
+    "OutlierSettings",
     "PolicySettings",
     "PoolSettings",
+    "RetryBudgetSettings",
     "RoutingSettings",
     "Secret",
     "SessionSettings",
@@ -310,6 +314,9 @@ class Settings:
     slo: SloConfig = field(default_factory=SloConfig)
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     kv_events: KvEventSettings = field(default_factory=KvEventSettings)
+    # Passive outlier detection (gateway/outliers.py) and the retry budget (gateway/retry_budget.py).
+    outliers: OutlierSettings = field(default_factory=OutlierSettings)
+    retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -336,6 +343,10 @@ class Settings:
             "slo": _slo_section(data.pop("slo", {})),
             "routing": RoutingSettings(**_section(RoutingSettings, data.pop("routing", {}), "routing")),
             "kv_events": KvEventSettings(**_section(KvEventSettings, data.pop("kv_events", {}), "kv_events")),
+            "outliers": OutlierSettings(**_section(OutlierSettings, data.pop("outliers", {}), "outliers")),
+            "retry_budget": RetryBudgetSettings(
+                **_section(RetryBudgetSettings, data.pop("retry_budget", {}), "retry_budget")
+            ),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -386,6 +397,11 @@ class Settings:
         if not (0 <= slo.base_w_ttft < float("inf") and 0 < slo.base_w_tpot < float("inf")):
             raise SettingsError("slo.base_w_ttft must be >= 0 and slo.base_w_tpot positive")
         self.kv_events.validate()
+        try:
+            self.outliers.validate()
+            self.retry_budget.validate()
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         if not 0.0 <= self.log.picker_observe_share <= 1.0:
             raise SettingsError("log.picker_observe_share must be between 0 and 1")
         limits = self.limits

@@ -2,6 +2,8 @@
 
 Fields (all optional in `POST /admin/faults`; a POST changes only the keys it names):
 - `error_rate` (0..1): share of generation requests answered with vLLM's HTTP 500 body.
+- `error_seed` (int >= 0, optional): a POST naming it restarts the error draws from this seed, so a
+  test sees the same failing requests whatever ran on the worker before.
 - `added_latency_ms` (>= 0): delay before a request to a model route is handled.
 - `down` (bool): the worker closes its port and drops open connections, like a crashed process;
   `down_for_s` (> 0, optional) reopens it after that many seconds.
@@ -33,9 +35,19 @@ def _number(raw: Mapping[str, Any], key: str, *, low: float, high: float = math.
     return float(value)
 
 
+def _count(raw: Mapping[str, Any], key: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ApiError(400, f"{key} must be an integer >= 0", param=key)
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Faults:
     error_rate: float = 0.0
+    error_seed: int | None = None
     added_latency_ms: float = 0.0
     down: bool = False
     down_for_s: float | None = None
@@ -54,6 +66,8 @@ class Faults:
             raise ValueError("lease_expiry_s must be >= 0")
         if self.down_for_s is not None and self.down_for_s <= 0:
             raise ValueError("down_for_s must be > 0")
+        if self.error_seed is not None and self.error_seed < 0:
+            raise ValueError("error_seed must be >= 0")
 
     def updated(self, raw: object) -> Faults:
         """These faults with the keys of a JSON object applied; `ApiError` 400 on anything invalid.
@@ -84,13 +98,10 @@ class Faults:
             value = _number(raw, key, low=low, high=high)
             if value is not None:
                 changes[key] = value
-        after = raw.get("down_after_requests")
-        if after is not None:
-            if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-                raise ApiError(
-                    400, "down_after_requests must be an integer >= 0", param="down_after_requests"
-                )
-            changes["down_after_requests"] = after
+        for key in ("error_seed", "down_after_requests"):
+            count = _count(raw, key)
+            if count is not None:
+                changes[key] = count
         return dataclasses.replace(self, **changes)
 
     def as_json(self) -> dict[str, Any]:

@@ -441,9 +441,12 @@ class Worker:
         return web.json_response(self.faults.as_json())
 
     async def _post_faults(self, request: web.Request) -> web.StreamResponse:
-        faults = self.faults.updated(await self._read_json(request))
+        raw = await self._read_json(request)
+        faults = self.faults.updated(raw)
         if faults.down_after_requests != self.faults.down_after_requests:
             self._generation_requests = 0
+        if faults.error_seed is not None and isinstance(raw, dict) and "error_seed" in raw:
+            self._fault_rng = random.Random(faults.error_seed)  # noqa: S311 - fault injection
         self.faults = faults
         logger.info("worker %s faults now %s", self.settings.worker_id, faults.as_json())
         response = web.json_response(faults.as_json())

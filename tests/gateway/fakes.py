@@ -228,7 +228,7 @@ def forwarder_on_fakes(
     metrics = GatewayMetrics()
     deps = Deps(
         settings=settings,
-        pool=WorkerPool(settings.workers, heartbeat_expiry_s=30.0, clock=clock),
+        pool=WorkerPool(settings.workers, heartbeat_expiry_s=30.0, clock=clock, outliers=settings.outliers),
         sessions=InMemorySessionStore(ttl_s=3600.0, max_entries=1000, clock=clock),
         tokenizers=Tokenizers(),
         qps=QpsMeter(window_s=10.0, hysteresis=0.1, clock=clock),

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from gateway.deps import Deps
-from gateway.errors import UpstreamStatusError
+from gateway.errors import UpstreamStatusError, UpstreamUnreachableError
 from gateway.forwarding import Forwarder
 from gateway.ports import ClientRequest, JsonReply
 from gateway.request_log import RequestLog
@@ -201,6 +201,46 @@ async def test_an_unreachable_decode_worker_is_replanned_once_without_it() -> No
         deps, "ppd_gateway_upstream_errors_total", worker="D0", role="decode", kind="unreachable"
     )
     assert errors == 1
+    assert _sample(deps, "ppd_gateway_retries_total", reason="decode_unreachable") == 1
+
+
+_NO_RETRIES = {"retry_budget": {"ratio": 0.0, "min_per_s": 0.0}}
+
+
+async def test_a_replan_past_the_retry_budget_is_the_unreachable_workers_error() -> None:
+    upstream = FakeUpstream(unreachable={"D0"})
+    forwarder, deps = forwarder_on_fakes(_config("local", **_NO_RETRIES), upstream=upstream)
+    with pytest.raises(UpstreamUnreachableError):
+        await forwarder.handle(_request(FIRST), FakeClient())
+    assert [c.worker for c in upstream.calls] == ["P0", "D0"]  # no re-plan
+    assert _sample(deps, "ppd_gateway_retry_budget_exhausted_total", reason="decode_unreachable") == 1
+    assert _sample(deps, "ppd_gateway_retries_total", reason="decode_unreachable") == 0
+
+
+async def test_a_local_prefill_past_the_retry_budget_is_ps_error() -> None:
+    upstream = FakeUpstream(failing={"P0"})
+    forwarder, deps = forwarder_on_fakes(_config("pd", **_NO_RETRIES), upstream=upstream)
+    with pytest.raises(UpstreamStatusError):
+        await forwarder.handle(_request(FIRST), FakeClient())
+    assert [c.worker for c in upstream.calls] == ["P0"]  # never sent to D
+    assert _sample(deps, "ppd_gateway_retry_budget_exhausted_total", reason="prefill_failed") == 1
+
+
+async def test_a_decode_worker_failing_every_request_is_ejected_and_the_other_serves() -> None:
+    upstream = FakeUpstream(failing={"D1"})
+    forwarder, deps = forwarder_on_fakes(_config("pd"), upstream=upstream)
+    served = []
+    for i in range(14):
+        client = FakeClient()
+        try:
+            await forwarder.handle(_request([{"role": "user", "content": f"q{i}"}]), client)
+            served.append(client.headers["X-PPD-Decode-Worker"])
+        except UpstreamStatusError:
+            served.append("error")
+    assert served.count("error") == 5  # D1 every other request until its 5th error in a row
+    assert served[-4:] == ["D0"] * 4
+    reason = "consecutive_errors"
+    assert _sample(deps, "ppd_gateway_worker_ejections_total", worker="D1", role="decode", reason=reason) == 1
 
 
 async def test_a_sessions_unreachable_decode_worker_is_gone_for_the_replan() -> None:

@@ -87,6 +87,19 @@ async def test_error_rate(group: WorkerGroup) -> None:
     assert (await complete(url))[0] == 200
 
 
+async def test_error_seed_restarts_the_error_draws(group: WorkerGroup) -> None:
+    url = group.worker("D0").url
+    runs = []
+    for _ in range(2):
+        await set_faults(url, {"error_rate": 0.5, "error_seed": 11})
+        runs.append([(await complete(url))[0] for _ in range(16)])
+    assert runs[0] == runs[1]
+    assert set(runs[0]) == {200, 500}
+    async with fresh() as http, http.post(f"{url}/admin/faults", json={"error_seed": -1}) as r:
+        assert r.status == 400
+        assert "error_seed" in (await r.json())["error"]["message"]
+
+
 async def test_added_latency(group: WorkerGroup) -> None:
     url = group.worker("D0").url
     await set_faults(url, {"added_latency_ms": 150})
