@@ -41,7 +41,7 @@ RULES = PROMETHEUS / "rules.yaml"
 RULE_CASES = PROMETHEUS / "rules.test.yaml"
 SCRAPE_CONFIG = PROMETHEUS / "prometheus.yml"
 TABLES = REPO / "tables" / "example"
-OPERATE = REPO / "docs" / "guides" / "operate.md"
+OPERATE = REPO / "docs/guides/operate.md"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 #: Grafana's interval variables, as a query over the last few minutes sees them.
