@@ -1,8 +1,10 @@
 """The Grafana dashboard and the Prometheus rules of deploy/ (deploy/grafana, deploy/prometheus).
 
-Without a server: the dashboard's shape (its datasource a template variable) and that every metric a
-panel or a rule names is one our services export. With Debian's `promtool`: the rules and the scrape
-config pass its checks, and the alert cases of `rules.test.yaml` pass (and fail on a weakened rule).
+Without a server: the dashboard's shape (its datasource a template variable), that every metric a
+panel or a rule names is one our services export, and every label it groups by, matches or shows in a
+legend one those metrics carry (a wrong label still returns data, one unlabelled series). With
+Debian's `promtool`: the rules and the scrape config pass its checks, and the alert cases of
+`rules.test.yaml` pass (and fail on a weakened rule).
 With a real `prometheus`: it moves to another port when its port was taken; and on the local stack
 (`ppd-up` with KV events and the SLO controller on) under a few streamed conversations, every panel's
 query returns data and every rule evaluates without error.
@@ -49,6 +51,10 @@ GRAFANA_INTERVALS = re.compile(
     r"\$(__rate_interval|__interval|__range)\b|\$\{(__rate_interval|__interval|__range)\}"
 )
 METRIC = re.compile(r"\b(ppd_[a-z0-9_]+)")
+BY = re.compile(r"\bby \(([^)]*)\)")
+SELECTOR = re.compile(r"\{([^{}]*)\}")
+MATCHER = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
+LEGEND = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 
 
 def _dashboard() -> dict[str, Any]:
@@ -81,17 +87,17 @@ def _alerts() -> list[dict[str, Any]]:
     return [rule for rule in _rules() if "alert" in rule]
 
 
-def _exported() -> set[str]:
-    """Every sample name our services' registries export (counters with _total, histograms' parts)."""
-    names: set[str] = set()
+def _exported() -> dict[str, set[str]]:
+    """Every sample name our services' registries export (counters with _total, histograms' parts),
+    with its label names (as tools/docs/refgen/metrics.py reads them for docs/reference/metrics.md)."""
+    names: dict[str, set[str]] = {}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
     for registry in (GatewayMetrics().registry, DecisionMetrics().registry):
-        for family in registry.collect():
-            suffixes = {
-                "counter": ("_total",),
-                "histogram": ("_bucket", "_sum", "_count"),
-                "info": ("_info",),
-            }.get(family.type, ("",))
-            names |= {family.name + suffix for suffix in suffixes}
+        for collector in registry._collector_to_names:
+            name, kind = str(getattr(collector, "_name", "")), str(getattr(collector, "_type", ""))
+            labels = set(getattr(collector, "_labelnames", ()))
+            for suffix in suffixes.get(kind, ("",)):
+                names[name + suffix] = labels | ({"le"} if suffix == "_bucket" else set())
     return names
 
 
@@ -120,9 +126,7 @@ def test_every_metric_the_dashboard_and_the_rules_name_is_one_our_services_expor
     queries = [t["expr"] for p in _panels() for t in p["targets"]] + [r["expr"] for r in _rules()]
     named = {name for expr in queries for name in METRIC.findall(expr)}
     assert named, "no metric found in the queries"
-    assert named <= exported, (
-        f"not exported by the gateway or the decision service: {sorted(named - exported)}"
-    )
+    assert named <= exported.keys(), f"not exported by our services: {sorted(named - exported.keys())}"
     # The sections the dashboard promises operators.
     for needed in (
         "ppd_gateway_decisions_total", "ppd_gateway_time_to_first_token_seconds_bucket",
@@ -131,6 +135,18 @@ def test_every_metric_the_dashboard_and_the_rules_name_is_one_our_services_expor
         "ppd_gateway_decision_fallbacks_total", "ppd_decisions_total", "ppd_gateway_workers",
     ):  # fmt: skip
         assert needed in named, f"the dashboard shows nothing of {needed}"
+
+
+def test_every_label_a_query_groups_by_matches_or_shows_is_one_its_metrics_carry() -> None:
+    exported = _exported()
+    queries = [(t["expr"], t["legendFormat"]) for p in _panels() for t in p["targets"]]
+    queries += [(r["expr"], "") for r in _rules()]
+    for expr, legend in queries:
+        carried = {"instance", "job"}.union(*(exported[name] for name in METRIC.findall(expr)))
+        used = {label.strip() for group in BY.findall(expr) for label in group.split(",")}
+        used |= {m for selector in SELECTOR.findall(expr) for m in MATCHER.findall(selector)}
+        used |= set(LEGEND.findall(legend))
+        assert used <= carried, f"{expr!r} names labels its metrics do not carry: {sorted(used - carried)}"
 
 
 def test_every_alert_has_a_summary_a_description_a_firing_case_and_a_runbook_entry() -> None:
