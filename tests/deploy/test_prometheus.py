@@ -213,8 +213,10 @@ def test_the_alert_cases_fail_when_a_rule_no_longer_fires(tmp_path: Path) -> Non
 # --- a real Prometheus ------------------------------------------------------------------------------
 
 
-def _scrape_config(folder: Path, gateway: str, decision_metrics: str, interval: str = "1s") -> Path:
-    """The shipped scrape config with these targets, scraping and evaluating every `interval`."""
+def _scrape_config(folder: Path, gateway: str, decision_metrics: str, interval: str = "2s") -> Path:
+    """The shipped scrape config with these targets, scraping and evaluating every `interval` (also
+    each scrape's timeout: a busy 2-core machine can take over a second to answer one, and a failed
+    scrape makes every gauge of that target stale, gone from instant queries until the next one)."""
     config = yaml.safe_load(SCRAPE_CONFIG.read_text(encoding="utf-8"))
     config["global"] = {"scrape_interval": interval, "evaluation_interval": interval}
     config["rule_files"] = [str(RULES)]
@@ -361,6 +363,13 @@ async def test_every_dashboard_panel_has_data_from_the_local_stack_under_load(tm
                     wait_until, lambda: not missing(), deadline_s=60, what="data", poll_s=1.0
                 )
             except AssertionError:
-                pytest.fail("panels without data or rules unhealthy after 60 s:\n" + "\n".join(missing()))
+                scrapes = [f"{t['scrapeUrl']}: {t['health']} {t['lastError']}" for t in server.targets()]
+                pytest.fail(
+                    "panels without data or rules unhealthy after 60 s:\n"
+                    + "\n".join(missing())
+                    + "\nscrapes:\n"
+                    + "\n".join(scrapes)
+                    + f"\nprometheus' log:\n{server.log_tail()}"
+                )
         finally:
             await asyncio.to_thread(server.close)
