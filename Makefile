@@ -3,7 +3,8 @@
 #   make test   lint + type check + import contracts + real vLLM prepared + the whole test suite
 # Both create .venv and install what they need; nothing is installed by hand (`make redis` installs
 # Debian's redis-server when it is missing: the shared session store of `ppd-up --gateways N` and its
-# tests). `make vllm` prepares real vLLM on this CPU in its own venv (cached under
+# tests; `make prometheus` Debian's prometheus and promtool, which the tests of deploy/prometheus and
+# deploy/grafana run). `make vllm` prepares real vLLM on this CPU in its own venv (cached under
 # ~/.cache/ppd-router, keyed by versions).
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv run test lint typecheck vllm unit proto clean redis table-vllm-cpu docs chromium docs-screenshots
+.PHONY: venv run test lint typecheck vllm unit proto clean redis prometheus table-vllm-cpu docs chromium docs-screenshots
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +33,16 @@ redis:
 	  $$SUDO apt-get update -qq && \
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server; }
 
+# Debian's prometheus (with promtool), only when missing, as `make redis`: tests/deploy/test_prometheus.py
+# checks deploy/prometheus's rules and alert cases with promtool and scrapes the local stack with a real
+# Prometheus to check every panel of deploy/grafana. The package's own service is not started in
+# containers (policy-rc.d); the tests start their own.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -44,7 +55,7 @@ typecheck: $(STAMP)
 vllm: $(STAMP)
 	$(BIN)/ppd-vllm prepare
 
-test: lint typecheck vllm redis
+test: lint typecheck vllm redis prometheus
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The shipped real-vLLM table (tables/vllm-cpu/1P1D__tiny-llama-cpu.ppdt, its own folder so that the

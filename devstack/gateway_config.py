@@ -3,17 +3,39 @@ decision service's port, the KV event endpoints) and its own settings."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from devstack.settings import KV_BLOCK_TOKENS, StackSettings
 
-__all__ = ["gateway_config"]
+__all__ = ["add_slo_argument", "gateway_config"]
 
 
 def _toml_str(value: str) -> str:
     return json.dumps(value)  # a JSON string of printable text is a valid TOML basic string
+
+
+def add_slo_argument(parser: argparse.ArgumentParser) -> None:
+    """ppd-up's flag for the gateway's [slo] section (StackSettings.slo_ttft_p99_ms)."""
+    parser.add_argument(
+        "--slo-ttft-p99-ms",
+        type=_milliseconds,
+        default=None,
+        help="turn the gateway's SLO controller on ([slo] ttft_p99_ms): it lowers w_tpot while the P99 of "
+        "Turn 2+ time to first token is above this many milliseconds (default off)",
+    )
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of milliseconds, not {text}")
+    return value
 
 
 def gateway_config(
@@ -45,6 +67,8 @@ def gateway_config(
         lines += ["", "[sessions]", f"redis_url = {_toml_str(redis_url)}"]
     if settings.bidir:
         lines += ["", "[routing]", "bidir = true"]
+    if settings.slo_ttft_p99_ms is not None:
+        lines += ["", "[slo]", f"ttft_p99_ms = {settings.slo_ttft_p99_ms!r}"]
     for worker in workers:
         if not isinstance(worker, dict) or not all(
             isinstance(worker.get(k), str) for k in ("id", "role", "url")

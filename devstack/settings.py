@@ -44,3 +44,5 @@ class StackSettings:
     # With data_plane "envoy": "closed" (no picker, a 500 from Envoy) or "open" (no picker: the body
     # unchanged to a decode worker, which prefills it locally); devstack/data_plane.py rule 3.
     picker_failure_mode: str = "closed"
+    # The gateway's SLO controller ([slo] ttft_p99_ms), milliseconds; None: off (no [slo] section).
+    slo_ttft_p99_ms: float | None = None

@@ -15,7 +15,8 @@ Starts, in order, each through its command-line contract (one JSON ready line on
 
 ``--kv-events`` has every worker publish vLLM's KV cache events and the gateway follow them
 (``[kv_events]``, endpoints from the cluster's ready line); ``--bidir`` runs every worker in vLLM's
-bidirectional KV mode and lets the gateway serve the bidir path (``[routing] bidir``).
+bidirectional KV mode and lets the gateway serve the bidir path (``[routing] bidir``);
+``--slo-ttft-p99-ms`` turns the gateway's SLO controller on (``[slo]``).
 
 Then prints one JSON line (the URLs, for scripts and tests) and a human banner with copy-paste
 ``curl`` and ``openai`` examples, and runs until Ctrl-C/SIGTERM or until a child dies; either way
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from devstack.data_plane import add_data_plane_arguments, check_addressed_by_ip, start_picker_and_envoy
-from devstack.gateway_config import gateway_config
+from devstack.gateway_config import add_slo_argument, gateway_config
 from devstack.replicas import answers_ping, envoy_argv, poll, redis_argv, start_envoy
 from devstack.settings import DEFAULT_MODEL, ENGINES, KV_BLOCK_TOKENS, StackSettings
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
@@ -379,6 +380,7 @@ def _parser() -> argparse.ArgumentParser:
         help="every worker runs vLLM's bidirectional KV mode and the gateway may serve the bidir path "
         "([routing] bidir), where the table has bidir figures (the shipped H100 tables do)",
     )
+    add_slo_argument(parser)
     add_data_plane_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
@@ -420,6 +422,7 @@ def parse_settings(
         bidir=args.bidir,
         data_plane=args.data_plane,
         picker_failure_mode=args.picker_failure_mode,
+        slo_ttft_p99_ms=args.slo_ttft_p99_ms,
     ), str(args.log_level)
 
 

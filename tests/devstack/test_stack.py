@@ -340,6 +340,37 @@ def test_bidir_makes_every_worker_bidirectional_and_lets_the_gateway_serve_it(en
     assert "--bidir-workers" not in StackCommands.real().cluster(plain)
 
 
+def test_slo_ttft_p99_ms_turns_the_gateways_slo_controller_on() -> None:
+    import tomllib
+
+    from gateway.settings import Settings
+
+    settings = parse_settings(["--slo-ttft-p99-ms", "750"], {})[0]
+    config = tomllib.loads(gateway_config(settings, CLUSTER, {"grpc": 7001}))
+    assert config["slo"] == {"ttft_p99_ms": 750.0}
+    assert Settings.from_mapping(config).slo.controller.enabled  # the gateway accepts what ppd-up writes
+    off = tomllib.loads(gateway_config(parse_settings([], {})[0], CLUSTER, {"grpc": 7001}))
+    assert "slo" not in off
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ("0", "must be a positive number of milliseconds, not 0"),
+        ("-5", "must be a positive number of milliseconds, not -5"),
+        ("inf", "must be a positive number of milliseconds, not inf"),
+        ("fast", "not a number of milliseconds: 'fast'"),
+    ],
+)
+def test_ppd_up_refuses_an_slo_target_that_is_not_a_positive_time(
+    value: str, refusal: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(["--slo-ttft-p99-ms", value], {})
+    assert exc.value.code == 2
+    assert refusal in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "refusal"),
     [
