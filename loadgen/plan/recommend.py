@@ -15,16 +15,19 @@ Rule 3 (weights): a config's score at a QPS level is the paper's S against a bas
         (default 95%, the paper's line for service degradation) cannot win that level.
 Rule 4 (SLO targets): a config's score at a level is its SLO attainment; the highest wins, a tie goes to
         the lower mean TTFT. Failures count against attainment, so ``min_success`` does not apply.
-Rule 5: the winner at a level is the eligible config with the highest score (ties: the config listed
-        first); when none is eligible, the one with the highest success rate, flagged. The overall winner
-        is, among the configs eligible at the most levels, the one with the highest mean score over the
-        levels (ties: the one that wins more levels, then the one listed first); it is the recommendation.
+Rule 5: the winner at a level is the eligible config with the highest score; when none is eligible,
+        the one with the highest success rate, flagged. The overall winner is, among the configs eligible
+        at the most levels, the one with the highest mean score over the levels (then the one that wins
+        more levels); it is the recommendation. Ties go to ``ppd`` (it ties a static mode where its
+        table routes every request that way, and adapts where the traffic moves), then to the config
+        listed first.
 Rule 6 (the paper's Table 2): per (workload, QPS) cell, the winner of each objective (lowest Turn 2+
         TTFT, lowest TPOT, highest output tokens/s) among the configs that reach ``min_success`` there
         (all configs when none does); the share of cells each mode category wins (replica, x=0 = pd,
-        0<x<1 = fraction:<x>, x=1 = local, and ppd on its own row). Configs that tie exactly (within
-        1e-9, relative: the simulator repeats itself where two modes route every request alike) share
-        the cell's win equally, so no listing order decides a tie.
+        0<x<1 = fraction:<x>, x=1 = local, and ppd on its own row). Configs that tie share the cell's
+        win equally, so no listing order decides a tie: by default exact ties (within 1e-9, relative:
+        the simulator repeats itself where two modes route every request alike); ``tie_within`` widens
+        that to a relative margin (the report's sensitivity row: 1%, below the noise of a 10 s run).
 Rule 7 (the paper's Table 1): per shape and QPS band, the mean over the band's (workload, QPS) cells of
         Turn 2+ TTFT local / pd - 1.
 """
@@ -248,7 +251,7 @@ def _level(
         ttft = by_config[c].ttft_ms
         return (-(s if s is not None else -math.inf), ttft if obj.uses_slo and ttft is not None else 0.0)
 
-    ranked.sort(key=lambda c: (*key(c), order.index(c)))
+    ranked.sort(key=lambda c: (*key(c), c.mode != "ppd", order.index(c)))
     if ranked:
         best = ranked[0]
         second = ranked[1] if len(ranked) > 1 else None
@@ -283,7 +286,7 @@ def recommend(
         mean = _mean(values)
         return len(ok), -math.inf if mean is None else mean, wins[c]
 
-    best = max(order, key=lambda c: (*standing(c), -order.index(c)))
+    best = max(order, key=lambda c: (*standing(c), c.mode == "ppd", -order.index(c)))
     count, mean_score, _ = standing(best)
     return Recommendation(
         objective=objective,
@@ -301,6 +304,7 @@ def winner_shares(
     min_success: float,
     *,
     with_ppd: bool,
+    tie_within: float = 1e-9,
 ) -> dict[str, dict[str, float]]:
     """Rule 6: objective (``ttft``, ``tpot``, ``throughput``) -> category -> share of cells won."""
     objectives = {
@@ -320,7 +324,7 @@ def winner_shares(
                 continue
             counted += 1
             best = max(values.values()) if higher else min(values.values())
-            tied = [c for c, v in values.items() if math.isclose(v, best, rel_tol=1e-9)]
+            tied = [c for c, v in values.items() if abs(v - best) <= tie_within * abs(best)]
             for c in tied:
                 won[category(c.mode)] += 1.0 / len(tied)
         out[name] = {k: (v / counted if counted else 0.0) for k, v in won.items()}

@@ -169,3 +169,20 @@ def test_an_exact_tie_shares_the_cells_win_instead_of_going_to_the_first_listed(
     shares = winner_shares(cells, 0.95, with_ppd=False)
     for cat in ("Replica", "x=0 (pd)", "x=1 (local)"):
         assert shares["tpot"][cat] == pytest.approx(1 / 3)
+
+
+def test_a_near_tie_shares_the_win_only_when_asked() -> None:
+    cells = {
+        ("a", 1.0): {Config("1P3D", "pd"): _fig(100.0, 10.0), Config("4R", "replica"): _fig(100.0, 9.95)}
+    }
+    exact = winner_shares(cells, 0.95, with_ppd=False)
+    assert (exact["tpot"]["Replica"], exact["tpot"]["x=0 (pd)"]) == (1.0, 0.0)
+    near = winner_shares(cells, 0.95, with_ppd=False, tie_within=0.01)
+    assert (near["tpot"]["Replica"], near["tpot"]["x=0 (pd)"]) == (0.5, 0.5)
+
+
+def test_a_tie_with_a_static_mode_goes_to_ppd() -> None:
+    ppd = Config("1P3D", "ppd")
+    table = _table(q1={PD: _fig(200.0, 10.0), LOCAL: _fig(100.0, 10.0), ppd: _fig(100.0, 10.0)})
+    rec = recommend(table, PD, Objective())
+    assert (rec.levels[0].winner, rec.levels[0].runner_up, rec.overall) == (ppd, LOCAL, ppd)
