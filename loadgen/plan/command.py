@@ -131,7 +131,10 @@ def _usage(message: str) -> int:
 
 def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     del environ
-    mix = args.workloads if args.workloads is not None else ((SHAREGPT_WORKLOAD, 1.0),)
+    if args.workloads is not None:
+        mix = args.workloads
+    else:  # the request log alone when one is given, else ShareGPT
+        mix = () if args.request_log is not None else ((SHAREGPT_WORKLOAD, 1.0),)
     components = [
         component(name, weight, seed=args.seed, conversations=args.sharegpt_conversations)
         for name, weight in mix
@@ -200,7 +203,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="the mix: comma list of NAME[=SHARE], NAME a synthetic workload (e.g. large_mid_paste), "
         f"'all' (the paper's 18), 'huge' (the nine huge-context ones) or '{SHAREGPT_WORKLOAD}'; shares "
-        f"default to 1 and are normalised (default {SHAREGPT_WORKLOAD})",
+        f"default to 1 and are normalised (default {SHAREGPT_WORKLOAD}, or only --request-log when given)",
     )
     parser.add_argument(
         "--request-log",

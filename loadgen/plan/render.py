@@ -274,11 +274,22 @@ def _draw(combined: Mapping[Config, Mapping[float, Figures]], rec: Recommendatio
         ("success", "success rate"),
     )
 
+    shapes = sorted({c.shape for c in combined})
+    modes = list(dict.fromkeys(c.mode for c in combined))
+    dashes = ("-", "--", ":", "-.")
+
+    def style(c: Config) -> dict[str, Any]:
+        """One colour per shape, one line style per mode."""
+        return {
+            "color": f"C{shapes.index(c.shape) % 10}",
+            "linestyle": dashes[modes.index(c.mode) % len(dashes)],
+        }
+
     def figures_axes(axes: Any) -> None:
         for ax, (name, title) in zip(axes, panels, strict=True):
             for c, per in combined.items():
                 qs = sorted(q for q in per if getattr(per[q], name) is not None)
-                ax.plot(qs, [getattr(per[q], name) for q in qs], marker="o", ms=3, label=c.label)
+                ax.plot(qs, [getattr(per[q], name) for q in qs], marker="o", ms=3, label=c.label, **style(c))
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("QPS")
         axes[0].legend(fontsize=6)
@@ -287,7 +298,7 @@ def _draw(combined: Mapping[Config, Mapping[float, Figures]], rec: Recommendatio
         ax = axes[0]
         for c, per in rec.scores.items():
             qs = sorted(q for q, s in per.items() if s is not None)
-            ax.plot(qs, [per[q] for q in qs], marker="o", ms=3, label=c.label)
+            ax.plot(qs, [per[q] for q in qs], marker="o", ms=3, label=c.label, **style(c))
         ax.set_xlabel("QPS")
         ax.set_ylabel("SLO attainment" if rec.objective.uses_slo else "S against the baseline")
         ax.legend(fontsize=6)

@@ -86,6 +86,9 @@ def test_a_request_log_joins_the_mix_as_its_conversations_turn_sizes(tmp_path: P
     argv = ["plan", "--gpus", "2", "--workloads", "small_tiny", "--request-log", str(log), "--qps", "2"]
     assert main([*argv, "--duration", "2", "--jobs", "1", "--no-progress", "--out", str(out)]) == 0
     assert "request-log 50%" in (out / "report.md").read_text()
+    alone = ["plan", "--gpus", "2", "--request-log", str(log), "--qps", "2", "--duration", "2"]
+    assert main([*alone, "--jobs", "1", "--no-progress", "--out", str(tmp_path / "alone")]) == 0
+    assert "mix request-log 100%;" in (tmp_path / "alone" / "report.md").read_text()
 
 
 @pytest.mark.parametrize(
