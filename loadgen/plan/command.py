@@ -22,7 +22,7 @@ from typing import Final
 from loadgen.arguments import at_least, names, positive, positive_list, share
 from loadgen.plan.recommend import Config, Objective, recommend
 from loadgen.plan.render import write_report
-from loadgen.plan.runner import Component, PlanSettings, component, log_component, run_plan, splits
+from loadgen.plan.runner import Component, PlanSettings, component, log_component, make_plan, run_plan
 from loadgen.report.reproduce import PAPER_QPS
 from loadgen.sharegpt import SHAREGPT_WORKLOAD
 from ppd.catalog import select_workloads
@@ -148,13 +148,6 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         slo_tpot_ms=args.slo_tpot_ms,
         min_success=args.min_success,
     )
-    baseline = args.baseline or Config(f"{args.gpus // 2}P{args.gpus - args.gpus // 2}D", "pd")
-    shapes = splits(args.gpus, replica=args.replica)
-    if baseline.shape not in shapes or (baseline.mode != "replica") == baseline.shape.endswith("R"):
-        return _usage(f"--baseline {baseline.shape}:{baseline.mode} is not one of the configs run "
-                      f"(shapes {', '.join(shapes)})")  # fmt: skip
-    if not baseline.shape.endswith("R") and baseline.mode not in args.modes:
-        return _usage(f"--baseline mode {baseline.mode} is not in --modes {','.join(args.modes)}")
     settings = PlanSettings(
         gpus=args.gpus,
         components=tuple(components),
@@ -169,8 +162,13 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         profile=args.profile,
         model=args.model,
     )
+    plan = make_plan(settings)
+    baseline = args.baseline or Config(f"{args.gpus // 2}P{args.gpus - args.gpus // 2}D", "pd")
+    if baseline not in plan.configs:
+        run = ", ".join(f"{c.shape}:{c.mode}" for c in plan.configs)
+        return _usage(f"--baseline {baseline.shape}:{baseline.mode} is not one of the configs run ({run})")
     started = time.perf_counter()
-    runs = run_plan(settings, progress=not args.no_progress)
+    runs = run_plan(settings, plan, progress=not args.no_progress)
     shares = {c.name: c.share for c in settings.components}
     combined = runs.combined(shares)
     rec = recommend(combined, baseline, objective)

@@ -12,7 +12,9 @@ Rule 3 (weights): a config's score at a QPS level is the paper's S against a bas
         same level, on relative deltas: S = w_ttft * (TTFT_base - TTFT) / TTFT_base - w_tpot *
         (TPOT - TPOT_base) / TPOT_base, TTFT the mean over all turns (a shape changes Turn 1 too), TPOT
         the mean over all turns. The baseline scores 0; higher is better. A config below ``min_success``
-        (default 95%, the paper's line for service degradation) cannot win that level.
+        (default 95%, the paper's line for service degradation) cannot win that level. Where the
+        baseline completed nothing at a level, that level's scores are against the first config (in the
+        order given) that has figures there.
 Rule 4 (SLO targets): a config's score at a level is its SLO attainment; the highest wins, a tie goes to
         the lower mean TTFT. Failures count against attainment, so ``min_success`` does not apply.
 Rule 5: the winner at a level is the eligible config with the highest score; when none is eligible,

@@ -36,10 +36,12 @@ from table_builder.records import Record
 __all__ = [
     "REQUEST_LOG_WORKLOAD",
     "Component",
+    "Plan",
     "PlanRuns",
     "PlanSettings",
     "component",
     "log_component",
+    "make_plan",
     "run_plan",
     "splits",
 ]
@@ -168,17 +170,30 @@ def _run(task: _Task) -> Figures:
     return figures(records, s.objective)
 
 
-def _configs(settings: PlanSettings, tables: Mapping[str, Path | None]) -> tuple[list[Config], list[str]]:
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What will run (rule 1): the configs in order, the table each shape's ppd routes with, the notes."""
+
+    configs: tuple[Config, ...]
+    tables: Mapping[str, Path | None]
+    notes: tuple[str, ...]
+
+
+def make_plan(settings: PlanSettings) -> Plan:
+    """Rule 1: the configs of ``settings`` (tables looked up once, for ``ppd``)."""
+    shapes = splits(settings.gpus, replica=settings.replica)
+    tables = (
+        {s: find_table(settings.tables, s, settings.model) for s in shapes if not s.endswith("R")}
+        if "ppd" in settings.modes
+        else {}
+    )
     configs: list[Config] = []
     notes: list[str] = []
-    for shape in splits(settings.gpus, replica=settings.replica):
+    for shape in shapes:
         if shape.endswith("R"):
             configs.append(Config(shape, "replica"))
             continue
-        for mode in settings.modes:
-            if mode == "ppd" and tables.get(shape) is None:
-                continue
-            configs.append(Config(shape, mode))
+        configs += [Config(shape, m) for m in settings.modes if m != "ppd" or tables.get(shape) is not None]
         if "ppd" in settings.modes:
             path = tables.get(shape)
             notes.append(
@@ -187,20 +202,14 @@ def _configs(settings: PlanSettings, tables: Mapping[str, Path | None]) -> tuple
                 else f"{shape}: no table for {shape}/{settings.model} in {settings.tables}, "
                 "so pd and local only."
             )
-    return configs, notes
+    return Plan(configs=tuple(configs), tables=tables, notes=tuple(notes))
 
 
-def run_plan(settings: PlanSettings, *, progress: bool = False) -> PlanRuns:
-    """Every run of the plan (rule 3), in ``settings.jobs`` processes with a progress bar."""
+def run_plan(settings: PlanSettings, plan: Plan, *, progress: bool = False) -> PlanRuns:
+    """Every run of ``plan`` (rule 3), in ``settings.jobs`` processes with a progress bar."""
     from tqdm import tqdm
 
-    shapes = [s for s in splits(settings.gpus, replica=settings.replica) if not s.endswith("R")]
-    tables = (
-        {shape: find_table(settings.tables, shape, settings.model) for shape in shapes}
-        if "ppd" in settings.modes
-        else {}
-    )
-    configs, notes = _configs(settings, tables)
+    tables, configs = plan.tables, plan.configs
     tasks = [
         _Task(comp, c, q, tables.get(c.shape) if c.mode == "ppd" else None, settings)
         for comp in settings.components
@@ -220,4 +229,4 @@ def run_plan(settings: PlanSettings, *, progress: bool = False) -> PlanRuns:
                 for task, fig in zip(tasks, pool.map(_run, tasks, chunksize=chunk), strict=True):
                     cells.setdefault((task.component.name, task.qps), {})[task.config] = fig
                     bar.update(1)
-    return PlanRuns(cells=cells, configs=tuple(configs), notes=tuple(notes), runs=len(tasks))
+    return PlanRuns(cells=cells, configs=configs, notes=plan.notes, runs=len(tasks))

@@ -134,7 +134,10 @@ def test_a_request_log_that_is_not_ours_or_has_no_conversation_is_a_usage_error(
 
 def test_a_baseline_that_is_not_run_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--gpus", "2", "--baseline", "2P2D:pd", "--out", str(tmp_path), *TINY]) == 2
-    assert "--baseline 2P2D:pd is not one of the configs run (shapes 1P1D)" in capsys.readouterr().err
+    assert "--baseline 2P2D:pd is not one of the configs run (1P1D:pd, 1P1D:local)" in capsys.readouterr().err
+    # 1P1D has no shipped table, so it runs no ppd to score against.
+    assert main(["plan", "--gpus", "2", "--baseline", "1P1D:ppd", "--out", str(tmp_path), *TINY]) == 2
+    assert "--baseline 1P1D:ppd is not one of the configs run" in capsys.readouterr().err
 
 
 def test_splits_have_at_least_one_of_each() -> None:

@@ -186,3 +186,14 @@ def test_a_tie_with_a_static_mode_goes_to_ppd() -> None:
     table = _table(q1={PD: _fig(200.0, 10.0), LOCAL: _fig(100.0, 10.0), ppd: _fig(100.0, 10.0)})
     rec = recommend(table, PD, Objective())
     assert (rec.levels[0].winner, rec.levels[0].runner_up, rec.overall) == (ppd, LOCAL, ppd)
+
+
+def test_a_level_where_the_baseline_completed_nothing_scores_against_the_first_config_with_figures() -> None:
+    dead = Figures(sent=10, success=0.0, ttft1_ms=None, ttft2_ms=None, ttft_ms=None, tpot_ms=None,
+                   tpot2_ms=None, tokens_per_s=None)  # fmt: skip
+    table = {LOCAL: {20.0: _fig(100.0, 10.0)}, PD: {20.0: dead}, FAST_TTFT: {20.0: _fig(50.0, 10.0)}}
+    rec = recommend(table, PD, Objective())
+    assert rec.scores[LOCAL][20.0] == 0.0
+    assert rec.scores[FAST_TTFT][20.0] == pytest.approx(0.5)
+    assert rec.scores[PD][20.0] is None
+    assert rec.levels[0].winner == FAST_TTFT
