@@ -145,3 +145,12 @@ def test_splits_have_at_least_one_of_each() -> None:
     assert splits(3, replica=True) == ["1P2D", "2P1D", "3R"]
     with pytest.raises(ValueError, match="at least one prefill and one decode"):
         splits(1)
+
+
+def test_plan_has_help_that_names_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["plan", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--gpus", "--workloads", "--request-log", "--qps", "--w-tpot", "--slo-ttft-ms", "--jobs"):
+        assert flag in text
