@@ -4,6 +4,7 @@
     ppd-bench report --records DIR --out DIR
     ppd-bench drift --out DIR        (stale table vs closed loop vs oracle across a drift, simulated)
     ppd-bench slo --out DIR          (fixed weights vs the SLO controller on a load ramp, simulated)
+    ppd-bench plan --gpus 4 --out DIR (which P:D split and mode for N GPUs, simulated)
 
 Only this module reads argv and the environment (``OPENAI_API_KEY``).
 """
@@ -109,6 +110,12 @@ def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     sim_vs_real.add_parser(sub)
 
 
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from loadgen.plan import command as plan
+
+    plan.add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ppd-bench", description=__doc__.splitlines()[0] if __doc__ else None
@@ -117,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     _add_report(sub)
+    _add_plan(sub)
     return parser
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "find_table",
     "prefill_heavy_lists",
     "reproduce",
+    "simulate_run",
 ]
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,43 @@ def _plan(settings: ReproduceSettings, tables: dict[str, Path | None]) -> list[_
 def _simulate(
     run: _Run, settings: ReproduceSettings, lists: Sequence[Sequence[tuple[int, int]]]
 ) -> list[Record]:
+    return simulate_run(
+        lists,
+        shape=run.shape,
+        mode=run.mode,
+        qps=run.qps,
+        duration_s=run.duration_s,
+        workload=run.workload or settings.workload,
+        seed=settings.seed,
+        run_id=run.run_id,
+        profile=settings.profile,
+        model=settings.model,
+        table=run.table,
+        weights=None if run.w_tpot is None else (1.0, run.w_tpot),
+        link=run.link,
+    )
+
+
+def simulate_run(
+    lists: Sequence[Sequence[tuple[int, int]]],
+    *,
+    shape: str,
+    mode: str,
+    qps: float,
+    duration_s: float,
+    workload: str,
+    seed: int,
+    run_id: str,
+    profile: str,
+    model: str,
+    table: Path | None = None,
+    weights: tuple[float, float] | None = None,
+    link: str = "nvlink",
+) -> list[Record]:
+    """One run on the virtual-time cluster: Poisson arrivals of conversations with the given turn lists
+    (cycled), ``shape`` in ``mode`` (``ppd`` routed by ``table`` with ``weights`` = (w_ttft, w_tpot), the
+    table's own weights when None), the records it produced. The one simulation driver of the reports
+    (``ppd-bench report --run``, ``ppd-bench plan``)."""
     from decision_service.table import Weights
     from simulator.core.cluster import ClusterConfig, simulate
     from simulator.core.profile import load_profile
@@ -215,22 +253,19 @@ def _simulate(
     from simulator.core.topology import Topology
     from simulator.core.workload import turn_list_conversations
 
-    conversations = turn_list_conversations(
-        lists, run.qps, run.duration_s, workload=run.workload or settings.workload, seed=settings.seed
-    )
+    conversations = turn_list_conversations(lists, qps, duration_s, workload=workload, seed=seed)
     router = None
-    if run.mode == "ppd" and run.table is not None:
-        weights = None if run.w_tpot is None else Weights(w_ttft=1.0, w_tpot=run.w_tpot)
-        router = TableRouter.open(str(run.table), weights)
+    if mode == "ppd" and table is not None:
+        router = TableRouter.open(str(table), None if weights is None else Weights(*weights))
     config = ClusterConfig(
-        topology=Topology.parse(run.shape),
-        mode=run.mode,
-        link=run.link,
-        target_qps=run.qps,
-        run_id=run.run_id,
-        model=settings.model,
+        topology=Topology.parse(shape),
+        mode=mode,
+        link=link,
+        target_qps=qps,
+        run_id=run_id,
+        model=model,
     )
-    result = simulate(load_profile(settings.profile), config, conversations, router)
+    result = simulate(load_profile(profile), config, conversations, router)
     return [Record.from_dict(r) for r in result.records]
 
 

@@ -1,0 +1,1 @@
+"""``ppd-bench plan``: the shape advisor (which P:D split of N GPUs, in which mode)."""
