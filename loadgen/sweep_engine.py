@@ -29,9 +29,11 @@ Rule 4: points are isolated: before each one, every worker's ``vllm:num_requests
         rule 6), so no run hits a prefix another run computed.
 Rule 5: the arrivals and the conversations' text of a point depend on (seed, workload, QPS) only, so
         the pd and local runs of a cell see the same traffic (as the ``vllm-cpu`` engine does).
-Rule 6: a point whose every request failed to connect is not kept (``SweepError``): the front door went
-        away, which says nothing about the mode. Points run one at a time (``max_jobs``): two points at
-        once would measure each other.
+Rule 6: a point is not kept (``SweepError``) when every request failed to connect (the front door went
+        away, which says nothing about the mode), or when no Turn 2+ request took the path the point
+        asked for (a gateway or picker whose ``allow_mode_header`` is off ignores ``X-PPD-Mode``: the
+        records would carry a mode label the traffic never had). Points run one at a time
+        (``max_jobs``): two points at once would measure each other.
 """
 
 from __future__ import annotations
@@ -186,6 +188,15 @@ class EndpointsEngine:
             raise SweepError(
                 f"every request of {point.run_id} failed to connect to {self.url} ({failed[0].error}): "
                 "is the front door still up? Finished points are kept; run the sweep again to resume"
+            )
+        later = [r for r in records if r.ok and r.turn > 1]
+        if later and not any(r.path == r.mode for r in later):
+            taken = ", ".join(sorted({r.path for r in later}))
+            raise SweepError(
+                f"{point.run_id}: every Turn 2+ request ran {taken} although X-PPD-Mode asked for "
+                f"{point.mode}: the front door does not follow the header. Our gateway and picker follow "
+                "it only with allow_mode_header = true in their config (a benchmarking aid): set it for "
+                "the sweep, then run the sweep again"
             )
         return records
 

@@ -26,6 +26,7 @@ from loadgen.sweep_engine import EndpointsEngine, WorkerRef, parse_worker
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from table_builder.cli import main
 from table_builder.records import read_records
+from tests.support.gateway_config import worker_tables
 from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,3 +302,42 @@ def test_the_prefix_caches_are_reset_between_points(stack: dict[str, Any]) -> No
     after_reset = hits()
     complete()
     assert hits() == after_reset  # nothing cached any more
+
+
+@pytest.mark.integration
+def test_the_gateways_worker_list_checks_the_shape_and_an_ignored_mode_header_stops_the_sweep(
+    stack: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second gateway on the stack's workers, as production configures one: the admin API on (so
+    the engine reads its workers) and X-PPD-Mode not followed (allow_mode_header off)."""
+    token = tmp_path / "admin-token"
+    token.write_text("s3cret\n")
+    lines = [
+        'mode = "pd"',
+        f'served_model = "{MODEL}"',
+        'admin_token = "s3cret"',
+        "allow_mode_header = false",
+    ]
+    config = tmp_path / "gateway.toml"
+    config.write_text("\n".join(lines + worker_tables(stack["workers"])) + "\n")
+    proc, ready = start_ready(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "0"],
+        timeout_s=60.0, name="ppd-gateway", cwd=ROOT,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{ready['http']}"
+        out = tmp_path / "sweep"
+        wrong_shape = _sweep(url, out, "--admin-token-file", str(token), "--shape", "1P3D", qps="4")
+        assert main(wrong_shape) == 2
+        assert "--shape 1P3D but the deployment has 1 prefill and 1 decode workers" in caplog.text
+        assert not out.exists()
+
+        assert main(_sweep(url, out, "--admin-token-file", str(token), qps="4")) == 1
+    finally:
+        _stop(proc)
+    assert "the front door does not follow the header" in caplog.text
+    assert "allow_mode_header = true" in caplog.text
+    settings = json.loads((out / "sweep.json").read_text())["settings"]
+    assert settings["workers"] == "decode=1,prefill=1"  # read from the gateway's GET /admin/workers
+    assert (out / "records" / "1P1D" / "pd" / "small_mid_bal_4.jsonl").is_file()  # pd ran pd
+    assert not list((out / "records" / "1P1D").glob("local/*.jsonl"))  # the local run was not kept
