@@ -112,13 +112,17 @@ def _print_plan(plan: SweepPlan, engine: Engine, args: argparse.Namespace) -> No
             f"({args.jobs} job(s)): far shorter than {arrivals:g} s"
         )
         return
-    # A real engine: each point's arrivals, then its last conversations finish, then the next point's
-    # settle (the endpoints engine waits up to --settle-timeout for queues to drain).
+    # A real engine: each point's arrivals, then its last conversations finish (each of their two turns
+    # within the request timeout), then the next point's settle (the endpoints engine waits up to
+    # --settle-timeout for the workers' queues to drain).
     settle = float(getattr(engine, "settle_timeout_s", 0.0))
+    tail = 2 * float(getattr(engine, "timeout_s", 0.0))
+    bound = len(todo) * (args.duration + tail + settle)
     print(
-        f"estimate: {len(todo)} x {args.duration:g} s of arrivals = {arrivals:g} s ({arrivals / 60:.1f} min) "
-        f"plus each point's tail and settle: at most {len(todo) * (args.duration + settle):g} s "
-        f"with a {settle:g} s settle bound per point"
+        f"estimate: {len(todo)} x {args.duration:g} s of arrivals = {arrivals:g} s "
+        f"({arrivals / 60:.1f} min), plus each point's tail (its last conversations finishing) "
+        f"and drain; at most {bound:g} s ({bound / 3600:.1f} h) "
+        f"with {tail:g} s of tail and {settle:g} s of settle per point"
     )
 
 
