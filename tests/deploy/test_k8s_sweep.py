@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -73,8 +74,8 @@ def test_what_the_sweep_job_names_exists_in_every_overlay(overlay: str) -> None:
             assert ("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"]) in theirs
         elif "configMap" in volume:
             assert ("ConfigMap", volume["configMap"]["name"]) in mine
-    url = one(sweep_docs(), "ConfigMap", "ppd-table-sweep-grid")["data"]["PPD_SWEEP_URL"]
-    assert url == "http://ppd-gateway:8000"
+    grid = one(sweep_docs(), "ConfigMap", "ppd-table-sweep-grid")["data"]
+    assert grid["PPD_SWEEP_URL"] == "http://ppd-gateway:8000"
     service = one(rendered(overlay), "Service", "ppd-gateway")
     assert [p["port"] for p in service["spec"]["ports"]] == [8000]
 
@@ -132,3 +133,16 @@ def test_the_script_refuses_a_shape_it_cannot_read(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert "PPD_SHAPE must be <n>P<m>D, got 'big'" in done.stderr
     assert calls == []
+
+
+def test_the_script_reads_exactly_the_grid_config_maps_keys() -> None:
+    grid = one(sweep_docs(), "ConfigMap", "ppd-table-sweep-grid")["data"]
+    keys = {
+        "PPD_SWEEP_URL",
+        "PPD_SWEEP_WORKLOADS",
+        "PPD_SWEEP_QPS",
+        "PPD_SWEEP_DURATION",
+        "PPD_SWEEP_SETTLE_TIMEOUT",
+    }
+    assert set(grid) == keys
+    assert set(re.findall(r"\$\{?(PPD_SWEEP_[A-Z_]+)", _script())) == keys
