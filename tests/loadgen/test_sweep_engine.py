@@ -22,7 +22,7 @@ import pytest
 
 from decision_service.table import Table
 from devstack.ready import start_ready
-from loadgen.sweep_engine import EndpointsEngine, WorkerRef, parse_worker
+from loadgen.sweep_engine import Deployment, EndpointsEngine, WorkerRef, parse_worker
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
 from table_builder.cli import main
 from table_builder.records import read_records
@@ -117,6 +117,30 @@ def test_without_url_the_endpoints_engine_is_a_usage_error(
     assert main(argv) == 2
     assert "the endpoints engine needs --url" in caplog.text
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_bad_worker_flag_is_a_usage_error_before_anything_is_contacted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    argv = _sweep("http://192.0.2.1:8000", tmp_path / "sweep", "--worker", "gpu=http://192.0.2.2:8000")
+    assert main(argv) == 2
+    assert "the role before '=' must be one of prefill, decode, replica" in caplog.text
+    assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.integration
+def test_a_point_whose_front_door_went_away_is_not_kept() -> None:
+    from ppd.catalog import parse_workload
+    from table_builder.sweep import GridPoint, SweepError
+
+    with socket_closed() as url:
+        deployment = Deployment(MODEL, 131072, (), ("0.33.0",), "none")
+        engine = EndpointsEngine(url=url, deployment=deployment, duration_s=1.0)
+        point = GridPoint("1P1D", "llama-3.1-8b", "pd", parse_workload("small_mid_bal"), 8.0)
+        with pytest.raises(
+            SweepError, match=f"every request of 1P1D_pd_small_mid_bal_8 failed to connect to {url}"
+        ):
+            engine.run(point)
 
 
 @pytest.mark.integration
@@ -274,7 +298,6 @@ def test_the_prefix_caches_are_reset_between_points(stack: dict[str, Any]) -> No
     import asyncio
     import urllib.request
 
-    from loadgen.sweep_engine import Deployment
     from tests.support.metrics import total
 
     decode = next(w["url"] for w in stack["workers"] if w["role"] == "decode")
