@@ -57,7 +57,16 @@ from table_builder.engines import EngineError, EngineOptions
 from table_builder.records import Record
 from table_builder.sweep import GridPoint, SweepError
 
-__all__ = ["TEMPLATE_MARGIN", "Deployment", "EndpointsEngine", "WorkerRef", "make", "parse_worker"]
+__all__ = [
+    "QUEUE_METRICS",
+    "TEMPLATE_MARGIN",
+    "Deployment",
+    "EndpointsEngine",
+    "WorkerRef",
+    "discover",
+    "make",
+    "parse_worker",
+]
 
 logger = logging.getLogger(__name__)
 

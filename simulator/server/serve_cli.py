@@ -23,7 +23,7 @@ from simulator.server.fabric import FabricSettings
 from simulator.server.realtime import DEFAULT_SPIN_S
 from simulator.server.worker_group import GroupSettings, WorkerGroup, serve_group
 
-__all__ = ["add_cluster", "add_worker"]
+__all__ = ["add_cluster", "add_worker", "server_dev_mode"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
