@@ -31,8 +31,9 @@ from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-#: A context window small enough for a `large_*` workload (2048 tokens before Turn 2) not to fit.
-SHORT_WINDOW = 1024
+#: A context window too small for a `huge_*` workload (5120 tokens before Turn 2), long enough for a
+#: request that holds a worker's queue for many seconds.
+SHORT_WINDOW = 4096
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -63,7 +64,7 @@ def stack() -> Iterator[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def lone_worker() -> Iterator[str]:
-    """One simulated decode worker with a 1024-token window and no dev routes: its URL."""
+    """One simulated decode worker with a 4096-token window and no dev routes: its URL."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_SERVER_DEV_MODE"}
     argv = [sys.executable, "-m", "simulator", "worker", "--role", "decode", "--port", "0",
             "--max-model-len", str(SHORT_WINDOW), "--spin-us", "0"]  # fmt: skip
@@ -175,9 +176,9 @@ class socket_closed:  # noqa: N801 - a context manager used like a function
 def test_a_workload_too_long_for_the_model_is_refused_up_front(
     lone_worker: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    argv = _sweep(lone_worker, tmp_path / "sweep", workloads="small_mid_bal,large_mid_bal")
+    argv = _sweep(lone_worker, tmp_path / "sweep", workloads="small_mid_bal,huge_mid_bal")
     assert main(argv) == 2
-    assert "workload large_mid_bal needs" in caplog.text
+    assert "workload huge_mid_bal needs" in caplog.text
     assert f"max_model_len {SHORT_WINDOW}" in caplog.text
     assert "small_mid_bal needs" not in caplog.text  # only the one that does not fit is named
     assert not (tmp_path / "sweep").exists()
