@@ -1,7 +1,7 @@
 """The ``endpoints`` sweep engine: a grid swept through the front door of a stack started separately.
 
 The stack is ``ppd-up --engine sim`` (its gateway, simulated vLLM workers with
-``VLLM_SERVER_DEV_MODE=1``); the failure tests use one simulated worker as the front door (a short
+``VLLM_SERVER_DEV_MODE=1``; also with ``--data-plane envoy``, Envoy and the picker); the failure tests use one simulated worker as the front door (a short
 context window, no dev routes) or a closed port. ``ppd-table sweep --engine endpoints`` finds the
 engine through its entry point, so these tests need the project installed (``make venv``).
 """
@@ -365,3 +365,29 @@ def test_the_gateways_worker_list_checks_the_shape_and_an_ignored_mode_header_st
     assert settings["workers"] == "decode=1,prefill=1"  # read from the gateway's GET /admin/workers
     assert (out / "records" / "1P1D" / "pd" / "small_mid_bal_4.jsonl").is_file()  # pd ran pd
     assert not list((out / "records" / "1P1D").glob("local/*.jsonl"))  # the local run was not kept
+
+
+@pytest.mark.integration
+def test_a_sweep_through_envoy_and_the_picker_takes_each_asked_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The other front door: Envoy carries the requests, the picker routes them (ppd-up --data-plane
+    envoy); the picker has no admin API, so the workers come from --worker."""
+    tables = str(ROOT / "tables" / "example")
+    argv = [sys.executable, "-m", "devstack.stack", "--engine", "sim", "--topology", "1P1D", "--port", "0",
+            "--data-plane", "envoy", "--tables", tables, "--log-level", "WARNING",
+            "--ready-timeout", "110"]  # fmt: skip
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    proc, ready = start_ready(argv, timeout_s=150.0, name="ppd-up --data-plane envoy", env=env, cwd=ROOT)
+    try:
+        assert ready["data_plane"] == "envoy"
+        out = tmp_path / "sweep"
+        assert main(_sweep(ready["gateway"], out, *_workers(ready), "--no-build", qps="4")) == 0
+    finally:
+        _stop(proc)
+    records = read_records(sorted((out / "records").rglob("*.jsonl")))
+    later = [r for r in records if r.turn == 2]
+    assert {r.mode for r in later} == {"pd", "local"}
+    assert all(r.ok for r in records)
+    assert all(r.path == r.mode for r in later)  # the picker took the path each run asked for
+    assert "reset_prefix_cache" not in caplog.text  # the workers' dev route answered
