@@ -132,7 +132,7 @@ class EndpointsEngine:
     seed: int = 0
     timeout_s: float = 30.0
     settle_timeout_s: float = 120.0
-    #: Workers whose missing reset route was already logged (rule 4: once each).
+    #: Workers found without the reset route: logged once, not asked again (rule 4).
     _told_no_reset: set[str] = field(default_factory=set, repr=False, compare=False)
 
     #: Points run one at a time on one deployment (``ppd-table sweep --jobs`` above this is refused).
@@ -252,9 +252,20 @@ class EndpointsEngine:
                         "the deployment, or requests hang; stop that traffic, or raise --settle-timeout"
                     )
                 await asyncio.sleep(_POLL_S)
-            await asyncio.gather(*(self._reset(http, w, deadline) for w in workers))
+            resettable = [w for w in workers if w.url not in self._told_no_reset]
+            served = await asyncio.gather(*(self._reset(http, w, deadline) for w in resettable))
+        missing = [w for w, ok in zip(resettable, served, strict=True) if not ok]
+        if missing:  # rule 4: said once, for every worker without the route, then never asked again
+            self._told_no_reset.update(w.url for w in missing)
+            logger.warning(
+                "%s: no POST /reset_prefix_cache (vLLM serves it only with VLLM_SERVER_DEV_MODE=1), so "
+                "prefix caches are not reset between points; each run still marks its own text, so no "
+                "run reuses another's prefixes",
+                ", ".join(w.name for w in missing),
+            )
 
-    async def _reset(self, http: aiohttp.ClientSession, worker: WorkerRef, deadline: float) -> None:
+    async def _reset(self, http: aiohttp.ClientSession, worker: WorkerRef, deadline: float) -> bool:
+        """Reset one worker's prefix cache; False when it does not serve the route (404/405)."""
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -263,24 +274,16 @@ class EndpointsEngine:
                     body = await resp.json(content_type=None) if status == 200 else None
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 logger.warning("resetting the prefix cache of %s failed: %s; going on", worker.name, exc)
-                return
+                return True
             if status in (404, 405):
-                if worker.url not in self._told_no_reset:
-                    self._told_no_reset.add(worker.url)
-                    logger.warning(
-                        "%s does not serve POST /reset_prefix_cache (vLLM serves it only with "
-                        "VLLM_SERVER_DEV_MODE=1): its prefix cache is not reset between points; each "
-                        "run still marks its own text, so no run reuses another's prefixes",
-                        worker.name,
-                    )
-                return
+                return False
             if status == 200 and isinstance(body, dict) and body.get("success") is True:
-                return
+                return True
             if status != 200 or loop.time() >= deadline:
                 logger.warning(
                     "%s did not reset its prefix cache (HTTP %d, %s); going on", worker.name, status, body
                 )
-                return
+                return True
             await asyncio.sleep(_POLL_S)  # {"success": false}: blocks still held, vLLM says retry
 
 

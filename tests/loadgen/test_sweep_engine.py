@@ -1,9 +1,10 @@
 """The ``endpoints`` sweep engine: a grid swept through the front door of a stack started separately.
 
 The stack is ``ppd-up --engine sim`` (its gateway, simulated vLLM workers with
-``VLLM_SERVER_DEV_MODE=1``; also with ``--data-plane envoy``, Envoy and the picker); the failure tests use one simulated worker as the front door (a short
-context window, no dev routes) or a closed port. ``ppd-table sweep --engine endpoints`` finds the
-engine through its entry point, so these tests need the project installed (``make venv``).
+``VLLM_SERVER_DEV_MODE=1``; also with ``--data-plane envoy``, Envoy and the picker); the failure tests
+use one simulated worker as the front door (a short context window, no dev routes) or a closed port.
+``ppd-table sweep --engine endpoints`` finds the engine through its entry point, so these tests need
+the project installed (``make venv``).
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def test_without_the_dev_route_the_sweep_says_so_once_and_runs(
     out = tmp_path / "sweep"
     argv = _sweep(lone_worker, out, "--worker", lone_worker, "--no-build", qps="4")
     assert main(argv) == 0
-    assert caplog.text.count("does not serve POST /reset_prefix_cache") == 1  # two points, one line
+    assert caplog.text.count("no POST /reset_prefix_cache") == 1  # two points, one line
+    assert f"unknown at {lone_worker}: no POST /reset_prefix_cache" in caplog.text
     assert "VLLM_SERVER_DEV_MODE=1" in caplog.text
     records = read_records(sorted((out / "records").rglob("*.jsonl")))
     assert {r.mode for r in records} == {"pd", "local"}
