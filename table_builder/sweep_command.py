@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 
 from table_builder.build import build_from_records
 from table_builder.engines import EngineError
-from table_builder.flags import add_build_options, options_from_args, positive_int
+from table_builder.flags import add_build_options, options_from_args, positive_int, positive_seconds
 from table_builder.publish import publish, resolve_out
 from table_builder.records import RecordsError, read_records
 from table_builder.sweep import Engine, SweepPlan, point_path
@@ -302,13 +302,13 @@ def add_parser(
     )
     door.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive_seconds,
         default=30.0,
         help="seconds before a request is a failed record (default 30)",
     )
     door.add_argument(
         "--settle-timeout",
-        type=float,
+        type=positive_seconds,
         default=120.0,
         help="seconds to wait before each point for the workers' queues to drain (default 120)",
     )
