@@ -85,7 +85,7 @@ def _workers(ready: dict[str, Any]) -> list[str]:
 
 def _sweep(url: str, out: Path, *extra: str, workloads: str = "small_mid_bal", qps: str = "2,4") -> list[str]:
     return ["sweep", "--engine", "endpoints", "--url", url, "--shape", "1P1D", "--modes", "pd,local",
-            "--workloads", workloads, "--qps", qps, "--duration", "3", "--min-samples", "1",
+            "--workloads", workloads, "--qps", qps, "--duration", "2", "--min-samples", "1",
             "--out", str(out), "--quiet", *extra]  # fmt: skip
 
 
@@ -250,7 +250,7 @@ def test_a_sweep_through_the_gateway_builds_a_table_that_is_checked_and_served(
     plan = capsys.readouterr().out
     assert "endpoints: 4 points = 1 shape(s) x 2 mode(s) x 1 workload(s) x 2 QPS level(s)" in plan
     assert "1P1D_local_small_mid_bal_4" in plan
-    assert "4 x 3 s of arrivals = 12 s" in plan
+    assert "4 x 2 s of arrivals = 8 s" in plan
     assert not out.exists()
 
     assert main(argv) == 0
