@@ -130,6 +130,16 @@ def test_a_bad_worker_flag_is_a_usage_error_before_anything_is_contacted(
     assert not (tmp_path / "sweep").exists()
 
 
+def test_an_unreadable_admin_token_file_is_a_usage_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    argv = _sweep("http://192.0.2.1:8000", tmp_path / "sweep", "--admin-token-file", str(tmp_path / "none"))
+    assert main(argv) == 2
+    assert "--admin-token-file:" in caplog.text
+    assert str(tmp_path / "none") in caplog.text
+    assert not (tmp_path / "sweep").exists()
+
+
 @pytest.mark.integration
 def test_a_point_whose_front_door_went_away_is_not_kept() -> None:
     from ppd.catalog import parse_workload
