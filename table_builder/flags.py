@@ -15,7 +15,14 @@ import math
 from decision_service.header import DECISIONS, Weights
 from table_builder.build import BuildOptions, default_header
 
-__all__ = ["add_build_options", "options_from_args", "positive_int", "qps_levels_arg", "weights_arg"]
+__all__ = [
+    "add_build_options",
+    "options_from_args",
+    "positive_int",
+    "positive_seconds",
+    "qps_levels_arg",
+    "weights_arg",
+]
 
 
 def weights_arg(text: str) -> Weights:
@@ -68,6 +75,17 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 

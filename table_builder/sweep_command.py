@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from table_builder.build import build_from_records
-from table_builder.flags import add_build_options, options_from_args, positive_int
+from table_builder.engines import EngineError
+from table_builder.flags import add_build_options, options_from_args, positive_int, positive_seconds
 from table_builder.publish import publish, resolve_out
 from table_builder.records import RecordsError, read_records
-from table_builder.sweep import Engine
+from table_builder.sweep import Engine, SweepPlan, point_path
 
 if TYPE_CHECKING:
     from ppd.catalog import Workload
+    from table_builder.engines import EngineOptions
 
 __all__ = ["add_parser"]
 
@@ -31,12 +33,41 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _engine(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[Engine, tuple[str, ...]] | None:
-    """The sweep's engine and the modes it runs (`modes`, or every one it can when empty), or None
-    (logged) when it cannot run with these arguments."""
-    from table_builder.engines import EngineOptions, make_engine
+def _options(args: argparse.Namespace) -> EngineOptions:
+    """The engine options of the flags (the admin token read from its file); ValueError names a bad one."""
+    from table_builder.engines import EngineOptions
 
-    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
+    token: str | None = None
+    if args.admin_token_file is not None:
+        try:
+            token = args.admin_token_file.read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ValueError(f"--admin-token-file: {exc}") from None
+    return EngineOptions(
+        seed=args.seed,
+        duration_s=args.duration,
+        url=args.url,
+        workers=tuple(args.worker),
+        admin_token=token or None,
+        served_model=args.served_model,
+        timeout_s=args.request_timeout,
+        settle_timeout_s=args.settle_timeout,
+    )
+
+
+def _engine(
+    args: argparse.Namespace, modes: tuple[str, ...], grid: tuple[tuple[str, ...], tuple[Workload, ...]]
+) -> tuple[Engine, tuple[str, ...]] | None:
+    """The sweep's engine and the modes it runs (`modes`, or every one it can when empty), or None
+    (logged) when it cannot run with these arguments. Raises EngineError when it cannot start at all
+    (a deployment that does not answer)."""
+    from table_builder.engines import make_engine
+
+    try:
+        engine = make_engine(args.engine, _options(args))
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return None
     # An engine on real workers runs its points one at a time and holds processes until closed.
     max_jobs: int | None = getattr(engine, "max_jobs", None)
     if max_jobs is not None and args.jobs > max_jobs:
@@ -52,7 +83,47 @@ def _engine(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[Engine, t
             args.modes,
         )
         return None
+    # An engine on a running deployment checks the grid against it (shapes, the model's length).
+    check_grid = getattr(engine, "check_grid", None)
+    if callable(check_grid):
+        try:
+            check_grid(*grid)
+        except ValueError as exc:
+            logger.error("%s", exc)
+            return None
     return engine, modes or supported
+
+
+def _print_plan(plan: SweepPlan, engine: Engine, args: argparse.Namespace) -> None:
+    """``--dry-run``: the points, how many are left, and how long they take."""
+    points = plan.points()
+    todo = [p for p in points if not point_path(args.out, p).is_file()]
+    print(
+        f"{engine.name}: {len(points)} points = {len(plan.shapes)} shape(s) x {len(plan.modes)} mode(s) "
+        f"x {len(plan.workloads)} workload(s) x {len(plan.qps_levels)} QPS level(s); "
+        f"{len(points) - len(todo)} already in {args.out}, {len(todo)} to run"
+    )
+    for p in points:
+        print(f"  {p.run_id}{'' if p in todo else '  (done)'}")
+    arrivals = len(todo) * args.duration
+    if getattr(engine, "max_jobs", None) is None:
+        print(
+            f"estimate: {len(todo)} x {args.duration:g} s of arrivals, run in simulated time "
+            f"({args.jobs} job(s)): far shorter than {arrivals:g} s"
+        )
+        return
+    # A real engine: each point's arrivals, then its last conversations finish (each of their two turns
+    # within the request timeout), then the next point's settle (the endpoints engine waits up to
+    # --settle-timeout for the workers' queues to drain).
+    settle = float(getattr(engine, "settle_timeout_s", 0.0))
+    tail = 2 * float(getattr(engine, "timeout_s", 0.0))
+    bound = len(todo) * (args.duration + tail + settle)
+    print(
+        f"estimate: {len(todo)} x {args.duration:g} s of arrivals = {arrivals:g} s "
+        f"({arrivals / 60:.1f} min), plus each point's tail (its last conversations finishing) "
+        f"and drain; at most {bound:g} s ({bound / 3600:.1f} h) "
+        f"with {tail:g} s of tail and {settle:g} s of settle per point"
+    )
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -82,21 +153,37 @@ def _grid(
     return shapes, modes, workloads, levels
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from table_builder.sweep import GridPoint, SweepError, SweepPlan, run_sweep
-
+def _setup(args: argparse.Namespace) -> tuple[SweepPlan, Engine] | int:
+    """The plan and its engine, or the exit code (logged): 2 for flags or a grid the engine refuses,
+    1 for an engine that cannot start."""
     try:
         shapes, modes, workloads, levels = _grid(args)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    chosen = _engine(args, modes)
+    try:
+        chosen = _engine(args, modes, (shapes, workloads))
+    except EngineError as exc:
+        logger.error("the %s engine cannot start: %s", args.engine, exc)
+        return 1
     if chosen is None:
         return 2
     engine, modes = chosen
-    plan = SweepPlan(shapes, args.model, modes, workloads, levels)
+    return SweepPlan(shapes, args.model, modes, workloads, levels), engine
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from table_builder.sweep import GridPoint, SweepError, run_sweep
+
+    setup = _setup(args)
+    if isinstance(setup, int):
+        return setup
+    plan, engine = setup
+    if args.dry_run:
+        _print_plan(plan, engine, args)
+        return 0
     interactive = sys.stderr.isatty()
     bar = tqdm(
         unit="point",
@@ -185,5 +272,45 @@ def add_parser(
     sweep.add_argument("--no-build", action="store_true", help="only run the points")
     sweep.add_argument("--quiet", action="store_true", help="no progress bar")
     sweep.add_argument("--json", action="store_true", help="print each table's summary as one JSON line")
+    sweep.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the grid's points (those already in --out marked) and a duration estimate, then exit "
+        "without running or writing anything (the endpoints engine still reads what the deployment is)",
+    )
+    door = sweep.add_argument_group(
+        "a running deployment (--engine endpoints; the other engines ignore these flags)"
+    )
+    door.add_argument(
+        "--url", help="the front door: our gateway, or Envoy in front of the picker (http://HOST:PORT)"
+    )
+    door.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="[ROLE=]URL",
+        help="a worker to drain and reset before each point, e.g. decode=http://10.0.0.5:8000 "
+        "(repeat; default: the gateway's GET /admin/workers list)",
+    )
+    door.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help="file holding the gateway's admin_token, to read its worker list (GET /admin/workers)",
+    )
+    door.add_argument(
+        "--served-model", help="model id to ask for (default: the first the front door's /v1/models lists)"
+    )
+    door.add_argument(
+        "--request-timeout",
+        type=positive_seconds,
+        default=30.0,
+        help="seconds before a request is a failed record (default 30)",
+    )
+    door.add_argument(
+        "--settle-timeout",
+        type=positive_seconds,
+        default=120.0,
+        help="seconds to wait before each point for the workers' queues to drain (default 120)",
+    )
     add_build_options(sweep)
     sweep.set_defaults(run=_cmd_sweep)

@@ -4,6 +4,8 @@ The KV-transfer fields mirror vLLM 0.33's `kv_connector_extra_config` of the Nix
 (docs/vllm-protocol.md 1.1): `kv_lease_duration`, `bidirectional_kv_xfer`, `decoder_kv_blocks_ttl` and
 `kv_recompute_threshold`; `kv_load_failure_policy` mirrors its `kv_transfer_config` field (what a failed KV
 load does: "fail" answers HTTP 500, "recompute" computes the prompt locally).
+`server_dev_mode` mirrors vLLM's `VLLM_SERVER_DEV_MODE=1`: its development routes, of which the simulator
+serves `POST /reset_prefix_cache`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class WorkerSettings:
     block_size: int | None = None  # KV block size in tokens (None: the profile's, 16)
     kv_capacity_tokens: int | None = None  # the KV cache size (None: the profile's); small = evictions
     kv_events: KvEventsConfig | None = None  # vLLM's --kv-events-config (None: no KV events)
+    server_dev_mode: bool = False  # vLLM's VLLM_SERVER_DEV_MODE=1: serve POST /reset_prefix_cache
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

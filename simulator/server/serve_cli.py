@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Mapping
 
 import uvloop
 
@@ -21,7 +23,7 @@ from simulator.server.fabric import FabricSettings
 from simulator.server.realtime import DEFAULT_SPIN_S
 from simulator.server.worker_group import GroupSettings, WorkerGroup, serve_group
 
-__all__ = ["add_cluster", "add_worker"]
+__all__ = ["add_cluster", "add_worker", "server_dev_mode"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -143,7 +145,18 @@ def _worker_settings(args: argparse.Namespace, worker_id: str, role: Role) -> Wo
         block_size=args.block_size,
         kv_capacity_tokens=args.kv_capacity_tokens,
         kv_events=parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None,
+        server_dev_mode=server_dev_mode(os.environ),
     )
+
+
+def server_dev_mode(environ: Mapping[str, str]) -> bool:
+    """vLLM's reading of ``VLLM_SERVER_DEV_MODE`` (``bool(int(value))``, unset = off); a value that is
+    not an integer is refused (vLLM fails to start on it too)."""
+    raw = environ.get("VLLM_SERVER_DEV_MODE", "0").strip() or "0"
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise ValueError(f"VLLM_SERVER_DEV_MODE must be an integer (0 or 1), got {raw!r}") from None
 
 
 def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single: bool) -> int:

@@ -1,8 +1,9 @@
 """One simulated vLLM 0.33 worker: aiohttp routes over a real-time driven engine (the thin transport).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /tokenize, /detokenize, /version,
-/metrics, /load, /admin/faults (GET, POST), and /_nixl/claim, /_nixl/release (the side channel a decode
-worker in another process uses to read this worker's leases: `side_channel.py`). A generation
+/metrics, /load, /admin/faults (GET, POST), /reset_prefix_cache (POST, with `server_dev_mode` only, as
+vLLM's dev route), and /_nixl/claim, /_nixl/release (the side channel a decode worker in another process
+uses to read this worker's leases: `side_channel.py`). A generation
 request's response (the SSE stream or the whole body) is written by `stream.py`. See
 simulator/README.md.
 
@@ -293,6 +294,8 @@ class Worker:
         app.router.add_get("/load", self._load)
         app.router.add_get("/admin/faults", self._get_faults)
         app.router.add_post("/admin/faults", self._post_faults)
+        if self.settings.server_dev_mode:  # vLLM serves its dev routes only with VLLM_SERVER_DEV_MODE=1
+            app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         self._side_channel_server.add_routes(app.router)
         return app
 
@@ -435,6 +438,13 @@ class Worker:
         del request
         self._sync_metrics()
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev route: drop the prefix cache; `{"success": false}` while blocks are still held
+        (running requests, blocks pinned for a pull), as vLLM answers, so a caller may retry."""
+        del request
+        logger.info("worker %s: resetting prefix cache", self.settings.worker_id)
+        return web.json_response({"success": self.engine.pool.reset_prefix_cache()})
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         del request

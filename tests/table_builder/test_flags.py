@@ -71,3 +71,14 @@ def test_positive_int() -> None:
 def test_bad_qps_levels_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         qps_levels_arg(text)
+
+
+def test_seconds_flags_take_positive_finite_numbers() -> None:
+    import argparse
+
+    from table_builder.flags import positive_seconds
+
+    assert positive_seconds("2.5") == 2.5
+    for bad in ("0", "-1", "inf", "nan", "soon"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_seconds(bad)

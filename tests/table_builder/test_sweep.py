@@ -218,3 +218,25 @@ def test_sigterm_stops_a_sweep_like_ctrl_c_keeping_its_finished_points(tmp_path:
     finished = list(out.rglob("*.jsonl"))
     assert 0 < len(finished) < 18 * 10 * 3
     assert all(read_records([path]) for path in finished)  # whole points only
+
+
+def test_a_dry_run_prints_the_grid_and_its_duration_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--engine", "analytic", "--shape", "1P3D,2P2D", "--workloads", "small_mid_bal",
+            "--qps", "2,4", "--duration", "5", "--out", str(out), "--quiet"]  # fmt: skip
+    assert main([*argv, "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "analytic: 8 points = 2 shape(s) x 2 mode(s) x 1 workload(s) x 2 QPS level(s)" in plan
+    assert "0 already in" in plan
+    assert "2P2D_local_small_mid_bal_4" in plan
+    assert "8 x 5 s of arrivals, run in simulated time" in plan
+    assert not out.exists()
+    assert main([*argv, "--no-build", "--shape", "1P3D"]) == 0  # the 1P3D half runs
+    capsys.readouterr()
+    assert main([*argv, "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "4 already in" in plan
+    assert "1P3D_pd_small_mid_bal_2  (done)" in plan
+    assert "2P2D_pd_small_mid_bal_2  (done)" not in plan

@@ -239,3 +239,13 @@ def test_a_taken_port_is_a_clean_error() -> None:
     assert result.returncode == 1
     assert "cannot serve" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_vllm_server_dev_mode_is_read_as_vllm_reads_it() -> None:
+    from simulator.server.serve_cli import server_dev_mode
+
+    assert not server_dev_mode({})
+    assert not server_dev_mode({"VLLM_SERVER_DEV_MODE": "0"})
+    assert server_dev_mode({"VLLM_SERVER_DEV_MODE": "1"})
+    with pytest.raises(ValueError, match="VLLM_SERVER_DEV_MODE must be an integer"):
+        server_dev_mode({"VLLM_SERVER_DEV_MODE": "yes"})

@@ -518,3 +518,26 @@ async def test_http11_stream_takes_the_direct_write_path(
             break
         await asyncio.sleep(0.01)
     assert d.driver.num_active == 0
+
+
+async def test_reset_prefix_cache_is_a_dev_route_that_empties_the_cache(http: aiohttp.ClientSession) -> None:
+    """vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (404 otherwise); after a
+    reset, the same prompt finds nothing cached."""
+    plain = await start_alone("D0", "decode")
+    dev = await start_alone("D1", "decode", server_dev_mode=True)
+    try:
+        async with http.post(f"{plain.workers[0].url}/reset_prefix_cache") as r:
+            assert r.status == 404
+        url = dev.workers[0].url
+        body = {"messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 4}
+        await post(http, f"{url}/v1/chat/completions", body)
+        _, again = await post(http, f"{url}/v1/chat/completions", body)
+        assert again["usage"]["prompt_tokens"] > 0
+        hits = await metric(http, url, "vllm:prefix_cache_hits_total")
+        assert hits > 0  # the second request reused the first one's blocks
+        assert await post(http, f"{url}/reset_prefix_cache", None) == (200, {"success": True})
+        await post(http, f"{url}/v1/chat/completions", body)
+        assert await metric(http, url, "vllm:prefix_cache_hits_total") == hits  # nothing left to hit
+    finally:
+        await plain.stop()
+        await dev.stop()

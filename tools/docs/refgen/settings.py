@@ -194,6 +194,14 @@ ENVIRONMENT: Mapping[str, str] = {
     "PPD_SHAPE": "Kubernetes (`deploy/k8s` overlays, the `ppd-shape` ConfigMap): the deployment's shape "
     "(`1P3D`), which names the decision service's default table key and the refresh job's table",
     "PPD_MODEL": "Kubernetes (the `ppd-shape` ConfigMap): the model label of the tables (`llama-3.1-8b`)",
+    "PPD_SWEEP_URL": "Kubernetes (the `ppd-table-sweep-grid` ConfigMap of `deploy/k8s/sweep`): the front "
+    "door the sweep Job drives (`http://ppd-gateway:8000`, or `http://ppd-envoy:8080`)",
+    "PPD_SWEEP_WORKLOADS": "Kubernetes (`ppd-table-sweep-grid`): the sweep Job's `--workloads` (`all`)",
+    "PPD_SWEEP_QPS": "Kubernetes (`ppd-table-sweep-grid`): the sweep Job's `--qps` (`all`)",
+    "PPD_SWEEP_DURATION": "Kubernetes (`ppd-table-sweep-grid`): the sweep Job's seconds of arrivals per "
+    "point (`10`)",
+    "PPD_SWEEP_SETTLE_TIMEOUT": "Kubernetes (`ppd-table-sweep-grid`): the sweep Job's `--settle-timeout` "
+    "(`300`)",
     "PPD_TEST_CLUSTER": "tests: the ready line of running P/D workers (e.g. GPU vLLM) for "
     "`pytest tests/conformance` to run against instead of starting its own",
     "PPD_UPDATE_GOLDEN": "tests: `1` rewrites the gateway's golden P/D plans instead of comparing them",
