@@ -2,12 +2,13 @@
 
 ``ppd-sim bench-virtual`` (or ``python -m benchmarks.sim_virtual``) runs two-turn conversations
 (the first two turns of real ShareGPT conversations by default, as the issue's target says; or
-``sharegpt-like`` lengths drawn without the dataset; or one of the 18 synthetic workloads) through a
-simulated cluster
-in each requested mode and prints, per mode, the CPU time, the throughput, the discrete events per
-request (what the speed mostly depends on) and the Turn-2 figures (mean TTFT, mean TPOT, success
-rate). The speed target is 20,000 requests per CPU-second on 1P3D; ``core=`` says whether the run used
-the compiled core (``ppd-sim build-native``, :mod:`simulator.tools.native_build`) or the interpreted one.
+``sharegpt-like`` lengths drawn without the dataset; or one of the 18 synthetic workloads, or a
+shared-prefix one, ``shared<L>_<G>x<C>_<turn1>_<class>``) through a simulated cluster in each
+requested mode and prints, per mode, the CPU time, the throughput, the discrete events per request
+(what the speed mostly depends on), the Turn-2 figures (mean TTFT, mean TPOT, success rate) and the
+share of prompt tokens all engines found in their prefix caches. The speed target is 20,000 requests
+per CPU-second on 1P3D; ``core=`` says whether the run used the compiled core (``ppd-sim
+build-native``, :mod:`simulator.tools.native_build`) or the interpreted one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import time
 from typing import Any
 
+from ppd.catalog import is_shared_prefix
 from simulator.core.cluster import ClusterConfig, simulate
 from simulator.core.link import TransferMode
 from simulator.core.profile import load_profile
@@ -26,6 +28,7 @@ from simulator.core.routing import TableRouter
 from simulator.core.topology import Topology
 from simulator.core.workload import (
     Conversation,
+    shared_prefix_conversations,
     sharegpt_like,
     synthetic_conversations,
     turn_list_conversations,
@@ -46,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
         default="sharegpt",
-        help="sharegpt (real conversations, first two turns), sharegpt-like, or a synthetic name",
+        help="sharegpt (real conversations, first two turns), sharegpt-like, a synthetic name, or a "
+        "shared-prefix one (shared<L>_<G>x<C>_<turn1>_<class>, e.g. shared2048_8x16_small_mid_bal)",
     )
     parser.add_argument("--qps", type=float, default=8.0, help="conversations per second")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of arrivals")
@@ -84,6 +88,8 @@ def _conversations(workload: str, qps: float, duration: float, seed: int) -> lis
         return turn_list_conversations(_sharegpt_two_turns(n, seed), qps, duration, seed=seed)
     if workload == "sharegpt-like":
         return turn_list_conversations(sharegpt_like(n, seed=seed), qps, duration, seed=seed)
+    if is_shared_prefix(workload):
+        return shared_prefix_conversations(workload, qps, duration, seed=seed)
     return synthetic_conversations(workload, qps, duration, seed=seed)
 
 
@@ -116,13 +122,15 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         best = float("inf")
         records: list[dict[str, Any]] = []
-        events = steps = 0
+        events = steps = queries = hits = 0
         for _ in range(max(1, args.repeat)):
             router = TableRouter.open(args.table) if mode == "ppd" and args.table else None
             t0 = time.process_time()
             result = simulate(profile, config, convs, router)
             best = min(best, time.process_time() - t0)
             records, events, steps = result.records, result.events, result.engine_steps
+            queries = sum(s.prefix_cache_queries for s in result.engine_stats.values())
+            hits = sum(s.prefix_cache_hits for s in result.engine_stats.values())
         row: dict[str, Any] = {
             "shape": args.shape,
             "mode": mode,
@@ -135,6 +143,7 @@ def run_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             "requests_per_cpu_s": len(records) / best if best > 0 else None,
             "events": events,
             "engine_steps": steps,
+            "prefix_cache_hit_rate": hits / queries if queries else None,
             **summarise(records),
         }
         out.append(row)
@@ -162,7 +171,8 @@ def run_from_args(args: argparse.Namespace) -> int:
                 f"{_fmt(row['requests_per_cpu_s'], ',.0f')} req/CPU-s "
                 f"({row['events'] / max(1, row['requests']):.1f} events/request) | turn2 TTFT "
                 f"{_fmt(row['turn2_ttft_ms'], '.1f')} ms, TPOT {_fmt(row['turn2_tpot_ms'], '.2f')} ms, "
-                f"success {_fmt(row['success_rate'], '.3f')}\n"
+                f"success {_fmt(row['success_rate'], '.3f')}, "
+                f"prefix cache hits {_fmt(row['prefix_cache_hit_rate'], '.1%')}\n"
             )
     return 0
 

@@ -29,11 +29,13 @@ from loadgen.tokens import llama3_counter
 from loadgen.workloads import (
     MAX_TURNS,
     SYNTHETIC_WORKLOADS,
+    SharedPrefixWorkload,
     SyntheticWorkload,
     Workload,
     WorkloadError,
     single_token_words,
 )
+from ppd.catalog import is_shared_prefix
 from ppd.modes import ModeError, parse_mode
 from table_builder.records import RecordsError, RecordWriter
 
@@ -62,7 +64,9 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--workload",
         required=True,
         help=f"'{SHAREGPT_WORKLOAD}' or a synthetic <turn1>_<class> name: {', '.join(SYNTHETIC_WORKLOADS)} "
-        "(and the huge_<class> extension, Turn 1 = 4096/1024)",
+        "(and the huge_<class> extension, Turn 1 = 4096/1024), or a shared-prefix workload "
+        "shared<L>_<G>x<C>_<turn1>_<class>: G groups of C conversations, each group's opening with the "
+        "same L-token system prompt (16..8192), e.g. shared2048_4x8_small_mid_bal",
     )
     run.add_argument("--qps", type=positive, required=True, help="conversation arrival rate (per second)")
     run.add_argument("--duration", type=positive, required=True, help="seconds of arrivals")
@@ -72,7 +76,8 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--turns",
         type=int,
         default=None,
-        help=f"turns per conversation, 1..{MAX_TURNS} (default: 2 synthetic, all recorded for ShareGPT)",
+        help=f"turns per conversation, 1..{MAX_TURNS} (default: 2 synthetic and shared-prefix, all recorded "
+        "for ShareGPT)",
     )
     run.add_argument(
         "--mode",
@@ -136,6 +141,10 @@ def _workload(args: argparse.Namespace, qps: float, duration: float) -> Workload
             max_output_tokens=args.max_output_tokens, max_context_tokens=args.max_context_tokens
         )
         return sharegpt_pool(counter, seed=args.seed, count=count, limits=limits, turns=args.turns)
+    if is_shared_prefix(args.workload):
+        return SharedPrefixWorkload(
+            name=args.workload, words=single_token_words(counter), seed=args.seed, turns=args.turns or 2
+        )
     return SyntheticWorkload(
         name=args.workload, words=single_token_words(counter), seed=args.seed, turns=args.turns or 2
     )

@@ -11,12 +11,20 @@ Rule 3: TTFT is the time to the first non-empty ``delta.content``; TPOT is (e2e 
 Rule 5: every run sends its own conversation ids: the workload's ``<workload>-s<seed>-<index>`` plus
         ``-r<run_tag>`` (random per run unless given), as ``X-Session-ID`` and in the records, so a second
         run with the same seed never joins the sessions a gateway still holds from the first.
-Rule 6: every run also sends its own text (``isolate_prefix_cache``, on by default): the first message
-        of each conversation starts with ``[<conversation id>] ``, so no prompt of this run shares a
+Rule 6: every run also sends its own text (``isolate_prefix_cache``, on by default): the first user
+        message of each conversation starts with ``[<conversation id>] ``, so no prompt of this run shares a
         prefix-cache block with another run's on the same workers (vLLM and the simulator cache by
         token content, not by id: without it, the local run after a pd run of the same conversations
         would find every Turn 2+ prompt already computed and measure a one-token prefill). Turn 1's
         ``n_in`` in the records is the workload's count, without those few marker tokens.
+Rule 7: a conversation with a shared prefix (``Conversation.prefix``, the shared-prefix workloads) is
+        sent with it as its first message, role ``system``, in every turn. Rule 6's marker for it names
+        the prefix's group and this run, ``[<group id>-r<run_tag>] ``, never the conversation: every
+        conversation of a group sends the very same system message within a run (their prompts share
+        its KV blocks, which is what the workload measures), and no run shares it with another run.
+        The conversation's own marker opens its first user message, after the shared part. Turn 1's
+        ``n_in`` in the records counts the prefix's tokens too (they are new input for Turn 1), still
+        without the markers.
 Rule 4: a request over ``timeout_s`` (30 s), a non-200 status, a dropped connection or an SSE error
         event is a failed request with the reason in ``error``; the rest of that conversation is not
         sent (success rate = completed / sent).
@@ -346,10 +354,17 @@ async def _conversation(
     """Send the conversation's turns in order; returns how many were sent."""
     messages: list[dict[str, str]] = []
     n_ctx = 0
+    n_prefix = 0
     conversation_id = f"{conversation.id}-r{settings.run_tag}"
+    prefix = conversation.prefix
+    if prefix is not None:  # rule 7
+        shared_marker = f"[{prefix.id}-r{settings.run_tag}] " if settings.isolate_prefix_cache else ""
+        messages.append({"role": "system", "content": shared_marker + prefix.content})
+        n_prefix = prefix.n_tokens
     for number, turn in enumerate(conversation.turns, start=1):
         marker = f"[{conversation_id}] " if number == 1 and settings.isolate_prefix_cache else ""
         messages.append({"role": "user", "content": marker + turn.content})
+        n_in = turn.n_in + n_prefix if number == 1 else turn.n_in
         start_time = time.time()
         outcome = await client.send(conversation_id, number, list(messages), turn.n_out)
         emit(
@@ -362,7 +377,7 @@ async def _conversation(
                 workload=settings.workload,
                 conversation_id=conversation_id,
                 turn=number,
-                n_in=turn.n_in,
+                n_in=n_in,
                 n_out=outcome.n_out if outcome.ok else turn.n_out,
                 n_ctx=n_ctx,
                 path=outcome.path,
@@ -381,5 +396,5 @@ async def _conversation(
         if outcome.prompt_tokens is not None:
             n_ctx = outcome.prompt_tokens + outcome.n_out
         else:
-            n_ctx += turn.n_in + outcome.n_out
+            n_ctx += n_in + outcome.n_out
     return len(conversation.turns)

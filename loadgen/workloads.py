@@ -6,6 +6,12 @@ Rule 2: ``Turn.n_in`` is the exact token count of ``Turn.content`` under the inj
         ``Turn.n_out`` is the answer length the client asks for (``max_tokens`` with ``ignore_eos``).
 Rule 3: synthetic names are ``<turn1>_<class>`` (``catalog.py``, docs/architecture.md "Reference facts");
         Turn 1 uses the Turn-1 setting, every later turn uses the class's (n_in, n_out).
+Rule 4: shared-prefix names are ``shared<L>_<G>x<C>_<turn1>_<class>`` (``catalog.SharedPrefixSpec``):
+        each conversation is a synthetic ``<turn1>_<class>`` one opened by its group's system prompt
+        (``Conversation.prefix``) of exactly ``L`` tokens, drawn from a stream seeded by (name, seed,
+        group) alone, so every conversation of a group carries the same prompt, byte for byte. What
+        keeps two runs' prompts apart is the load generator's per-run marker (``loadgen.load`` rule 6),
+        not this module: the text here is the same in every run of a seed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ __all__ = [
     "SYNTHETIC_WORKLOADS",
     "Conversation",
     "ConversationPool",
+    "SharedPrefix",
+    "SharedPrefixWorkload",
     "SyntheticWorkload",
     "Turn",
     "Workload",
@@ -70,9 +78,21 @@ class Turn:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """A system prompt that several conversations open with: ``id`` names the group (the same for all
+    of them), ``n_tokens`` is the exact token count of ``content``."""
+
+    id: str
+    content: str
+    n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Conversation:
     id: str
     turns: tuple[Turn, ...]
+    #: Sent as the system message before Turn 1; None for conversations that open with the user.
+    prefix: SharedPrefix | None = None
 
 
 class Workload(Protocol):
@@ -97,8 +117,15 @@ def parse_synthetic_name(name: str) -> tuple[str, str]:
     try:
         workload = catalog.parse_workload(name)
     except ValueError as exc:
-        raise WorkloadError(f"{exc}, or '{_SHAREGPT}'") from None
+        raise WorkloadError(
+            f"{exc}, or '{_SHAREGPT}', or a shared-prefix shared<L>_<G>x<C>_<turn1>_<class>"
+        ) from None
     return workload.turn1, workload.turn2
+
+
+def _words(rng: random.Random, words: tuple[str, ...], n: int) -> str:
+    """``n`` single-token words joined by spaces: exactly ``n`` tokens."""
+    return " ".join(rng.choices(words, k=n))
 
 
 def _check_turns(turns: int) -> None:
@@ -130,10 +157,58 @@ class SyntheticWorkload:
         rng = random.Random(f"{self.name}:{self.seed}:{index}")  # noqa: S311 - reproducible, not secret
         sizes = [workload.first] + [workload.second] * (self.turns - 1)
         turns = tuple(
-            Turn(content=" ".join(rng.choices(self.words, k=size.n_in)), n_in=size.n_in, n_out=size.n_out)
+            Turn(content=_words(rng, self.words, size.n_in), n_in=size.n_in, n_out=size.n_out)
             for size in sizes
         )
         return Conversation(id=f"{self.name}-s{self.seed}-{index}", turns=turns)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPrefixWorkload:
+    """Synthetic conversations in groups that open with one shared system prompt each (rule 4).
+
+    Conversation ``index`` belongs to group ``spec.group_of(index)`` (round-robin, a fresh set of
+    prompts after ``G·C`` conversations); its prompt is drawn from the stream of (name, seed, group),
+    its own turns from the stream of (name, seed, index), as ``SyntheticWorkload`` draws them.
+    """
+
+    name: str
+    words: tuple[str, ...]
+    seed: int = 0
+    turns: int = 2
+    spec: catalog.SharedPrefixSpec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            spec = catalog.parse_shared_prefix(self.name)
+        except ValueError as exc:
+            raise WorkloadError(str(exc)) from None
+        _check_turns(self.turns)
+        if not self.words:
+            raise WorkloadError("a shared-prefix workload needs a non-empty word list")
+        object.__setattr__(self, "spec", spec)
+
+    def prefix(self, group: int) -> SharedPrefix:
+        """The system prompt of ``group`` (the same for every conversation of the group)."""
+        rng = random.Random(f"{self.name}:{self.seed}:prefix:{group}")  # noqa: S311 - reproducible
+        n = self.spec.prefix_tokens
+        return SharedPrefix(
+            id=f"{self.name}-s{self.seed}-g{group}", content=_words(rng, self.words, n), n_tokens=n
+        )
+
+    def conversation(self, index: int) -> Conversation:
+        shape = self.spec.workload
+        rng = random.Random(f"{self.name}:{self.seed}:{index}")  # noqa: S311 - reproducible, not secret
+        sizes = [shape.first] + [shape.second] * (self.turns - 1)
+        turns = tuple(
+            Turn(content=_words(rng, self.words, size.n_in), n_in=size.n_in, n_out=size.n_out)
+            for size in sizes
+        )
+        return Conversation(
+            id=f"{self.name}-s{self.seed}-{index}",
+            turns=turns,
+            prefix=self.prefix(self.spec.group_of(index)),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,4 +239,4 @@ class ConversationPool:
         chosen = self.conversations[self._order[slot]]
         turns = chosen.turns if self.turns is None else chosen.turns[: self.turns]
         conv_id = chosen.id if lap == 0 else f"{chosen.id}~{lap}"
-        return Conversation(id=conv_id, turns=turns)
+        return Conversation(id=conv_id, turns=turns, prefix=chosen.prefix)

@@ -48,7 +48,7 @@ from decision_service.axes import Axes, paper_axes
 from decision_service.classify import CompiledClassifier
 from decision_service.header import BIDIR_FIGURES, Figure, TableHeader, Weights
 from decision_service.table import TableSpec, encode_table
-from ppd.catalog import TURN1_SETTINGS
+from ppd.catalog import TURN1_SETTINGS, is_shared_prefix, named_class
 from table_builder.aggregate import (
     COMPARED_MODES,
     CellKey,
@@ -236,8 +236,9 @@ def table_file_name(shape: str, model: str) -> str:
 def axes_locator(axes: Axes) -> Locator:
     """A :class:`Locator` over ``axes`` using the decision service's own classifier.
 
-    A turn of a synthetic benchmark run named ``<turn1>_<class>`` whose (n_in, n_out) is exactly that
-    class's benchmark shape files under ``<class>``, even where the live classifier would say otherwise
+    A turn of a synthetic benchmark run named ``<turn1>_<class>`` (or a shared-prefix run
+    ``shared<L>_<G>x<C>_<turn1>_<class>``) whose (n_in, n_out) is exactly that class's benchmark shape
+    files under ``<class>``, even where the live classifier would say otherwise
     (the paper's ``tiny`` (16, 32) has r = 0.5, which the classifier calls balanced): the benchmark
     measured that class, as the paper's artifact files results by workload name. Every other request
     (ShareGPT, production logs, a renamed run) is classified from its token counts, like a live one.
@@ -248,8 +249,12 @@ def axes_locator(axes: Axes) -> Locator:
     def locate(*, n_ctx: int, n_in: int, n_out: int, qps: float, workload: str | None = None) -> CellKey:
         w = classifier.workload(n_in, n_out)
         if workload is not None:
-            turn1, _, name = workload.partition("_")
-            named = by_name.get(name) if turn1 in TURN1_SETTINGS else None
+            if is_shared_prefix(workload):
+                name = named_class(workload) or ""
+            else:
+                turn1, _, name = workload.partition("_")
+                name = name if turn1 in TURN1_SETTINGS else ""
+            named = by_name.get(name)
             if named is not None and named[1:] == (n_in, n_out):
                 w = named[0]
         return CellKey(classifier.context(n_ctx), w, classifier.qps(qps))

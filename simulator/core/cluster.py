@@ -34,6 +34,11 @@ may send a Turn 2+ request down the path the table did not choose, within the sa
 verdict's ``alternative_allowed``; the decode-load guard, a ``LIVE_SIGNAL`` verdict; the cap per
 decode worker, in virtual time); its record then carries ``explored`` and ``propensity`` as the
 gateway's request log does (left out at their defaults: ε = 0 gives the records of no exploration).
+KV blocks: each conversation is one synthetic stream (``kv_cache.StreamBlocks``), the same object for
+all its turns, so a turn's prompt hits the blocks of the earlier turns wherever they are still cached.
+A shared-prefix conversation (``Conversation.prefix``) puts its group's prompt stream in front for the
+prompt's full blocks (``kv_cache.PrefixedBlocks``): the conversations of one (workload, group) share
+those blocks in every engine's prefix cache, as vLLM's share a common system prompt.
 A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
 its engines, and ends its conversation.
 
@@ -82,7 +87,7 @@ from simulator.core.engine import (
     KvPullMode,
     StepResult,
 )
-from simulator.core.kv_cache import StreamBlocks
+from simulator.core.kv_cache import BlockContent, PrefixedBlocks, StreamBlocks
 from simulator.core.link import Link, TransferMode
 from simulator.core.profile import Profile
 from simulator.core.topology import Topology
@@ -191,9 +196,35 @@ class _LinkState:
         self.reverse = reverse  # D->P: a bidirectional P leg reading the session's D
 
 
+class _Blocks:
+    """The KV blocks of each conversation of one run (the cluster's block content)."""
+
+    __slots__ = ("_block_size", "_prefix_streams")
+
+    def __init__(self, block_size: int) -> None:
+        self._block_size = block_size
+        # Shared-prefix conversations: (workload, group) -> the stream of the group's prompt.
+        self._prefix_streams: dict[tuple[str, int], int] = {}
+
+    def of(self, conv: Conversation, n: int) -> BlockContent:
+        """The blocks of the ``n``-th conversation: its own stream, behind its group's shared prompt
+        when it has one (the prompt's full blocks are the same for the whole group)."""
+        own = StreamBlocks(n)
+        prefix = conv.prefix
+        if prefix is None:
+            return own
+        key = (conv.workload, prefix.group)
+        stream = self._prefix_streams.get(key)
+        if stream is None:
+            # Negative ids: StreamBlocks' hashes of -2, -3, ... never meet a conversation's (n >= 0).
+            stream = self._prefix_streams[key] = -2 - len(self._prefix_streams)
+        return PrefixedBlocks(StreamBlocks(stream), prefix.n_tokens // self._block_size, own)
+
+
 class _Req:
     __slots__ = (
         "arrival",
+        "content",
         "conv",
         "d",
         "deadline",
@@ -211,14 +242,15 @@ class _Req:
         "path",
         "propensity",
         "rid",
-        "stream",
         "transfer",
     )
 
-    def __init__(self, conv: Conversation, idx: int, stream: int, arrival: float, n_ctx: int) -> None:
+    def __init__(
+        self, conv: Conversation, idx: int, content: BlockContent, arrival: float, n_ctx: int
+    ) -> None:
         self.conv = conv
         self.idx = idx
-        self.stream = stream
+        self.content = content  # the conversation's KV blocks, the same object for all its turns
         self.arrival = arrival
         self.deadline = math.inf
         turn = conv.turns[idx]
@@ -297,6 +329,7 @@ class _Sim:
                         Link(spec, config.transfer_mode, physical), reverse=True
                     )
         self.d_ttl = config.decoder_kv_blocks_ttl_s if self.pins else None
+        self.blocks = _Blocks(profile.scheduler.block_size)
         # Conversations whose last D leg pinned its blocks (three-way ppd may send the next turn bidir).
         self.pinned: set[str] = set()
         ov = profile.overheads
@@ -351,7 +384,7 @@ class _Sim:
     def run(self, conversations: Iterable[Conversation]) -> ClusterResult:
         for n, conv in enumerate(conversations):
             if conv.turns:
-                self.push(conv.start, _ARRIVE, _Req(conv, 0, n, conv.start, 0))
+                self.push(conv.start, _ARRIVE, _Req(conv, 0, self.blocks.of(conv, n), conv.start, 0))
         heap = self.heap
         while heap:
             t, _, kind, obj = heapq.heappop(heap)
@@ -493,7 +526,7 @@ class _Sim:
             r = EngineRequest(
                 request_id=req.rid,
                 n_prompt=n_prompt,
-                content=StreamBlocks(req.stream),
+                content=req.content,
                 max_tokens=1,
                 remote_decode=True,
                 # bidir: the KV D computed last turn (its prompt + output but the last token)
@@ -507,7 +540,7 @@ class _Sim:
             r = EngineRequest(
                 request_id=req.rid,
                 n_prompt=n_prompt,
-                content=StreamBlocks(req.stream),
+                content=req.content,
                 max_tokens=req.n_out,
                 ignore_eos=True,
             )
@@ -585,7 +618,7 @@ class _Sim:
                 r = EngineRequest(
                     request_id=req.rid,
                     n_prompt=req.n_ctx + req.n_in,
-                    content=StreamBlocks(req.stream),
+                    content=req.content,
                     max_tokens=req.n_out,
                     ignore_eos=True,
                     remote_prefill=True,
@@ -707,7 +740,7 @@ class _Sim:
         nxt = req.idx + 1
         if nxt < len(req.conv.turns):
             at = t + self.cfg.think_time_s
-            self.push(at, _ARRIVE, _Req(req.conv, nxt, req.stream, at, req.n_ctx + req.n_in + req.n_out))
+            self.push(at, _ARRIVE, _Req(req.conv, nxt, req.content, at, req.n_ctx + req.n_in + req.n_out))
 
     def fail(self, req: _Req, error: str, t: float) -> None:
         if req.done:

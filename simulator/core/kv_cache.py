@@ -84,7 +84,11 @@ class TokenBlocks:
 
 
 class StreamBlocks:
-    """Block *i* of synthetic stream ``stream_id``; every turn of one conversation shares the stream."""
+    """Block *i* of synthetic stream ``stream_id``; every turn of one conversation shares the stream.
+
+    Conversations use ids 0, 1, 2, ...; the cluster gives shared system prompts -2, -3, ... (their
+    hashes are positive, a conversation's negative, so the two never meet).
+    """
 
     __slots__ = ("_base",)
 

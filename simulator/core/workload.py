@@ -9,6 +9,12 @@ Synthetic names are ``<turn1>_<class>`` (docs/architecture.md "Reference facts")
 ``qps`` conversations per second for ``duration_s`` seconds, from a seeded generator. The workload
 catalog (Turn-1 settings, the nine classes) and the arrival process have one definition each, in
 ``ppd/catalog.py`` and ``ppd/arrivals.py``.
+
+Shared-prefix names ``shared<L>_<G>x<C>_<turn1>_<class>`` (``ppd.catalog.SharedPrefixSpec``): each
+conversation opens with its group's system prompt of ``L`` tokens (``Conversation.prefix``), counted in
+Turn 1's ``n_in``. The cluster gives every conversation of a group the same KV blocks for the prompt's
+full blocks (``kv_cache.PrefixedBlocks`` over the group's stream), so its prefix cache hits them as
+vLLM's hits a shared system prompt; groups, and separate calls, never share a block.
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ppd.arrivals import poisson_arrivals
-from ppd.catalog import WORKLOADS, parse_workload
+from ppd.catalog import WORKLOADS, parse_shared_prefix, parse_workload
 
 __all__ = [
     "Conversation",
+    "SharedPrefix",
     "Turn",
     "poisson_starts",
+    "shared_prefix_conversations",
     "sharegpt_like",
     "synthetic_conversations",
     "synthetic_workloads",
@@ -39,11 +47,20 @@ class Turn:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedPrefix:
+    """The first ``n_tokens`` of Turn 1's input are group ``group``'s system prompt."""
+
+    group: int
+    n_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Conversation:
     conversation_id: str
     workload: str
     start: float
     turns: tuple[Turn, ...]
+    prefix: SharedPrefix | None = None
 
 
 def synthetic_workloads() -> list[str]:
@@ -68,6 +85,29 @@ def synthetic_conversations(
     turns = (Turn(shapes.first.n_in, shapes.first.n_out), Turn(shapes.second.n_in, shapes.second.n_out))
     return [
         Conversation(f"{workload}-{seed}-{i}", workload, t, turns)
+        for i, t in enumerate(poisson_starts(qps, duration_s, seed))
+    ]
+
+
+def shared_prefix_conversations(
+    workload: str, qps: float, duration_s: float, seed: int = 0, *, turns: int = 2
+) -> list[Conversation]:
+    """Conversations of a shared-prefix workload (``shared2048_4x8_small_mid_bal``), Poisson at ``qps``.
+
+    Turn 1 is the group's prompt plus the Turn-1 setting's input; turns 2.. are the class's. Raises
+    ``ValueError`` for a malformed name or ``turns`` < 1.
+    """
+    spec = parse_shared_prefix(workload)
+    if turns < 1:
+        raise ValueError(f"turns must be at least 1, got {turns}")
+    first, second = spec.workload.first, spec.workload.second
+    shape = (Turn(spec.prefix_tokens + first.n_in, first.n_out),) + (Turn(second.n_in, second.n_out),) * (
+        turns - 1
+    )
+    return [
+        Conversation(
+            f"{workload}-{seed}-{i}", workload, t, shape, SharedPrefix(spec.group_of(i), spec.prefix_tokens)
+        )
         for i, t in enumerate(poisson_starts(qps, duration_s, seed))
     ]
 

@@ -33,6 +33,20 @@ def test_bench_virtual_sharegpt_like_needs_no_dataset(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.bench
+def test_bench_virtual_runs_a_shared_prefix_workload_and_its_prompts_hit_the_cache(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--qps", "4", "--duration", "5", "--repeat", "1", "--modes", "pd", "--json"]
+    assert main([*base, "--workload", "shared2048_2x8_small_mid_bal"]) == 0
+    assert main([*base, "--workload", "small_mid_bal"]) == 0
+    shared, plain = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert shared["workload"] == "shared2048_2x8_small_mid_bal"
+    assert shared["success_rate"] == 1.0
+    # Turn 2 finds its history either way; only the shared prompts lift the rate further.
+    assert shared["prefix_cache_hit_rate"] > plain["prefix_cache_hit_rate"]
+
+
+@pytest.mark.bench
 def test_bench_virtual_is_a_ppd_sim_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench-virtual", "--workload", "small_tiny", "--qps", "2", "--duration", "3", "--repeat", "1"]
     assert cli_main([*argv, "--modes", "replica", "--shape", "4R"]) == 0

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from loadgen.tokens import llama3_counter
@@ -7,6 +9,7 @@ from loadgen.workloads import (
     SYNTHETIC_WORKLOADS,
     Conversation,
     ConversationPool,
+    SharedPrefixWorkload,
     SyntheticWorkload,
     Turn,
     WorkloadError,
@@ -93,3 +96,60 @@ def test_pool_can_cut_conversations_to_fewer_turns() -> None:
     assert len(pool.conversation(0).turns) == 2
     with pytest.raises(WorkloadError):
         ConversationPool(name="p", conversations=[])
+
+
+SHARED = "shared1024_3x2_small_mid_bal"
+
+
+def test_shared_prefix_conversations_share_their_groups_prompt_and_only_it() -> None:
+    workload = SharedPrefixWorkload(name=SHARED, words=WORDS, seed=5, turns=3)
+    convs = [workload.conversation(i) for i in range(9)]
+    prefixes = [c.prefix for c in convs]
+    assert all(p is not None for p in prefixes)
+    by_group = {0: [0, 3], 1: [1, 4], 2: [2, 5], 3: [6], 4: [7], 5: [8]}
+    for group, members in by_group.items():
+        assert {prefixes[i] for i in members} == {workload.prefix(group)}
+        assert workload.prefix(group).id == f"{SHARED}-s5-g{group}"
+    texts = [workload.prefix(g).content for g in by_group]
+    assert len(set(texts)) == len(texts)  # no two groups share a prompt, the next round neither
+    assert len({t[:60] for t in texts}) == len(texts)  # nor its start
+    # The conversations' own turns are their own: a group shares its prompt, nothing after it.
+    assert convs[0].turns[0].content != convs[3].turns[0].content
+    assert len({c.id for c in convs}) == 9
+
+
+def test_shared_prefix_token_counts_are_exact() -> None:
+    workload = SharedPrefixWorkload(name="shared2048_2x4_large_tiny", words=WORDS, seed=1)
+    conv = workload.conversation(3)
+    assert conv.prefix is not None
+    assert COUNTER.count(conv.prefix.content) == conv.prefix.n_tokens == 2048
+    assert [(t.n_in, t.n_out) for t in conv.turns] == [(1024, 1024), (16, 32)]
+    for turn in conv.turns:
+        assert COUNTER.count(turn.content) == turn.n_in
+
+
+def test_shared_prefix_text_is_seeded() -> None:
+    a = SharedPrefixWorkload(name=SHARED, words=WORDS, seed=1)
+    b = SharedPrefixWorkload(name=SHARED, words=WORDS, seed=1)
+    c = SharedPrefixWorkload(name=SHARED, words=WORDS, seed=2)
+    assert a.conversation(4) == b.conversation(4)
+    assert a.prefix(1) != c.prefix(1)
+    assert a.conversation(4).turns != c.conversation(4).turns
+
+
+@pytest.mark.parametrize(
+    ("name", "turns", "fragment"),
+    [
+        ("shared2048_4x8_medium_tiny", 2, "unknown synthetic workload 'medium_tiny'"),
+        ("shared8_4x8_small_tiny", 2, "it must be 16..8192"),
+        ("shared2048_4x8", 2, "expected shared<L>_<G>x<C>_<turn1>_<class>"),
+        ("shared2048_4x8_small_tiny", 17, "1..16"),
+    ],
+)
+def test_bad_shared_prefix_workloads_are_refused_with_the_reason(
+    name: str, turns: int, fragment: str
+) -> None:
+    with pytest.raises(WorkloadError, match=re.escape(fragment)):
+        SharedPrefixWorkload(name=name, words=WORDS, turns=turns)
+    with pytest.raises(WorkloadError, match="non-empty word list"):
+        SharedPrefixWorkload(name=SHARED, words=())

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from decision_service.axes import paper_axes
@@ -8,6 +10,9 @@ from ppd.catalog import (
     TURN1_SETTINGS,
     TURN2_CLASSES,
     WORKLOADS,
+    SharedPrefixSpec,
+    named_class,
+    parse_shared_prefix,
     parse_workload,
     select_workloads,
 )
@@ -37,3 +42,43 @@ def test_names_parse_and_groups_select() -> None:
     assert select_workloads("all,huge,all") == WORKLOADS + HUGE_WORKLOADS
     with pytest.raises(ValueError, match="unknown synthetic workload"):
         parse_workload("medium_tiny")
+
+
+def test_shared_prefix_names_parse_round_trip_and_name_their_class() -> None:
+    spec = parse_shared_prefix("shared2048_4x8_small_mid_bal")
+    assert spec == SharedPrefixSpec(2048, 4, 8, "small", "mid_bal")
+    assert spec.name == "shared2048_4x8_small_mid_bal"
+    assert spec.workload == parse_workload("small_mid_bal")
+    assert parse_shared_prefix("shared16_1x1_huge_very_long_gen").turn2 == "very_long_gen"
+    assert named_class("shared2048_4x8_large_tiny") == "tiny"
+    assert named_class("large_tiny") == "tiny"
+    assert named_class("sharegpt") is None
+    assert named_class("shared2048_4x8_medium_tiny") is None
+
+
+def test_conversations_go_round_robin_over_the_groups_and_a_prompt_never_serves_more_than_c() -> None:
+    spec = parse_shared_prefix("shared1024_3x2_small_tiny")
+    groups = [spec.group_of(i) for i in range(14)]
+    assert groups == [0, 1, 2, 0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7]
+    assert max(groups.count(g) for g in set(groups)) == 2
+    with pytest.raises(ValueError, match=">= 0"):
+        spec.group_of(-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("shared", "expected shared<L>_<G>x<C>_<turn1>_<class>"),
+        ("shared2k_4x8_small_tiny", "expected shared<L>_<G>x<C>_<turn1>_<class>"),
+        ("shared2048_4_small_tiny", "expected shared<L>_<G>x<C>_<turn1>_<class>"),
+        ("shared2048_4x8_medium_tiny", "unknown synthetic workload 'medium_tiny'"),
+        ("shared2048_4x8_small_nope", "unknown synthetic workload 'small_nope'"),
+        ("shared8_4x8_small_tiny", "8 tokens: it must be 16..8192"),
+        ("shared9000_4x8_small_tiny", "9000 tokens: it must be 16..8192"),
+        ("shared2048_0x8_small_tiny", "groups must be 1..10000, got 0"),
+        ("shared2048_4x0_small_tiny", "conversations per group must be 1..10000, got 0"),
+    ],
+)
+def test_bad_shared_prefix_names_say_what_is_wrong(name: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        parse_shared_prefix(name)

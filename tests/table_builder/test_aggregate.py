@@ -142,6 +142,10 @@ def test_artifact_points_are_weighted_by_their_counts() -> None:
         ("small_bal", 64, 64, "small_bal"),  # a bare class name is not a synthetic workload name
         ("prod_tiny", 16, 32, "small_bal"),  # not a Turn-1 setting: a renamed run, classified
         (None, 16, 32, "small_bal"),
+        ("shared2048_4x8_small_tiny", 16, 32, "tiny"),  # a shared-prefix run files like its class
+        ("shared2048_4x8_large_mid_paste", 256, 64, "mid_paste"),
+        ("shared2048_4x8_small_tiny", 17, 32, "small_bal"),
+        ("shared9_4x8_small_tiny", 16, 32, "small_bal"),  # malformed (prompt too short): classified
     ],
 )
 def test_synthetic_runs_file_under_the_class_they_are_named_for(
