@@ -1,0 +1,148 @@
+"""Prefix-aware placement end to end (plan.py rule 8, ppd/placement.py): simulated P and D workers
+publish their KV events, the gateway follows every one of them, and a Turn 2 that goes through P goes
+to the P holding the conversation's history; an unsynced stream, or placement least_loaded, takes the
+least-loaded P as before."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.app import DEPS
+from gateway.deps import Deps
+from gateway.residency import KvTracking
+from ppd.kv_events import BlockHasher, KvEventsConfig
+from simulator.server.worker_group import WorkerGroup
+from tests.simulator.client import start_group
+from tests.support.gateway_app import served_gateway
+from tests.support.metrics import sample
+from tests.support.polling import eventually
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+EVENTS = KvEventsConfig(True, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+
+
+@pytest.fixture
+async def workers() -> AsyncIterator[WorkerGroup]:
+    group = await start_group("2P1D", kv_events=EVENTS)
+    try:
+        yield group
+    finally:
+        await group.stop()
+
+
+class Gateway:
+    def __init__(self, server: TestServer, http: aiohttp.ClientSession, workers: WorkerGroup) -> None:
+        self.server, self.http, self.workers = server, http, workers
+
+    @property
+    def kv(self) -> KvTracking:
+        deps: Deps = self.server.app[DEPS]
+        assert deps.kv is not None
+        return deps.kv
+
+    async def chat(self, messages: list[dict[str, Any]]) -> tuple[dict[str, str], str]:
+        body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
+        async with self.http.post(str(self.server.make_url("/v1/chat/completions")), json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            answer: str = (await resp.json())["choices"][0]["message"]["content"]
+            return dict(resp.headers), answer
+
+    async def metrics(self) -> str:
+        async with self.http.get(str(self.server.make_url("/metrics"))) as resp:
+            return await resp.text()
+
+    async def holds(self, worker: str, messages: list[dict[str, Any]]) -> bool:
+        """Whether the gateway sees ``worker`` hold every whole block of the prompt ``messages``."""
+        url = next(w.url for w in self.workers.workers if w.settings.worker_id == worker)
+        async with self.http.post(f"{url}/tokenize", json={"model": MODEL, "messages": messages}) as resp:
+            tokens: list[int] = (await resp.json())["tokens"]
+        hashes = BlockHasher.from_environ(os.environ).chain(tokens)
+        return bool(hashes) and self.kv.residency.resident_blocks(worker, hashes) == len(hashes)
+
+
+async def _gateway(workers: WorkerGroup, placement: str) -> AsyncIterator[Gateway]:
+    ws = {w.settings.worker_id: w for w in workers.workers}
+    config: dict[str, Any] = {
+        "mode": "pd",
+        "workers": [{"id": i, "role": w.settings.role, "url": w.url} for i, w in ws.items()],
+        "pool": {"health_interval_s": 3600.0},
+        "sessions": {"sweep_interval_s": 3600.0},
+        "routing": {"placement": placement},
+        "kv_events": {
+            "endpoints": {i: w.describe()["kv_events"] for i, w in ws.items()},
+            "replay_endpoints": {i: w.describe()["kv_events_replay"] for i, w in ws.items()},
+            "hash_seed": os.environ.get("PYTHONHASHSEED", ""),
+            "block_size": 16,
+        },
+    }
+    async with served_gateway(config) as (server, http):
+        gw = Gateway(server, http, workers)
+        for worker in ws:
+            await eventually(
+                lambda w=worker: _true(gw.kv.residency.synced(w)), what=f"{worker}'s events synced"
+            )
+        yield gw
+
+
+@pytest.fixture
+async def gateway(workers: WorkerGroup) -> AsyncIterator[Gateway]:
+    async for gw in _gateway(workers, "prefix"):
+        yield gw
+
+
+@pytest.fixture
+async def least_loaded(workers: WorkerGroup) -> AsyncIterator[Gateway]:
+    async for gw in _gateway(workers, "least_loaded"):
+        yield gw
+
+
+async def _first_turn(gw: Gateway) -> tuple[list[dict[str, Any]], str]:
+    """Turn 1 of a conversation, once the gateway sees its P hold the prompt; (history, that P)."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Describe the harbour at dawn " * 8}]
+    headers, answer = await gw.chat(messages)
+    p = headers["X-PPD-Prefill-Worker"]
+    await eventually(lambda: gw.holds(p, messages), what=f"the gateway seeing {p} hold turn 1")
+    return [
+        *messages,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "and at dusk?"},
+    ], p
+
+
+async def test_a_pd_turn_two_goes_to_the_p_holding_the_history(gateway: Gateway) -> None:
+    messages, p = await _first_turn(gateway)
+    # The least-loaded P is the other one now (equal load: the one picked least recently).
+    headers, _ = await gateway.chat(messages)
+    assert (headers["X-PPD-Path"], headers["X-PPD-Turn"]) == ("pd", "2")
+    assert headers["X-PPD-Prefill-Worker"] == p
+    text = await gateway.metrics()
+    assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) == 1
+    assert sample(text, "ppd_gateway_placements_total", {"role": "decode", "by": "least_loaded"}) == 1
+
+
+async def test_an_unsynced_stream_falls_back_to_the_least_loaded_p(gateway: Gateway) -> None:
+    messages, p = await _first_turn(gateway)
+    # As after a sequence gap. Its subscriber asks for a replay only when it next wakes up, on a
+    # message from that P: none comes before turn 2 is placed.
+    gateway.kv.residency.lost(p)
+    headers, _ = await gateway.chat(messages)
+    assert headers["X-PPD-Path"] == "pd"
+    assert headers["X-PPD-Prefill-Worker"] != p
+    text = await gateway.metrics()
+    assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) is None
+
+
+async def test_least_loaded_placement_ignores_the_history(least_loaded: Gateway) -> None:
+    messages, p = await _first_turn(least_loaded)
+    headers, _ = await least_loaded.chat(messages)
+    assert headers["X-PPD-Prefill-Worker"] != p
+
+
+async def _true(value: bool) -> bool:
+    return value
