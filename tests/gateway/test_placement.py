@@ -83,10 +83,9 @@ async def _gateway(workers: WorkerGroup, placement: str) -> AsyncIterator[Gatewa
     }
     async with served_gateway(config) as (server, http):
         gw = Gateway(server, http, workers)
-        for worker in ws:
-            await eventually(
-                lambda w=worker: _true(gw.kv.residency.synced(w)), what=f"{worker}'s events synced"
-            )
+        await eventually(
+            lambda: _true(all(gw.kv.residency.synced(w) for w in ws)), what="every worker's events synced"
+        )
         yield gw
 
 
