@@ -30,6 +30,9 @@ class EngineOptions:
     seed: int = 0
     #: Seconds of Poisson arrivals per grid point (the paper uses 10 s).
     duration_s: float = 10.0
+    #: How the runs place P and the Turn-1 D (ppd/placement.py); an engine that models placement has a
+    #: ``placement`` attribute, and a sweep asking another engine for "prefix" is refused.
+    placement: str = "least_loaded"
 
 
 def engine_names() -> tuple[str, ...]:

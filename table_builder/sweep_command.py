@@ -36,7 +36,16 @@ def _engine(args: argparse.Namespace, modes: tuple[str, ...]) -> tuple[Engine, t
     (logged) when it cannot run with these arguments."""
     from table_builder.engines import EngineOptions, make_engine
 
-    engine = make_engine(args.engine, EngineOptions(seed=args.seed, duration_s=args.duration))
+    engine = make_engine(
+        args.engine, EngineOptions(seed=args.seed, duration_s=args.duration, placement=args.placement)
+    )
+    if getattr(engine, "placement", "least_loaded") != args.placement:
+        logger.error(
+            "the %s engine does not model placement; --placement %s needs one that does (sim)",
+            engine.name,
+            args.placement,
+        )
+        return None
     # An engine on real workers runs its points one at a time and holds processes until closed.
     max_jobs: int | None = getattr(engine, "max_jobs", None)
     if max_jobs is not None and args.jobs > max_jobs:
