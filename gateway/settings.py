@@ -136,6 +136,8 @@ class RoutingSettings:
     # [kv_events]) unless it is more than placement_max_imbalance requests busier than the least
     # loaded; "least_loaded" always takes the least loaded. Without [kv_events] both are the same.
     placement: Literal["prefix", "least_loaded"] = "prefix"
+    # Requests a worker holding the prefix may be busier than the least loaded and still be taken
+    # (docs/concepts/placement.md: measured on the virtual-time cluster).
     placement_max_imbalance: float = 4.0
 
     def placement_settings(self) -> PlacementSettings:
