@@ -234,6 +234,9 @@ class KvEventSettings:
     block_size: int = 16
     # Blocks tracked per worker; past it the oldest stored is forgotten (residency under-estimated).
     max_blocks_per_worker: int = 1_000_000
+    # Workers registered through the admin API may name their publisher (fields kv_events and
+    # kv_events_replay) and are then tracked too; needed when no static worker names one.
+    accept_registered: bool = False
     # A replay that sends nothing this long is given up (the worker stays unsynced; retried later).
     replay_timeout_s: float = 5.0
     # Largest frame taken from a publisher or replay socket (ZMQ_MAXMSGSIZE); a larger one drops the

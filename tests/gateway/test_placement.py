@@ -5,6 +5,7 @@ least-loaded P as before."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -145,3 +146,88 @@ async def test_least_loaded_placement_ignores_the_history(least_loaded: Gateway)
 
 async def _true(value: bool) -> bool:
     return value
+
+
+# ------------------------------------------------------------------ workers registered through the admin API
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@contextlib.asynccontextmanager
+async def _registered_gateway(workers: WorkerGroup, *, accept: bool) -> AsyncIterator[Gateway]:
+    """P1 and D0 configured with their events; P0 left to register through the admin API."""
+    ws = {w.settings.worker_id: w for w in workers.workers if w.settings.worker_id != "P0"}
+    config: dict[str, Any] = {
+        "mode": "pd",
+        "admin_token": TOKEN,
+        "workers": [{"id": i, "role": w.settings.role, "url": w.url} for i, w in ws.items()],
+        "pool": {"health_interval_s": 3600.0},
+        "sessions": {"sweep_interval_s": 3600.0},
+        "kv_events": {
+            "endpoints": {i: w.describe()["kv_events"] for i, w in ws.items()},
+            "replay_endpoints": {i: w.describe()["kv_events_replay"] for i, w in ws.items()},
+            "hash_seed": os.environ.get("PYTHONHASHSEED", ""),
+            "block_size": 16,
+            "accept_registered": accept,
+        },
+    }
+    async with served_gateway(config) as (server, http):
+        yield Gateway(server, http, workers)
+
+
+async def _register(gw: Gateway, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    url = str(gw.server.make_url("/admin/workers"))
+    async with gw.http.post(url, json=body, headers=AUTH) as resp:
+        reply: dict[str, Any] = await resp.json()
+        return resp.status, reply
+
+
+def _p0(workers: WorkerGroup) -> dict[str, Any]:
+    p0 = next(w for w in workers.workers if w.settings.worker_id == "P0")
+    return {"id": "P0", "role": "prefill", "url": p0.url, "kv_events": p0.describe()["kv_events"]} | {
+        "kv_events_replay": p0.describe()["kv_events_replay"]
+    }
+
+
+async def test_a_registered_p_is_tracked_placed_on_and_forgotten_when_it_leaves(workers: WorkerGroup) -> None:
+    async with _registered_gateway(workers, accept=True) as gw:
+        registered = (201, {"id": "P0", "registered": True, "heartbeat_expiry_s": 30.0})
+        assert await _register(gw, _p0(workers)) == registered
+        assert (await _register(gw, _p0(workers)))[0] == 200  # a heartbeat: the same stream goes on
+        synced = ("P0", "P1", "D0")
+        await eventually(
+            lambda: _true(all(gw.kv.residency.synced(w) for w in synced)),
+            what="the registered P0's events synced",
+        )
+        # Nothing resident anywhere: turn 1 takes the least-loaded P, equal loads by id: the registered P0.
+        messages, p = await _first_turn(gw)
+        assert p == "P0"
+        headers, _ = await gw.chat(messages)  # least loaded would take P1 now (P0 was picked last)
+        assert headers["X-PPD-Prefill-Worker"] == "P0"
+
+        async with gw.http.delete(str(gw.server.make_url("/admin/workers/P0")), headers=AUTH) as resp:
+            assert resp.status == 200
+        assert "P0" not in gw.kv.residency.workers
+        text = await gw.metrics()
+        assert sample(text, "ppd_gateway_kv_events_synced", {"worker": "P0"}) is None
+        assert sample(text, "ppd_gateway_kv_events_synced", {"worker": "P1"}) == 1
+
+
+@pytest.mark.parametrize(
+    ("accept", "change", "message"),
+    [
+        (False, {}, "does not track registered workers' KV events"),
+        (True, {"kv_events": "http://10.0.0.1:5557"}, "kv_events must be a ZMQ endpoint"),
+        (True, {"kv_events": 5557}, "kv_events must be a ZMQ endpoint"),
+        (True, {"kv_events_replay": "tcp://a b:1"}, "kv_events_replay must be a ZMQ endpoint"),
+    ],
+)
+async def test_a_registration_naming_events_it_cannot_follow_is_refused(
+    workers: WorkerGroup, accept: bool, change: dict[str, Any], message: str
+) -> None:
+    async with _registered_gateway(workers, accept=accept) as gw:
+        status, reply = await _register(gw, _p0(workers) | change)
+        assert status == 400
+        assert message in reply["error"]["message"]
+        assert gw.server.app[DEPS].pool.view().get("P0") is None  # refused before it joined
