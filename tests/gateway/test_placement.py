@@ -21,7 +21,7 @@ from ppd.kv_events import BlockHasher, KvEventsConfig
 from simulator.server.worker_group import WorkerGroup
 from tests.simulator.client import start_group
 from tests.support.gateway_app import served_gateway
-from tests.support.metrics import sample
+from tests.support.metrics import sample, total
 from tests.support.polling import eventually
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -115,12 +115,22 @@ async def _first_turn(gw: Gateway) -> tuple[list[dict[str, Any]], str]:
     ], p
 
 
+async def _cache_hits(gw: Gateway, worker: str) -> float:
+    """The worker's own count of prompt tokens served from its prefix cache (vLLM's metric)."""
+    url = next(w.url for w in gw.workers.workers if w.settings.worker_id == worker)
+    async with gw.http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return total(text, "vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"}) or 0.0
+
+
 async def test_a_pd_turn_two_goes_to_the_p_holding_the_history(gateway: Gateway) -> None:
     messages, p = await _first_turn(gateway)
+    hits = await _cache_hits(gateway, p)
     # The least-loaded P is the other one now (equal load: the one picked least recently).
     headers, _ = await gateway.chat(messages)
     assert (headers["X-PPD-Path"], headers["X-PPD-Turn"]) == ("pd", "2")
     assert headers["X-PPD-Prefill-Worker"] == p
+    assert await _cache_hits(gateway, p) >= hits + 16 * 4  # P served turn 1's blocks from its cache
     text = await gateway.metrics()
     assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) == 1
     assert sample(text, "ppd_gateway_placements_total", {"role": "decode", "by": "least_loaded"}) == 1
