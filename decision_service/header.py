@@ -24,6 +24,7 @@ from enum import IntEnum
 from typing import Any, Final
 
 from decision_service.axes import Axes
+from ppd.placement import PLACEMENTS
 
 __all__ = [
     "BIDIR_FIGURES",
@@ -138,6 +139,10 @@ class TableHeader:
     max_prefill_queue_depth: int | None = None
     #: Where the figures came from (free-form JSON; the builder writes inputs, runs, labels, counts).
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    #: Which P (and Turn-1 D) the measured runs placed legs on (ppd/placement.py): ``least_loaded``
+    #: (also what a table written before the field existed reads as) or ``prefix``. Written only when
+    #: not ``least_loaded``, so the files of earlier tables stay the same bytes.
+    placement: str = "least_loaded"
 
     @property
     def key(self) -> str:
@@ -165,7 +170,7 @@ class TableHeader:
                 "max_prefill_queue_depth": self.max_prefill_queue_depth,
             },
             "provenance": dict(self.provenance),
-        }
+        } | ({"placement": self.placement} if self.placement != "least_loaded" else {})
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any], format_version: int = max(FIGURES_OF_VERSION)) -> TableHeader:
@@ -191,6 +196,9 @@ class TableHeader:
         min_success = float(raw["slo"]["min_success"])
         live = raw["live"]
         kv_limit = float(live["max_decode_kv_usage"])
+        placement = raw.get("placement", "least_loaded")
+        if placement not in PLACEMENTS:
+            raise HeaderError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         if not (0.0 <= min_success <= 1.0) or not (0.0 <= kv_limit <= 1.0):
             raise HeaderError("slo.min_success and live.max_decode_kv_usage must be within 0..1")
         return cls(
@@ -205,6 +213,7 @@ class TableHeader:
             max_decode_running=_optional_count(live, "max_decode_running"),
             max_prefill_queue_depth=_optional_count(live, "max_prefill_queue_depth"),
             provenance=raw.get("provenance", {}),
+            placement=placement,
         )
 
 

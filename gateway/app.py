@@ -52,6 +52,7 @@ DEPS = web.AppKey("deps", Deps)
 FORWARDER = web.AppKey("forwarder", Forwarder)
 # Lines about what any client can cause at will (a body nested too deep): one a minute at most.
 CLIENT_LOG = web.AppKey("client_log", RateLimitedLog)
+_MAX_ENDPOINT = 512  # characters of a registered KV event endpoint
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _HEALTH_ROLES: tuple[Role, ...] = ("decode", "replica", "prefill")
 
@@ -256,14 +257,49 @@ async def _register_worker(request: web.Request) -> web.StreamResponse:
     if not all(isinstance(body.get(k), str) for k in ("id", "role", "url")):
         raise BadRequestError('expected {"id": str, "role": prefill|decode|replica, "url": str}')
     spec = WorkerSpec(body["id"], body["role"], body["url"].rstrip("/"))
+    events = _kv_event_endpoints(deps, body)
     await _refuse_own_services(request, deps, spec.url)
     new = deps.pool.register(spec)
+    if events is not None and deps.kv is not None and deps.kv.streams is not None:
+        deps.kv.streams.follow(spec.id, *events)
     if new:
         log.info("worker %s (%s) registered at %s", spec.id, spec.role, spec.url)
     return web.json_response(
         {"id": spec.id, "registered": new, "heartbeat_expiry_s": deps.settings.pool.heartbeat_expiry_s},
         status=201 if new else 200,
     )
+
+
+def _kv_event_endpoints(deps: Deps, body: Mapping[str, Any]) -> tuple[str, str | None] | None:
+    """A registration's KV event publisher and replay socket (optional fields ``kv_events``,
+    ``kv_events_replay``): ZMQ tcp:// or ipc:// endpoints, accepted only where the gateway tracks
+    registered workers ([kv_events] accept_registered)."""
+    endpoint, replay = body.get("kv_events"), body.get("kv_events_replay")
+    if endpoint is None and replay is None:
+        return None
+    if deps.kv is None or deps.kv.streams is None:
+        raise BadRequestError(
+            "this gateway does not track registered workers' KV events ([kv_events] accept_registered "
+            "is off); register without kv_events",
+            param="kv_events",
+        )
+    for name, value in (("kv_events", endpoint), ("kv_events_replay", replay)):
+        if value is None and name == "kv_events_replay":
+            continue
+        if not (
+            isinstance(value, str)
+            and value.startswith(("tcp://", "ipc://"))
+            and len(value) <= _MAX_ENDPOINT
+            and value.isprintable()
+            and not any(c.isspace() for c in value)
+        ):
+            raise BadRequestError(
+                f"{name} must be a ZMQ endpoint, tcp://host:port or ipc://path, of at most "
+                f"{_MAX_ENDPOINT} printable characters",
+                param=name,
+            )
+    assert isinstance(endpoint, str)
+    return endpoint, replay if isinstance(replay, str) else None
 
 
 async def _refuse_own_services(request: web.Request, deps: Deps, url: str) -> None:
@@ -288,5 +324,7 @@ async def _deregister_worker(request: web.Request) -> web.StreamResponse:
     worker_id = request.match_info["worker_id"]
     if not deps.pool.deregister(worker_id):
         raise NotFoundError(f"no registered worker {worker_id!r}")
+    if deps.kv is not None and deps.kv.streams is not None:
+        deps.kv.streams.unfollow(worker_id)
     log.info("worker %s deregistered", worker_id)
     return web.json_response({"id": worker_id, "removed": True})

@@ -136,6 +136,8 @@ class ActiveTurn:
     observed: bool = True
     # The turn's end (in-flight count, report) is the front door's, by `end` (rule 7).
     held: bool = False
+    # The prompt's token ids as a worker's /tokenize gave them (asked at most once per turn).
+    token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,7 @@ class RequestCore:
                 "(set explore.seed for draws that repeat across runs)"
             )
         self._budget = RetryBudget(s.retry_budget)
+        self._placement = s.routing.placement_settings()
         self._held_log = RateLimitedLog(log, clock=deps.clock)
         self._budget_log = RateLimitedLog(log, interval_s=10.0, clock=deps.clock)
         self._worker_headers: tuple[tuple[str, str], ...] = (
@@ -242,7 +245,9 @@ class RequestCore:
                 )
             evicted = False
             if ask and d.kv is not None:  # asks the decode worker's /tokenize: inside the try too
-                resident_psi, evicted = await self._resident(d.kv, req, match, view, active.turn.psi)
+                resident_psi, evicted, active.token_ids = await self._resident(
+                    d.kv, req, match, view, active.turn.psi
+                )
                 active.turn = dataclasses.replace(active.turn, psi=resident_psi)
             if match.turn == 1:  # tables index QPS by conversations started per second (the paper's)
                 d.qps.record()
@@ -298,8 +303,9 @@ class RequestCore:
         `prefill_failure` fallback): where D's leg goes and with which body. `run_prefill` False
         (rule 8): the P leg is chosen, not run."""
         assert t.outcome.decision is not None
-        preq = self._plan_request(t.request.headers, t.turn)
-        p = plan(preq, t.turn.session, t.outcome.decision, t.view)
+        p = plan(
+            await self._placed_request(t, t.outcome.decision), t.turn.session, t.outcome.decision, t.view
+        )
         return await self._through_p(t, p, run_prefill=run_prefill)
 
     def decode_unreachable(self, t: ActiveTurn, leg: DecodeLeg) -> None:
@@ -321,10 +327,38 @@ class RequestCore:
         if leg.plan.path != "replica":
             retry = Decision("pd", "decode_unreachable")
         t.view = t.view.without(leg.call.worker)
-        preq = self._plan_request(t.request.headers, t.turn)
+        preq = await self._placed_request(t, retry)
         return await self._through_p(t, plan(preq, t.turn.session, retry, t.view))
 
+    async def _placed_request(self, t: ActiveTurn, decision: Decision) -> PlanRequest:
+        """The plan's inputs with the prompt's resident blocks on each synced candidate (plan.py rule 8)."""
+        preq = self._plan_request(t.request.headers, t.turn)
+        kv = self._d.kv
+        if preq.placement.policy == "least_loaded" or kv is None or decision.path == "replica":
+            return preq
+        roles: list[Role] = (
+            ["prefill"] if decision.path != "local" or decode_gone(t.turn.session, t.view) else []
+        )
+        session = t.turn.session
+        if session is None or session.worker is None or decode_gone(session, t.view):
+            roles.append("decode")
+        tracked = [w for w in t.view.workers if w.role in roles and kv.residency.synced(w.id)]
+        if not any(len(t.view.ranked(role)) > 1 for role in roles) or not tracked:
+            return preq  # no choice to make, or nothing known: the least loaded, as before
+        if t.token_ids is None:
+            t.token_ids = await self._token_ids(tracked[0], t.turn.req)
+        if t.token_ids is None:
+            return preq
+        hashes = kv.hasher.chain(t.token_ids)
+        resident: dict[str, int] = {}
+        for w in tracked:
+            blocks = kv.residency.resident_blocks(w.id, hashes)
+            if blocks is not None:
+                resident[w.id] = blocks
+        return dataclasses.replace(preq, resident_blocks=resident)
+
     async def _through_p(self, t: ActiveTurn, p: Plan, *, run_prefill: bool = True) -> DecodeLeg:
+        self._count_placements(t, p)
         kv: Mapping[str, Any] | None = None
         prefiller: UpstreamCall | None = None
         if p.path in _THROUGH_P and not run_prefill:  # rule 8: D's sidecar runs it
@@ -340,6 +374,15 @@ class RequestCore:
         outcome.decode_worker = call.worker
         self._d.pool.note_pick(call.worker)
         return DecodeLeg(p, call, prefiller)
+
+    def _count_placements(self, t: ActiveTurn, p: Plan) -> None:
+        """ppd_gateway_placements_total for the P of a leg through P and a D placed (not the bound one)."""
+        placements = self._d.metrics.placements
+        if p.path in _THROUGH_P:
+            placements.labels("prefill", "prefix" if p.prefill_by_prefix else "least_loaded").inc()
+        session = t.turn.session
+        if p.path != "replica" and (p.rebound or session is None or session.worker is None):
+            placements.labels("decode", "prefix" if p.decode_by_prefix else "least_loaded").inc()
 
     async def _find_session(self, request: ClientRequest, req: CompletionRequest) -> SessionMatch:
         """The session this request continues (session_lookup.py), with its lookup counted."""
@@ -422,19 +465,20 @@ class RequestCore:
 
     async def _resident(
         self, kv: KvTracking, req: CompletionRequest, match: SessionMatch, view: PoolView, psi: Psi
-    ) -> tuple[Psi, bool]:
+    ) -> tuple[Psi, bool, list[int] | None]:
         """ψ on the context the session's decode worker still holds, by its KV events (psi.with_resident),
-        and whether none of it is (evicted: routed as a cold turn). ψ unchanged while the worker's
-        event stream is not synced, the context is under one block, or its token ids cannot be had."""
+        and whether none of it is (evicted: routed as a cold turn), and the prompt's token ids when they
+        were asked for. ψ unchanged while the worker's event stream is not synced, the context is under
+        one block, or its token ids cannot be had."""
         worker_id = match.session.worker if match.session is not None else None
         worker = view.get(worker_id)
         if worker is None or not kv.residency.synced(worker.id) or psi.n_ctx < kv.hasher.block_size:
-            return psi, False
+            return psi, False, None
         tokens = await self._token_ids(worker, req)
         resident = kv.resident_tokens(worker.id, tokens) if tokens is not None else None
         if resident is None:
-            return psi, False
-        return with_resident(psi, resident), resident == 0
+            return psi, False, tokens
+        return with_resident(psi, resident), resident == 0, tokens
 
     async def _token_ids(self, worker: WorkerView, req: CompletionRequest) -> list[int] | None:
         """The prompt's token ids as the worker computes them (its /tokenize, chat template applied)."""
@@ -524,6 +568,7 @@ class RequestCore:
             headers=forwarded,
             inject_usage=self._s.policy.inject_usage and self._relays_answer,
             prefill_attempts=self._s.policy.prefill_attempts,
+            placement=self._placement,
             now=self._d.wall_clock(),
         )
 

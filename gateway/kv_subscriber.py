@@ -22,9 +22,12 @@ it: both sockets are polled together.
 - A batch's events are applied in slices of ``_SLICE``, yielding to the event loop between them.
 
 While a worker is not synced, residency answers None for it (the gateway routes on its belief, as
-without events); the synced gauge follows residency. Logs one line per transition or failure, never
-per message. It stays one module: the live socket, the replay and the batches held between them are
-one state machine per worker, owned by one task.
+without events); the synced gauge follows residency. Workers registered through the admin API that
+name their publisher are followed from then on (``follow``: a heartbeat with the same endpoints changes
+nothing) until they leave (``unfollow``: the task is cancelled, the residency and the worker's metric
+series dropped); the static ones are followed for the process' life. Logs one line per transition
+or failure, never per message. It stays one module (about 490 lines): the live socket, the replay
+and the batches held between them are one state machine per worker, owned by one task.
 """
 
 from __future__ import annotations
@@ -126,8 +129,11 @@ class KvSubscriber:
             worker: _Stream(worker, endpoint, replay_endpoints.get(worker), resync_interval_s)
             for worker, endpoint in endpoints.items()
         }
+        self._static = frozenset(endpoints)
         self._ctx = zmq.asyncio.Context()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ending: set[asyncio.Task[None]] = set()  # tasks of workers that left, until they stop
+        self._started = False
 
     @classmethod
     def from_settings(
@@ -148,16 +154,54 @@ class KvSubscriber:
         return self._streams[worker].stats
 
     def start(self) -> None:
+        self._started = True
         for stream in self._streams.values():
-            self._publish(stream.worker)
-            self._tasks.append(
-                asyncio.create_task(self._supervise(stream), name=f"kv-events-{stream.worker}")
-            )
+            self._launch(stream)
+
+    def _launch(self, stream: _Stream) -> None:
+        self._publish(stream.worker)
+        self._tasks[stream.worker] = asyncio.create_task(
+            self._supervise(stream), name=f"kv-events-{stream.worker}"
+        )
+
+    def follow(self, worker: str, endpoint: str, replay_endpoint: str | None) -> None:
+        """A registered worker's publisher (residency.py rule 4)."""
+        current = self._streams.get(worker)
+        if current is not None and (current.endpoint, current.replay_endpoint) == (endpoint, replay_endpoint):
+            return
+        if worker in self._static:
+            return  # the settings name its publisher; a registration does not move it
+        self.unfollow(worker)
+        self._residency.track(worker)
+        stream = _Stream(worker, endpoint, replay_endpoint, self._resync_interval_s)
+        self._streams[worker] = stream
+        _log.info("kv events of %s: following %s", worker, endpoint)
+        if self._started:
+            self._launch(stream)
+
+    def unfollow(self, worker: str) -> None:
+        """A registered worker left the pool (residency.py rule 4)."""
+        if worker in self._static or self._streams.pop(worker, None) is None:
+            return
+        task = self._tasks.pop(worker, None)
+        if task is not None:
+            task.cancel()
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+        self._residency.untrack(worker)
+        for gauge in (self._metrics.kv_tracked_blocks, self._metrics.kv_events_synced):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker)
+        _log.info("kv events of %s: no longer followed (the worker left)", worker)
+
+    def followed(self) -> list[str]:
+        return list(self._streams)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks.values(), *self._ending]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._ctx.term()

@@ -66,6 +66,14 @@ class GatewayMetrics:
             ["worker", "kind"],
             registry=r,
         )
+        self.placements = Counter(
+            "ppd_gateway_placements",
+            "Workers placed for a leg (P of a leg through P, D of Turn 1 or a rebind; ppd/placement.py) "
+            "by role and by what chose them: prefix (the resident prefix moved the choice away from "
+            "the least loaded) or least_loaded",
+            ["role", "by"],
+            registry=r,
+        )
         self.explorations = Counter(
             "ppd_gateway_explorations",
             "ppd-mode Turn 2+ requests sent down the path the table did not choose, by that path",

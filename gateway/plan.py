@@ -26,8 +26,15 @@ keeps with the session and keeps from the client.
 Rule 7 (P run elsewhere, llm-d's decode sidecar): `prefill_elsewhere` keeps a pd plan as it is (its
 first P named to the sidecar, the D body without P's params) and turns a bidir plan into pd, reason
 `bidir_sidecar` (the sidecar sends a plain rule-1 leg, never D's params).
-Turn 1 picks the least-loaded P and D. `decode_gone` is that test, the only one: the forwarder asks
-it only to spare the DecisionService a question whose answer `plan` would overrule.
+Rule 8 (placement, ppd/placement.py): the P of every leg through P, the D of Turn 1 and the D of a
+rebind (rule 5) are placed among the view's live workers of the role (ejected ones are not in it) by
+`PlanRequest.placement` over `PlanRequest.resident_blocks` (worker id -> the prompt's leading blocks
+it holds, from its KV events; a worker missing is unknown): with `prefix`, the one holding the longest
+prefix unless it is more than `max_imbalance` requests busier than the least loaded; otherwise, and
+with `least_loaded`, the least loaded. The P retries follow in least-loaded order. The plan says
+whether the prefix moved a choice (`prefill_by_prefix`, `decode_by_prefix`). The session's bound D is
+never moved. `decode_gone` is the test of rule 5, the only one: the forwarder asks it only to spare
+the DecisionService a question whose answer `plan` would overrule.
 Deliberate addition: a streaming D leg gets `stream_options.include_usage` when the client did not ask
 for it (the gateway needs `usage` for the next turn's context size); the relay then drops that extra
 usage-only chunk (`Plan.strip_usage`), so the client sees exactly what it asked for.
@@ -38,14 +45,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.errors import NoWorkerError
 from gateway.pool import PoolView, WorkerView
 from gateway.routing import Decision
 from gateway.sessions import Session
-from gateway.types import Endpoint, JsonObject, Path
+from gateway.types import Endpoint, JsonObject, Path, Role
+from ppd.placement import LEAST_LOADED, Candidate, PlacementSettings, place, placement_order
 
 __all__ = [
     "KV_FIELD",
@@ -88,6 +96,9 @@ class PlanRequest:
     prefill_attempts: int = 2
     # Wall-clock seconds (since the epoch) when the request arrived: rule 6's expiry is read against it.
     now: float = 0.0
+    # Rule 8: how P and an unbound D are placed, and the prompt's resident blocks per synced worker.
+    placement: PlacementSettings = LEAST_LOADED
+    resident_blocks: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +121,9 @@ class Plan:
     decode: UpstreamCall
     strip_usage: bool
     rebound: bool
+    # Rule 8: the resident prefix moved the P (the D) away from the least-loaded worker.
+    prefill_by_prefix: bool = False
+    decode_by_prefix: bool = False
 
 
 def prefill_body(body: Mapping[str, Any]) -> JsonObject:
@@ -170,6 +184,19 @@ def bidir_params(session: Session | None, now: float) -> tuple[dict[str, Any] | 
     return params, ""
 
 
+def _placed(pool: PoolView, role: Role, request: PlanRequest) -> tuple[list[WorkerView], bool]:
+    """Rule 8: the live workers of `role`, the placed one first, the rest least loaded first; and
+    whether the prefix moved the choice. Raises NoWorkerError when there are none."""
+    ranked = pool.ranked(role)
+    if not ranked:
+        raise NoWorkerError(role, scope=pool.scope)
+    if request.placement.policy == "least_loaded" or not request.resident_blocks or len(ranked) == 1:
+        return ranked, False
+    resident = request.resident_blocks
+    placed = place([Candidate(w.id, w.busy, resident.get(w.id)) for w in ranked], request.placement)
+    return [ranked[i] for i in placement_order(len(ranked), placed)], placed.by_prefix
+
+
 def plan(request: PlanRequest, session: Session | None, decision: Decision, pool: PoolView) -> Plan:
     """Raises NoWorkerError naming the missing role."""
     body, strip = _decode_body(request.body, inject_usage=request.inject_usage)
@@ -192,18 +219,24 @@ def plan(request: PlanRequest, session: Session | None, decision: Decision, pool
     path: Path = decision.path
     reason = decision.reason
     rebound = False
+    decode_by_prefix = False
     decode = _bound_decode(session, pool)
     if decode is None:
-        decode = pool.least_loaded("decode")
+        decodes, decode_by_prefix = _placed(pool, "decode", request)
+        decode = decodes[0]
         if decode_gone(session, pool):
             # The D holding the KV is gone: only P can rebuild it elsewhere.
             path, reason, rebound = "pd", "decode_gone", True
     if path == "local":
-        return Plan("local", reason, (), _call(decode, request, body, stream=stream), strip, rebound)
+        return Plan(
+            "local", reason, (), _call(decode, request, body, stream=stream), strip, rebound,
+            decode_by_prefix=decode_by_prefix,
+        )  # fmt: skip
 
-    prefills = pool.ranked("prefill")[: max(1, request.prefill_attempts)]
-    if not prefills:
+    if not pool.ranked("prefill"):
         raise NoWorkerError("prefill")
+    placed, prefill_by_prefix = _placed(pool, "prefill", request)
+    prefills = placed[: max(1, request.prefill_attempts)]
     p_body = prefill_body(request.body)
     calls = tuple(_call(p, request, p_body, stream=False) for p in prefills)
     if path == "bidir":
@@ -212,7 +245,10 @@ def plan(request: PlanRequest, session: Session | None, decision: Decision, pool
             path, reason = "pd", why
         else:
             calls = (_call(prefills[0], request, p_body | {KV_FIELD: params}, stream=False), *calls)
-    return Plan(path, reason, calls, _call(decode, request, body, stream=stream), strip, rebound)
+    return Plan(
+        path, reason, calls, _call(decode, request, body, stream=stream), strip, rebound,
+        prefill_by_prefix, decode_by_prefix,
+    )  # fmt: skip
 
 
 def decode_after_prefill(p: Plan, kv_params: Mapping[str, Any] | None) -> UpstreamCall:

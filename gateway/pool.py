@@ -141,9 +141,13 @@ class WorkerView:
     inflight: int = 0
     last_pick: int = 0
 
+    @property
+    def busy(self) -> float:
+        """Requests on the worker: what it reports running and waiting, or this gateway's in flight."""
+        return max(self.load.running + self.load.waiting, float(self.inflight))
+
     def rank(self) -> tuple[float, float, int, str]:
-        busy = max(self.load.running + self.load.waiting, float(self.inflight))
-        return (busy, self.load.kv_usage, self.last_pick, self.id)
+        return (self.busy, self.load.kv_usage, self.last_pick, self.id)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 
 from gateway.errors import UpstreamError
 from gateway.metrics import GatewayMetrics
@@ -71,8 +72,16 @@ def models_from_cards(body: bytes) -> dict[str, int]:
 
 class PoolMonitor:
     def __init__(
-        self, pool: WorkerPool, upstream: Upstream, settings: PoolSettings, metrics: GatewayMetrics
+        self,
+        pool: WorkerPool,
+        upstream: Upstream,
+        settings: PoolSettings,
+        metrics: GatewayMetrics,
+        *,
+        on_gone: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_gone`` is told each registered worker that missed its heartbeats (KV tracking ends)."""
+        self._on_gone = on_gone
         self._pool = pool
         self._upstream = upstream
         self._s = settings
@@ -86,6 +95,8 @@ class PoolMonitor:
     async def check_once(self) -> None:
         for gone in self._pool.expire():
             log.warning("worker %s missed its heartbeats; removed from the pool", gone)
+            if self._on_gone is not None:
+                self._on_gone(gone)
         specs = self._pool.specs()
         await asyncio.gather(*(self._check(spec) for spec in specs))
         self.publish()

@@ -16,6 +16,9 @@ edge (gateway/kv_subscriber.py) feeds every batch here with its sequence number.
    when the publisher restarts (a batch with seq 0: a new vLLM process starts with an empty cache).
 3. The resident context of a prompt on a worker is the longest prefix of the prompt's block hashes
    (``BlockHasher.chain`` of its token ids) that the worker holds.
+4. Workers come and go: the static ones from the settings, the ones registered through the admin API
+   that name their publisher are tracked (``track``: unsynced, empty, until their stream syncs) and
+   forgotten when they leave (``untrack``); the edge that follows the streams is ``KvStreams``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from ppd.kv_events import (
     AllBlocksCleared,
@@ -35,7 +39,7 @@ from ppd.kv_events import (
     external_hash,
 )
 
-__all__ = ["Applied", "KvTracking", "Residency", "WorkerResidency"]
+__all__ = ["Applied", "KvStreams", "KvTracking", "Residency", "WorkerResidency"]
 
 
 class Applied(Enum):
@@ -70,6 +74,15 @@ class Residency:
     @property
     def workers(self) -> list[str]:
         return list(self._w)
+
+    def track(self, worker: str) -> None:
+        """Rule 4: a worker joins (unsynced, nothing known); one already tracked is left as it is."""
+        if worker not in self._w:
+            self._w[worker] = WorkerResidency(OrderedDict())
+
+    def untrack(self, worker: str) -> None:
+        """Rule 4: a worker left; its index is dropped (answers None from now on)."""
+        self._w.pop(worker, None)
 
     def state(self, worker: str) -> WorkerResidency:
         return self._w[worker]
@@ -189,12 +202,28 @@ class Residency:
         return n
 
 
+class KvStreams(Protocol):
+    """Rule 4's edge: follows a worker's KV event publisher (gateway/kv_subscriber.py)."""
+
+    def follow(self, worker: str, endpoint: str, replay_endpoint: str | None) -> None:
+        """Track ``worker`` from ``endpoint`` (and resync from ``replay_endpoint``); the same
+        endpoints again (a heartbeat) change nothing, other ones replace the old stream."""
+        ...
+
+    def unfollow(self, worker: str) -> None:
+        """Stop following ``worker`` (gone from the pool) and forget its residency; a static or
+        unknown worker is left alone."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class KvTracking:
-    """What the request path needs: the residency and the workers' block hash function."""
+    """What the request path needs: the residency and the workers' block hash function; the streams'
+    edge, for workers that register (None when registered workers are not tracked)."""
 
     residency: Residency
     hasher: BlockHasher
+    streams: KvStreams | None = None
 
     def resident_tokens(self, worker: str, token_ids: Sequence[int]) -> int | None:
         """Tokens of the prompt ``token_ids`` resident on ``worker`` (whole blocks); None if unknown."""

@@ -102,7 +102,9 @@ async def running(
     # Load the served model's tokenizer now, not on the first request (it takes ~0.5 s).
     deps.tokenizers.encoding(settings.served_model)
     await decider.start()
-    monitor = PoolMonitor(pool, workers, settings.pool, app_metrics)
+    monitor = PoolMonitor(
+        pool, workers, settings.pool, app_metrics, on_gone=kv.streams.unfollow if kv and kv.streams else None
+    )
     monitor.publish()
     tasks = [
         asyncio.create_task(monitor.run(), name="pool-monitor"),
@@ -128,13 +130,15 @@ async def running(
 def _kv_tracking(
     settings: Settings, metrics: GatewayMetrics
 ) -> tuple[KvTracking | None, KvSubscriber | None]:
-    """KV residency and its subscriber when [kv_events] names endpoints; (None, None) otherwise."""
+    """KV residency and its subscriber when [kv_events] names endpoints or accepts registered workers'
+    publishers (then the tracking carries the subscriber as its streams' edge); (None, None) otherwise."""
     kv = settings.kv_events
-    if not kv.endpoints:
+    if not kv.endpoints and not kv.accept_registered:
         return None, None
     residency = Residency(kv.endpoints, max_blocks=kv.max_blocks_per_worker)
     hasher = BlockHasher(kv.hash_seed or DEFAULT_NONE_HASH_SEED, kv.block_size)
-    return KvTracking(residency, hasher), KvSubscriber.from_settings(residency, kv, metrics)
+    subscriber = KvSubscriber.from_settings(residency, kv, metrics)
+    return KvTracking(residency, hasher, subscriber if kv.accept_registered else None), subscriber
 
 
 def _upstream(settings: Settings) -> Upstream:

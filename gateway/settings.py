@@ -22,6 +22,7 @@ from gateway.pool import WorkerSpec
 from gateway.retry_budget import RetryBudgetSettings
 from ppd.explore import ExploreSettings
 from ppd.modes import Mode, parse_mode
+from ppd.placement import PlacementSettings
 from ppd.slo import SloSettings
 
 __all__ = [
@@ -130,10 +131,25 @@ class RoutingSettings:
     # itself when the request names P in `x-prefiller-host-port`; the picker then names P there and
     # runs no P leg (picker.py rule 7). The workers' D URLs are the sidecars'.
     llmd_sidecar: bool = False
+    # Which P a leg through P goes to, and the D of Turn 1 and of a rebind (ppd/placement.py):
+    # "prefix" takes the worker holding the longest prefix of the prompt (by its KV events,
+    # [kv_events]) unless it is more than placement_max_imbalance requests busier than the least
+    # loaded; "least_loaded" always takes the least loaded. Without [kv_events] both are the same.
+    placement: Literal["prefix", "least_loaded"] = "prefix"
+    # Requests a worker holding the prefix may be busier than the least loaded and still be taken
+    # (docs/concepts/placement.md: measured on the virtual-time cluster).
+    placement_max_imbalance: float = 4.0
+
+    def placement_settings(self) -> PlacementSettings:
+        return PlacementSettings(self.placement, self.placement_max_imbalance)
 
     def validate(self) -> None:
         if not 0 < self.bidir_params_ttl_s < float("inf"):
             raise SettingsError("routing.bidir_params_ttl_s must be a positive number of seconds")
+        try:
+            self.placement_settings()
+        except ValueError as exc:
+            raise SettingsError(f"routing.{exc}") from None
         if self.bidir and self.llmd_sidecar:
             raise SettingsError(
                 "routing.bidir and routing.llmd_sidecar exclude each other: llm-d's sidecar sends a "
@@ -218,6 +234,9 @@ class KvEventSettings:
     block_size: int = 16
     # Blocks tracked per worker; past it the oldest stored is forgotten (residency under-estimated).
     max_blocks_per_worker: int = 1_000_000
+    # Workers registered through the admin API may name their publisher (fields kv_events and
+    # kv_events_replay) and are then tracked too; needed when no static worker names one.
+    accept_registered: bool = False
     # A replay that sends nothing this long is given up (the worker stays unsynced; retried later).
     replay_timeout_s: float = 5.0
     # Largest frame taken from a publisher or replay socket (ZMQ_MAXMSGSIZE); a larger one drops the

@@ -47,6 +47,9 @@ class EngineOptions:
     timeout_s: float = 30.0
     #: Seconds to wait before a point for the workers' queues to drain.
     settle_timeout_s: float = 120.0
+    #: How the runs place P and the Turn-1 D (ppd/placement.py); an engine that models placement has a
+    #: ``placement`` attribute, and a sweep asking another engine for "prefix" is refused.
+    placement: str = "least_loaded"
 
 
 class EngineError(RuntimeError):

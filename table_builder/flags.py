@@ -13,6 +13,7 @@ import itertools
 import math
 
 from decision_service.header import DECISIONS, Weights
+from ppd.placement import PLACEMENTS
 from table_builder.build import BuildOptions, default_header
 
 __all__ = [
@@ -163,6 +164,14 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
         "--timeout-ms", type=float, default=30_000.0, help="censored TTFT of a mode that completed nothing"
     )
     p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default=header.placement,
+        help="how the measured runs placed P and the Turn-1 D (the gateway's [routing] placement; a "
+        "sweep runs its engine with it): recorded in the table header "
+        f"(default {header.placement}, the choice of a gateway without [kv_events])",
+    )
+    p.add_argument(
         "--label",
         type=_label,
         action="append",
@@ -190,6 +199,7 @@ def options_from_args(
         max_decode_kv_usage=args.max_kv_usage,
         max_decode_running=args.max_decode_running,
         max_prefill_queue_depth=args.max_prefill_queue,
+        placement=args.placement,
     )
     if args.qps_levels is not None:
         header = dataclasses.replace(

@@ -52,6 +52,7 @@ def _options(args: argparse.Namespace) -> EngineOptions:
         served_model=args.served_model,
         timeout_s=args.request_timeout,
         settle_timeout_s=args.settle_timeout,
+        placement=args.placement,
     )
 
 
@@ -67,6 +68,13 @@ def _engine(
         engine = make_engine(args.engine, _options(args))
     except ValueError as exc:
         logger.error("%s", exc)
+        return None
+    if getattr(engine, "placement", "least_loaded") != args.placement:
+        logger.error(
+            "the %s engine does not model placement; --placement %s needs one that does (sim)",
+            engine.name,
+            args.placement,
+        )
         return None
     # An engine on real workers runs its points one at a time and holds processes until closed.
     max_jobs: int | None = getattr(engine, "max_jobs", None)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from loadgen.arguments import names, positive_list, positive_list_or_none
+from loadgen.report.placement import placement_file
 from loadgen.report.report import load_inputs, write_report
 
 __all__ = ["add_parser"]
@@ -33,6 +34,14 @@ def _run_simulation(args: argparse.Namespace) -> None:
         link_duration_s=args.link_duration,
     )
     reproduce(settings, args.records, progress=not args.no_progress)
+    if args.placement:
+        from tqdm import tqdm
+
+        from loadgen.report.placement import run_placement
+
+        total = len(settings.shapes) * len(settings.qps_levels) * 2
+        with tqdm(total=total, unit="run", desc="placement", disable=args.no_progress) as bar:
+            run_placement(settings, args.records, on_point=bar.update)
 
 
 def _report(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -40,7 +49,13 @@ def _report(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     if args.run:
         _run_simulation(args)
     inputs = load_inputs(args.records)
-    path = write_report(inputs, args.out, shape=args.shape, real_vllm=args.real_vllm)
+    path = write_report(
+        inputs,
+        args.out,
+        shape=args.shape,
+        real_vllm=args.real_vllm,
+        placement=placement_file(args.records),
+    )
     print(f"report: {path}")
     for line in path.read_text("utf-8").splitlines():
         if line.startswith("| ") and ("PASS" in line or "FAIL" in line or "n/a" in line):
@@ -56,7 +71,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Reads *.jsonl records (and manifest.json) under --records; writes report.md and PNGs "
         "to --out: Turn 2+ TTFT by mode across QPS (Table 1), P99 TTFT vs tokens/s (Figure 1), failure "
         "rates (Table 5), per-metric winners (Table 3), the w_tpot sweep (Figure 6, also in the paper's "
-        "own setting), the link sweep (Figure 5), and the acceptance checks.",
+        "own setting), the link sweep (Figure 5), prefix against least-loaded placement of P (when --run "
+        "made its figures), and the acceptance checks.",
     )
     parser.add_argument("--records", type=Path, required=True, help="folder of *.jsonl records")
     parser.add_argument("--out", type=Path, required=True, help="folder for report.md and the PNGs")
@@ -106,6 +122,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     run.add_argument(
         "--link-duration", type=float, default=60.0, help="seconds per link-sweep point (default 60)"
+    )
+    run.add_argument(
+        "--no-placement",
+        dest="placement",
+        action="store_false",
+        help="skip the placement runs (prefix against least-loaded placement of P, ShareGPT, mode pd, at "
+        "every shape and QPS level; the section 'Prefix-aware placement')",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=_report)

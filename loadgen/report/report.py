@@ -33,6 +33,7 @@ from loadgen.report.comparison import (
     wtpot_points,
 )
 from loadgen.report.paper import BANDS, HIGH_QPS, PAPER_FIGURE6_LOCAL, PAPER_TABLE1, PAPER_TABLE5
+from loadgen.report.placement import placement_section
 from loadgen.report.real_vllm import real_vllm_section
 from loadgen.report.section import md_table, ms
 from loadgen.report.sim_vs_real import sim_vs_real_section
@@ -384,9 +385,15 @@ def _section_acceptance(result: Acceptance, shape: str) -> list[str]:
 
 
 def write_report(
-    inputs: ReportInputs, out: Path, *, shape: str = "1P3D", real_vllm: Path | None = None
+    inputs: ReportInputs,
+    out: Path,
+    *,
+    shape: str = "1P3D",
+    real_vllm: Path | None = None,
+    placement: Path | None = None,
 ) -> Path:
-    """Write ``report.md`` and its PNGs into ``out``; returns the report's path."""
+    """Write ``report.md`` and its PNGs into ``out``; returns the report's path. ``placement``: the
+    figures ``run_placement`` wrote (the section "Prefix-aware placement")."""
     out.mkdir(parents=True, exist_ok=True)
     caption = _provenance(inputs)
     plots = _Plots(out, caption)
@@ -415,6 +422,8 @@ def write_report(
     ]
     lines += _section_paper_wtpot(paper_sweeps, plots)
     lines += _section_links(links, plots)
+    if placement is not None:
+        lines += placement_section(placement, out, caption)
     if real_vllm is not None:
         lines += real_vllm_section(real_vllm, out)
         lines += sim_vs_real_section(real_vllm, out)

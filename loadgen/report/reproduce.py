@@ -25,12 +25,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from loadgen.report.comparison import MANIFEST_NAME, PAPER_WTPOT_EXPERIMENT, Manifest, RunInfo
 from loadgen.sharegpt import SHAREGPT_WORKLOAD, sharegpt_pool
 from loadgen.tokens import llama3_counter
 from ppd import catalog
+from ppd.placement import Placement, PlacementSettings
 from table_builder.records import Record, write_records
 
 __all__ = [
@@ -40,8 +41,13 @@ __all__ = [
     "find_table",
     "prefill_heavy_lists",
     "reproduce",
+    "simulate_cluster",
     "simulate_run",
+    "turn_lists",
 ]
+
+if TYPE_CHECKING:
+    from simulator.core.cluster import ClusterResult
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +106,7 @@ def find_table(tables: Path, shape: str, model: str) -> Path | None:
     return None
 
 
-def _turn_lists(settings: ReproduceSettings) -> list[list[tuple[int, int]]]:
+def turn_lists(settings: ReproduceSettings) -> list[list[tuple[int, int]]]:
     if settings.workload == SHAREGPT_WORKLOAD:
         pool = sharegpt_pool(llama3_counter(), seed=settings.seed, count=settings.sharegpt_conversations)
         return [
@@ -245,7 +251,45 @@ def simulate_run(
     """One run on the virtual-time cluster: Poisson arrivals of conversations with the given turn lists
     (cycled), ``shape`` in ``mode`` (``ppd`` routed by ``table`` with ``weights`` = (w_ttft, w_tpot), the
     table's own weights when None), the records it produced. The one simulation driver of the reports
-    (``ppd-bench report --run``, ``ppd-bench plan``)."""
+    (``ppd-bench report --run``, ``ppd-bench plan``); ``simulate_cluster`` is the same run with the
+    cluster's whole result."""
+    result = simulate_cluster(
+        lists,
+        shape=shape,
+        mode=mode,
+        qps=qps,
+        duration_s=duration_s,
+        workload=workload,
+        seed=seed,
+        run_id=run_id,
+        profile=profile,
+        model=model,
+        table=table,
+        weights=weights,
+        link=link,
+    )
+    return [Record.from_dict(r) for r in result.records]
+
+
+def simulate_cluster(
+    lists: Sequence[Sequence[tuple[int, int]]],
+    *,
+    shape: str,
+    mode: str,
+    qps: float,
+    duration_s: float,
+    workload: str,
+    seed: int,
+    run_id: str,
+    profile: str,
+    model: str,
+    table: Path | None = None,
+    weights: tuple[float, float] | None = None,
+    link: str = "nvlink",
+    placement: Placement = "least_loaded",
+) -> ClusterResult:
+    """``simulate_run``'s run, with ``placement`` (ppd/placement.py), answering the cluster's result
+    (records as dicts, P's prefix-cache hits per request, the legs placement moved)."""
     from decision_service.table import Weights
     from simulator.core.cluster import ClusterConfig, simulate
     from simulator.core.profile import load_profile
@@ -264,9 +308,9 @@ def simulate_run(
         target_qps=qps,
         run_id=run_id,
         model=model,
+        placement=PlacementSettings(placement),
     )
-    result = simulate(load_profile(profile), config, conversations, router)
-    return [Record.from_dict(r) for r in result.records]
+    return simulate(load_profile(profile), config, conversations, router)
 
 
 def _link_gb_s(profile: str, link: str) -> float:
@@ -292,7 +336,7 @@ def reproduce(settings: ReproduceSettings, out: Path, *, progress: bool = False)
         notes.append(
             f"{shape}: " + (f"ppd routes with {path}." if path else "no table found, so no ppd runs.")
         )
-    lists = _turn_lists(settings)
+    lists = turn_lists(settings)
     plan = _plan(settings, tables)
     heavy = prefill_heavy_lists(settings) if any(r.workload == PREFILL_HEAVY_WORKLOAD for r in plan) else []
     if heavy:

@@ -75,6 +75,7 @@ from decision_service.header import Weights
 from decision_service.route import Query, Reason, Verdict
 from ppd.explore import ExplorationPolicy, ExploreSettings
 from ppd.modes import fraction_goes_local, parse_mode
+from ppd.placement import LEAST_LOADED, Candidate, PlacementSettings, place
 from ppd.slo import SloController, SloSettings, SloState
 from simulator.core.cost import CostModel
 from simulator.core.drift import DriftEvent, slowed
@@ -144,6 +145,10 @@ class ClusterConfig:
     decoder_kv_blocks_ttl_s: float = 480.0
     # ppd mode: the router may answer BIDIR (decision_service.route rule 7), served as in bidir mode.
     ppd_bidir: bool = False
+    # Which P a leg through P takes, and the D of Turn 1 (ppd/placement.py, the gateway's rule): by
+    # the prompt's prefix resident in each engine's prefix cache against its outstanding requests.
+    # least_loaded (the default) is the choice before placement existed: the same records as before.
+    placement: PlacementSettings = LEAST_LOADED
 
 
 @dataclass(slots=True)
@@ -156,6 +161,10 @@ class ClusterResult:
     kv_free_blocks: dict[str, tuple[int, int]]  # engine -> (free, total) at the end
     # With ClusterConfig.slo in ppd mode: (time, the controller's state) at each change of w_tpot.
     slo_trace: list[tuple[float, SloState]] = field(default_factory=list)
+    # Request id -> prompt tokens its P leg found in P's prefix cache (legs through P that finished).
+    prefill_cached: dict[str, int] = field(default_factory=dict)
+    # Request id -> the P whose prefix the placement chose over the least loaded (ppd/placement.py).
+    placed_by_prefix: dict[str, str] = field(default_factory=dict)
 
 
 _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT = range(8)
@@ -343,9 +352,10 @@ class _Sim:
         self.records: list[_Req] = []
         self._live: dict[str, _Req] = {}
         self.sessions: dict[str, _Node] = {}
-        self.events = 0
-        self.steps = 0
+        self.events = self.steps = 0
         self.now = 0.0
+        self.prefill_cached: dict[str, int] = {}  # ClusterResult.prefill_cached
+        self.placed_by_prefix: dict[str, str] = {}
         for event in config.drift:  # pushed before the arrivals: at a tie in time, the drift comes first
             self.push(event.at_s, _DRIFT, event)
 
@@ -418,11 +428,34 @@ class _Sim:
             {n.name: n.engine.stats() for n in nodes},
             {n.name: (n.engine.pool.num_free, n.engine.pool.num_blocks) for n in nodes},
             slo_trace=self.slo_trace,
+            prefill_cached=self.prefill_cached,
+            placed_by_prefix=self.placed_by_prefix,
         )
 
     # ------------------------------------------------------------------ routing
     def least_loaded(self, nodes: Sequence[_Node]) -> _Node:
         return min(nodes, key=lambda n: n.outstanding)
+
+    def place(self, nodes: Sequence[_Node], req: _Req) -> _Node:
+        """The gateway's placement (ppd/placement.py) over ``nodes``: least-loaded order (outstanding,
+        then index: ``least_loaded``'s pick first), each with the prompt's blocks its prefix cache holds."""
+        settings = self.cfg.placement
+        if settings.policy == "least_loaded" or len(nodes) == 1:
+            return self.least_loaded(nodes)
+        ranked = sorted(nodes, key=lambda n: n.outstanding)  # stable: ties keep the index order
+        content = StreamBlocks(req.stream)
+        n_prompt = req.n_ctx + req.n_in
+        placed = place(
+            [
+                Candidate(n.name, float(n.outstanding), n.engine.resident_prefix_blocks(content, n_prompt))
+                for n in ranked
+            ],
+            settings,
+        )
+        node = ranked[placed.index]
+        if placed.by_prefix:
+            self.placed_by_prefix[req.rid] = node.name
+        return node
 
     def on_arrive(self, req: _Req, t: float) -> None:
         conv = req.conv
@@ -434,7 +467,7 @@ class _Sim:
             req.d = node
         elif req.idx == 0:
             req.path = "pd"
-            req.d = self.least_loaded(self.decodes)
+            req.d = self.place(self.decodes, req)
             self.sessions[conv.conversation_id] = req.d
         else:
             req.d = self.sessions[conv.conversation_id]
@@ -449,7 +482,7 @@ class _Sim:
             if req.path in ("pd", "bidir"):
                 self.pinned.add(conv.conversation_id)
         if req.path in ("pd", "bidir"):
-            req.p = self.least_loaded(self.prefills)
+            req.p = self.place(self.prefills, req)
             req.p.outstanding += 1
         req.d.outstanding += 1
         delay = self.o_pd if req.p is not None else self.o_local
@@ -614,6 +647,7 @@ class _Sim:
                     continue
                 node.outstanding -= 1
                 req.p_done = True
+                self.prefill_cached[req.rid] = fin.num_cached_tokens
                 assert req.d is not None
                 r = EngineRequest(
                     request_id=req.rid,

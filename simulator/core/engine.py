@@ -626,6 +626,11 @@ class Engine:
         """Requests this engine holds that are not finished (running, waiting, pulling)."""
         return len(self._reqs) - len(self._pinned)
 
+    def resident_prefix_blocks(self, content: BlockContent, n_prompt: int) -> int:
+        """Leading blocks of a ``n_prompt``-token prompt this engine's prefix cache holds now (what a
+        request arriving now would hit, rule 2: at most ``n_prompt - 1`` tokens); no side effect."""
+        return self.pool.match(content, (n_prompt - 1) // self._bs)
+
     def running_count(self) -> int:
         """Requests in the running batch (vLLM's ``num_requests_running``), in O(1)."""
         return len(self._running)

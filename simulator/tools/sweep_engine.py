@@ -18,6 +18,9 @@ came from.
 Rule 3: ``drift`` (events in ``simulator.core.drift``'s text form, e.g. ``0:link=0.1``) runs every
 point on a drifted cluster: events at 0 s measure the post-drift configuration (``ppd-bench drift``'s
 oracle table). The settings name it only when set, so sweeps without drift keep their settings.
+Rule 4: ``placement`` (``ppd-table sweep --placement``) places each P leg and Turn-1 D as the gateway's
+``[routing] placement`` does (ppd/placement.py, from each engine's prefix cache); named in the
+settings only when not ``least_loaded`` (the choice before placement existed), for the same reason.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ppd.placement import PLACEMENTS, Placement, PlacementSettings
 from simulator.core.cluster import ClusterConfig, simulate
 from simulator.core.drift import parse_drift
 from simulator.core.profile import load_profile
@@ -54,6 +58,7 @@ class SimEngine:
     timeout_s: float = 30.0
     simulator: str = field(default_factory=simulator_fingerprint)
     drift: tuple[str, ...] = ()
+    placement: Placement = "least_loaded"  # rule 4
 
     @property
     def name(self) -> str:
@@ -75,6 +80,8 @@ class SimEngine:
         }
         if self.drift:
             out["drift"] = list(self.drift)
+        if self.placement != "least_loaded":
+            out["placement"] = self.placement
         return out
 
     def arrivals_seed(self, point: GridPoint) -> int:
@@ -98,6 +105,7 @@ class SimEngine:
             run_id=point.run_id,
             model=point.model,
             drift=tuple(parse_drift(text) for text in self.drift),
+            placement=PlacementSettings(self.placement),
         )
         result = simulate(load_profile(self.profile), config, conversations)
         return [Record.from_dict(r) for r in result.records]
@@ -105,4 +113,7 @@ class SimEngine:
 
 def make(options: EngineOptions) -> SimEngine:
     """The entry point of ``sim`` in the group ``ppd_table.engines``."""
-    return SimEngine(duration_s=options.duration_s, seed=options.seed)
+    if options.placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {options.placement!r}")
+    placement: Placement = "prefix" if options.placement == "prefix" else "least_loaded"
+    return SimEngine(duration_s=options.duration_s, seed=options.seed, placement=placement)

@@ -25,6 +25,7 @@ FULL = TableHeader(
     max_decode_running=100,
     max_prefill_queue_depth=4,
     provenance={"source": "test", "seed": 3},
+    placement="prefix",
 )
 
 
@@ -88,6 +89,15 @@ def test_a_table_written_before_the_decode_guard_reads_with_the_guard_off() -> N
     assert (header.max_decode_running, header.max_prefill_queue_depth) == (None, None)
 
 
+def test_a_table_written_before_placement_reads_as_least_loaded_and_keeps_its_bytes() -> None:
+    least = dataclasses.replace(FULL, placement="least_loaded")
+    assert "placement" not in least.to_json()  # the header of an earlier table, unchanged
+    assert FULL.to_json()["placement"] == "prefix"
+    raw = FULL.to_json()
+    del raw["placement"]
+    assert TableHeader.from_json(raw).placement == "least_loaded"
+
+
 def _set(path: tuple[str, ...], value: Any) -> dict[str, Any]:
     raw = FULL.to_json()
     section = raw
@@ -109,6 +119,7 @@ def _set(path: tuple[str, ...], value: Any) -> dict[str, Any]:
         (("slo", "min_success"), 1.5, "must be within 0..1"),
         (("live", "max_decode_kv_usage"), -0.1, "must be within 0..1"),
         (("live", "max_prefill_queue_depth"), -1, "live.max_prefill_queue_depth must be a whole number"),
+        (("placement",), "nearest", "placement must be one of prefix, least_loaded"),
     ],
 )
 def test_each_check_names_the_field(path: tuple[str, ...], value: Any, message: str) -> None:

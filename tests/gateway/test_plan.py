@@ -32,6 +32,7 @@ from gateway.plan import (
 from gateway.pool import Load, PoolView, WorkerView
 from gateway.routing import Decision
 from gateway.sessions import Session
+from ppd.placement import Placement, PlacementSettings
 
 GOLDEN = Path(__file__).parent / "golden" / "plan"
 CASES = sorted(GOLDEN.glob("*.json"))
@@ -236,3 +237,59 @@ def test_a_p_leg_run_elsewhere_is_a_plain_one_and_bidir_becomes_pd() -> None:
     assert KV_FIELD not in elsewhere.decode.body
     pd = plan(PlanRequest("chat", BODY, "rid"), None, Decision("pd", "table"), pool)
     assert prefill_elsewhere(pd) == pd
+
+
+# ------------------------------------------------------------------ rule 8: placement
+
+
+def _placement_pool() -> PoolView:
+    return _pool(
+        [
+            {"id": "P0", "role": "prefill", "url": "http://p0"},
+            {"id": "P1", "role": "prefill", "url": "http://p1", "inflight": 1},
+            {"id": "P2", "role": "prefill", "url": "http://p2", "inflight": 9},
+            {"id": "D0", "role": "decode", "url": "http://d0"},
+            {"id": "D1", "role": "decode", "url": "http://d1", "inflight": 2},
+        ]
+    )
+
+
+def _placed(resident: dict[str, int], *, policy: Placement = "prefix", attempts: int = 3) -> PlanRequest:
+    return PlanRequest(
+        endpoint="chat",
+        body={"model": "m", "messages": []},
+        request_id="r",
+        prefill_attempts=attempts,
+        placement=PlacementSettings(policy),
+        resident_blocks=resident,
+    )
+
+
+def test_p_goes_to_the_worker_holding_the_prefix_and_retries_follow_least_loaded() -> None:
+    p = plan(
+        _placed({"P1": 8, "P2": 40}), Session("s", worker="D1"), Decision("pd", "table"), _placement_pool()
+    )
+    # P2 holds more but is 9 requests busier than P0 (limit 4): P1 wins, then P0, P2 in load order.
+    assert [c.worker for c in p.prefill] == ["P1", "P0", "P2"]
+    assert (p.prefill_by_prefix, p.decode_by_prefix) == (True, False)
+    assert p.decode.worker == "D1"  # the session's D is never moved, however little it holds
+
+
+def test_nothing_known_or_least_loaded_policy_plans_as_before() -> None:
+    pool, session, pd = _placement_pool(), Session("s", worker="D1"), Decision("pd", "table")
+    for request in (_placed({}), _placed({"P1": 0}), _placed({"P1": 8}, policy="least_loaded")):
+        p = plan(request, session, pd, pool)
+        assert ([c.worker for c in p.prefill], p.prefill_by_prefix) == (["P0", "P1", "P2"], False)
+
+
+def test_turn_one_and_a_rebind_place_d_by_prefix() -> None:
+    pool = _placement_pool()
+    first = plan(_placed({"D1": 3}), None, Decision("pd", "turn_one"), pool)
+    assert (first.decode.worker, first.decode_by_prefix) == ("D1", True)
+    gone = plan(_placed({"D1": 3}), Session("s", worker="D9"), Decision("local", "table"), pool)
+    assert (gone.path, gone.reason, gone.decode.worker, gone.decode_by_prefix) == (
+        "pd",
+        "decode_gone",
+        "D1",
+        True,
+    )

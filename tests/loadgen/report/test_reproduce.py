@@ -92,6 +92,8 @@ def test_report_run_writes_records_and_the_report(tmp_path: Path) -> None:
     assert "## Figure 6 in the paper's setting" in text
     assert "QPS 8:" in text
     assert (tmp_path / "out" / "figure6_paper_setting.png").stat().st_size > 0
+    assert "## Prefix-aware placement" in text  # its runs are part of --run unless --no-placement
+    assert "| 1P3D: within 2% of least loaded | PASS |" in text
 
 
 def test_reproduce_feeds_real_sharegpt_turns(tmp_path: Path) -> None:

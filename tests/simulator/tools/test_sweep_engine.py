@@ -117,3 +117,23 @@ def test_a_sweep_runs_every_mode_the_engine_runs_unless_told(
     assert "the analytic engine runs the static modes pd,local; got --modes bidir" in caplog.text
     assert main([*args, "--engine", "sim", "--modes", "pd,bidir", "--out", str(tmp_path / "c")]) == 0
     assert sorted(p.name for p in (tmp_path / "c" / "records" / "1P3D").iterdir()) == ["bidir", "pd"]
+
+
+def test_a_sweep_with_prefix_placement_places_by_prefix_and_the_table_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    prefix = SimEngine(duration_s=2.0, seed=5, placement="prefix")
+    assert "placement" not in ENGINE.settings()  # sweeps before placement keep their settings (and folders)
+    assert prefix.settings()["placement"] == "prefix"
+    args = ["sweep", "--shape", "2P2D", "--workloads", "large_mid_paste", "--qps", "2", "--duration", "2"]
+    args += ["--min-samples", "1", "--quiet", "--modes", "pd,local"]
+    assert main([*args, "--engine", "sim", "--placement", "prefix", "--out", str(tmp_path)]) == 0
+    table = Table.open(tmp_path / "2P2D__llama-3.1-8b.ppdt")
+    try:
+        assert table.header.placement == "prefix"
+    finally:
+        table.close()
+    assert main([*args, "--engine", "analytic", "--placement", "prefix", "--out", str(tmp_path / "a")]) == 2
+    assert (
+        "the analytic engine does not model placement; --placement prefix needs one that does" in caplog.text
+    )
