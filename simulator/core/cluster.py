@@ -303,28 +303,7 @@ class _Sim:
             fast_forward=config.fast_forward,
             kv_capacity_tokens=config.kv_capacity_tokens,
         )
-        topo = config.topology
-        if topo.replica and (topo.prefill or topo.decode):
-            raise ValueError(f"bad topology {topo.name!r}: replica workers do not mix with P/D workers")
-        self.replica_mode = self.kind == "replica" or topo.replica > 0
-        if topo.replica and self.kind not in ("replica",):
-            raise ValueError("a replica topology runs only in mode replica")
-        self.prefills: list[_Node] = []
-        self.decodes: list[_Node] = []
-        if topo.replica:
-            self.decodes = [
-                _Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.replica)
-            ]
-        elif self.replica_mode:
-            n = topo.prefill + topo.decode
-            self.decodes = [_Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(n)]
-        else:
-            self.prefills = [
-                _Node(f"P{i}", Engine(profile, ecfg), is_prefill=True) for i in range(topo.prefill)
-            ]
-            self.decodes = [
-                _Node(f"D{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.decode)
-            ]
+        self._make_nodes(profile, config, ecfg)
         physical = profile.link("nvlink") if config.transfer_mode is TransferMode.BLOCKING_ON_DECODE else None
         spec = profile.link(config.link)
         self.links: dict[tuple[int, int], _LinkState] = {}
@@ -358,6 +337,31 @@ class _Sim:
         self.placed_by_prefix: dict[str, str] = {}
         for event in config.drift:  # pushed before the arrivals: at a tie in time, the drift comes first
             self.push(event.at_s, _DRIFT, event)
+
+    def _make_nodes(self, profile: Profile, config: ClusterConfig, ecfg: EngineConfig) -> None:
+        """The workers of the topology: P and D nodes, or replicas (mode replica or an R topology)."""
+        topo = config.topology
+        if topo.replica and (topo.prefill or topo.decode):
+            raise ValueError(f"bad topology {topo.name!r}: replica workers do not mix with P/D workers")
+        self.replica_mode = self.kind == "replica" or topo.replica > 0
+        if topo.replica and self.kind not in ("replica",):
+            raise ValueError("a replica topology runs only in mode replica")
+        self.prefills: list[_Node] = []
+        self.decodes: list[_Node] = []
+        if topo.replica:
+            self.decodes = [
+                _Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.replica)
+            ]
+        elif self.replica_mode:
+            n = topo.prefill + topo.decode
+            self.decodes = [_Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(n)]
+        else:
+            self.prefills = [
+                _Node(f"P{i}", Engine(profile, ecfg), is_prefill=True) for i in range(topo.prefill)
+            ]
+            self.decodes = [
+                _Node(f"D{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.decode)
+            ]
 
     def _set_up_steering(self, config: ClusterConfig, router: LocalPolicy | None) -> None:
         """Exploration and the SLO controller, the two things that steer ppd routing beyond the table."""
@@ -443,7 +447,7 @@ class _Sim:
         if settings.policy == "least_loaded" or len(nodes) == 1:
             return self.least_loaded(nodes)
         ranked = sorted(nodes, key=lambda n: n.outstanding)  # stable: ties keep the index order
-        content = StreamBlocks(req.stream)
+        content = req.content
         n_prompt = req.n_ctx + req.n_in
         placed = place(
             [
