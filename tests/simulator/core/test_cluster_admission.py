@@ -4,6 +4,8 @@ tenant goes first, and nothing is lost: every request is served or shed."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from ppd.admission import AdmissionSettings, TenantSettings
 from simulator.core.cluster import ClusterConfig, simulate
 from simulator.core.profile import load_profile
@@ -18,7 +20,7 @@ def _burst(tenant: str, n: int, at: float) -> list[Conversation]:
     return [Conversation(f"{tenant}-{i}", tenant, at, turns) for i in range(n)]
 
 
-def _run(admission: AdmissionSettings | None, conversations: list[Conversation]) -> list[dict[str, object]]:
+def _run(admission: AdmissionSettings | None, conversations: list[Conversation]) -> list[dict[str, Any]]:
     config = ClusterConfig(topology=Topology.parse("1P1D"), mode="pd", admission=admission)
     return simulate(PROFILE, config, conversations).records
 
