@@ -108,11 +108,12 @@ class AdmissionSettings:
     default_priority: str = "normal"
     # The highest class X-PPD-Priority may ask for, for a tenant not listed in `tenants`.
     header_max_priority: str = "high"
-    # Per tenant ("key:" + first 16 hex digits of the SHA-256 of its API key, or an X-PPD-Tenant
-    # value): { priority = "high", max_priority = "high", weight = 1 }.
+    # Per tenant id: "key:" + the first 16 hex digits of the SHA-256 of its bearer token, or
+    # "tenant:" + its X-PPD-Tenant header: { priority = "high", max_priority = "high", weight = 1 }.
     tenants: Mapping[str, TenantSettings] = field(default_factory=dict)
-    # Bounds of the Retry-After seconds a shed request is told (rule 5).
+    # The fewest Retry-After seconds a shed request is told (rule 5).
     retry_after_min_s: int = 1
+    # The most Retry-After seconds a shed request is told (rule 5).
     retry_after_max_s: int = 60
     # Seconds over which the finishing rate behind Retry-After is measured.
     rate_window_s: float = 10.0

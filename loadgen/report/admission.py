@@ -45,7 +45,14 @@ from loadgen.report.section import (
 )
 from ppd.admission import AdmissionSettings, TenantSettings
 
-__all__ = ["AdmissionExperiment", "AdmissionFigures", "Step", "add_parser", "run_admission"]
+__all__ = [
+    "AdmissionExperiment",
+    "AdmissionFigures",
+    "Step",
+    "add_parser",
+    "admission_settings",
+    "run_admission",
+]
 
 SECTION_NAME: Final = "admission.md"
 PNG_NAME: Final = "admission.png"
