@@ -319,7 +319,8 @@ class AdmissionQueue:
         return limit is None or self._inflight < limit
 
     def _weight(self, tenant: str) -> int:
-        return self._s.tenant(tenant).weight
+        listed = self._s.tenants.get(tenant)
+        return 1 if listed is None else listed.weight
 
     def _next(self) -> _Entry:
         """Rule 2: the highest class's next tenant by smooth weighted round robin, its oldest ticket."""

@@ -90,6 +90,32 @@ class _Client(threading.Thread):
         self.done.append(self.i)
 
 
+class _Stream(threading.Thread):
+    """A long streaming answer in a thread of its own: `first` is set once its first event arrived
+    (it was admitted and is being served); it holds its slot until `close`."""
+
+    def __init__(self, door: FrontDoor, i: int, headers: dict[str, str]) -> None:
+        super().__init__(daemon=True)
+        port = int(door.url.rsplit(":", 1)[1])
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        self.i, self.headers = i, headers
+        self.status = 0
+
+    def run(self) -> None:
+        self.conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=_body(self.i, max_tokens=4000, stream=True),
+            headers={"Content-Type": "application/json", **self.headers},
+        )
+        answer = self.conn.getresponse()
+        self.status = answer.status
+        answer.readline()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def _gauge(door: FrontDoor, name: str, **labels: str) -> float:
     return sample(door.metrics(), name, labels) or 0.0
 
@@ -106,18 +132,11 @@ def test_excess_requests_are_shed_at_once_and_the_higher_class_goes_first(
     cluster: Process, tmp: Path
 ) -> None:
     with running("standalone", _config(cluster), tmp, "gw") as door:
-        port = int(door.url.rsplit(":", 1)[1])
         # A: a long streaming answer holds the one slot until its client leaves.
-        holder = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        holder.request(
-            "POST",
-            "/v1/chat/completions",
-            body=_body(0, max_tokens=4000, stream=True),
-            headers={"Content-Type": "application/json", "X-PPD-Priority": "low"},
-        )
-        answer = holder.getresponse()
-        assert answer.status == 200
-        assert answer.readline()  # its first event: it is being served
+        a = _Stream(door, 0, {"X-PPD-Priority": "low"})
+        a.start()
+        a.join(timeout=60)
+        assert a.status == 200  # its first event came: it is being served
         _await(door, "A in flight", "ppd_gateway_admission_in_flight", 1)
 
         done: list[int] = []
@@ -125,7 +144,7 @@ def test_excess_requests_are_shed_at_once_and_the_higher_class_goes_first(
         b = _Client(door, 1, low, done)
         b.start()
         _await(door, "B queued", "ppd_gateway_admission_queue_depth", 1, priority="low")
-        h = _Client(door, 2, {"Authorization": f"Bearer {GOLD_KEY}"}, done)  # high by its key
+        h = _Stream(door, 2, {"Authorization": f"Bearer {GOLD_KEY}"})  # high by its key, long too
         h.start()
         _await(door, "H queued", "ppd_gateway_admission_queue_depth", 1, priority="high")
 
@@ -149,12 +168,16 @@ def test_excess_requests_are_shed_at_once_and_the_higher_class_goes_first(
         assert _shed(door, "displaced", "low") == 1
         _await(door, "N queued", "ppd_gateway_admission_queue_depth", 1, priority="normal")
 
-        holder.close()  # A's client leaves: its slot goes to H, then to N
-        for client in (h, n):
-            client.join(timeout=120)
-            assert client.result is not None
-            assert client.result[0] == 200, client.result
-        assert done == [1, 2, 4]  # B shed; then H before N
+        a.close()  # A's client leaves: its slot goes to H (high) while N (normal) waits on
+        h.join(timeout=60)
+        assert h.status == 200
+        assert _gauge(door, "ppd_gateway_admission_queue_depth", priority="normal") == 1
+        assert _gauge(door, "ppd_gateway_admission_in_flight") == 1
+        h.close()  # H's client leaves too: N is served
+        n.join(timeout=120)
+        assert n.result is not None
+        assert n.result[0] == 200, n.result
+        assert done == [1, 4]  # B shed, N served; A and H left while being served
         _await(door, "every slot free", "ppd_gateway_admission_in_flight", 0)
         assert (
             sum(
