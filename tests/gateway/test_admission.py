@@ -3,7 +3,8 @@ gateway with one request in flight at most and two waiting. A long streaming req
 slot until its client leaves (no timer decides what is in flight); the test waits on the gateway's own
 gauges before each next step. Excess requests get 429 with Retry-After at once, a higher class (by
 header, or by its API key's default) goes first and displaces a queued lower one, and every request
-is either answered or shed with a clear error."""
+is either answered or shed with a clear error. Behind Envoy the picker sheds with an ImmediateResponse
+429 (its turns observed, so each stays in flight until its answer ends)."""
 
 from __future__ import annotations
 
@@ -42,16 +43,18 @@ def cluster(tmp: Path) -> Iterator[Process]:
     assert proc.stop() == 0
 
 
-def _config(cluster: Process) -> list[str]:
+STANDALONE = (
+    "[admission]\nenabled = true\nmax_inflight = 1\nmax_queue = 2\n"
+    "max_wait_high_s = 120.0\nmax_wait_normal_s = 120.0\nmax_wait_low_s = 120.0\n"
+    f'[admission.tenants."{GOLD}"]\npriority = "high"\n'
+)
+
+
+def _config(cluster: Process, admission: str = STANDALONE) -> list[str]:
     lines = ['mode = "pd"\n']
     for w in cluster.ready["workers"]:
         lines.append(f'[[workers]]\nid = "{w["id"]}"\nrole = "{w["role"]}"\nurl = "{w["url"]}"\n')
-    lines.append(
-        "[admission]\nenabled = true\nmax_inflight = 1\nmax_queue = 2\n"
-        "max_wait_high_s = 120.0\nmax_wait_normal_s = 120.0\nmax_wait_low_s = 120.0\n"
-        f'[admission.tenants."{GOLD}"]\npriority = "high"\n'
-    )
-    return lines
+    return [*lines, *admission.splitlines()]
 
 
 def _body(i: int, *, max_tokens: int = 2, stream: bool = False) -> bytes:
@@ -201,3 +204,25 @@ def test_a_bad_priority_header_is_the_clients_error(cluster: Process, tmp: Path)
         assert body["error"]["param"] == "X-PPD-Priority"
         assert "high, normal, low" in body["error"]["message"]
         assert _ask(door, 10, {"X-PPD-Priority": "High"})[0] == 200
+
+
+def test_through_envoy_the_picker_sheds_with_an_immediate_429(cluster: Process, tmp: Path) -> None:
+    # Every answer observed: a turn stays in flight until its answer ends (picker.py rule 7).
+    admission = (
+        "[admission]\nenabled = true\nmax_inflight = 1\nmax_queue = 0\n[log]\npicker_observe_share = 1.0"
+    )
+    lines = _config(cluster, admission)
+    with running("envoy", lines, tmp, "picker") as door:
+        a = _Stream(door, 0, {})
+        a.start()
+        a.join(timeout=60)
+        assert a.status == 200
+        _await(door, "A in flight", "ppd_gateway_admission_in_flight", 1)
+        status, headers, body = _ask(door, 1, {})
+        assert status == 429
+        assert int(headers["retry-after"]) >= 1
+        assert (body["error"]["type"], body["error"]["code"]) == ("RateLimitError", 429)
+        assert _shed(door, "queue_full", "normal") == 1
+        a.close()  # A's client leaves: Envoy ends its stream, the picker its turn
+        _await(door, "A's slot free", "ppd_gateway_admission_in_flight", 0)
+        assert _ask(door, 2, {})[0] == 200
