@@ -48,7 +48,7 @@ its tenant's ceiling. Shed, it is a TooManyRequestsError (429, Retry-After) and 
 happens; admitted, it holds its place until the turn ends (`_end`, held turns included).
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
-It stays one module (about 760 lines): its steps share one turn's inputs, outcome and pool view in the
+It stays one module (about 780 lines): its steps share one turn's inputs, outcome and pool view in the
 order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
 plan, turn_report).
 """

@@ -143,7 +143,7 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
-        # Admission control ([admission], gateway/admission_gate.py); the labelled series absent while it is off.
+        # Admission control ([admission], gateway/admission_gate.py); labelled series absent while off.
         self.admission_shed = Counter(
             "ppd_gateway_admission_shed",
             "Requests shed with 429 by admission control, by reason (queue_full, wait_exceeded, "
