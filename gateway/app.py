@@ -123,7 +123,7 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
                 "%s %s from %s answered 400: %s", request.method, request.path, request.remote, exc
             )
         status, body = exc.to_openai_error()
-        response = web.json_response(body, status=status)
+        response = web.json_response(body, status=status, headers=exc.response_headers())
     except web.HTTPRequestEntityTooLarge as exc:
         response = web.json_response(
             error_body(exc.text or "body too large", "BadRequestError", 413), status=413

@@ -40,9 +40,15 @@ the answer started and only within the retry budget (retry_budget.py): counted b
 caused it (`ppd_gateway_retries_total{reason}`); refused, it is counted
 (`ppd_gateway_retry_budget_exhausted_total{reason}`, a WARNING line every 10 s at most) and the
 request is answered with the error it had.
+Rule 10 (admission, off by default): after the client's input is checked (rule 1) and before its
+session is looked up, a request passes admission control (admission_gate.py over ppd/admission.py):
+its tenant is `key:` + a hash of its bearer token, else `tenant:` + X-PPD-Tenant, else `anonymous`;
+its class the X-PPD-Priority header (a bad value is a 400), else its tenant's default, never above
+its tenant's ceiling. Shed, it is a TooManyRequestsError (429, Retry-After) and nothing else
+happens; admitted, it holds its place until the turn ends (`_end`, held turns included).
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
-It stays one module (about 700 lines): its steps share one turn's inputs, outcome and pool view in the
+It stays one module (about 780 lines): its steps share one turn's inputs, outcome and pool view in the
 order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
 plan, turn_report).
 """
@@ -53,12 +59,14 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from gateway.admission_gate import AdmissionGate, Ticket
 from gateway.deps import Deps
 from gateway.errors import (
     BadRequestError,
@@ -96,6 +104,7 @@ from gateway.sessions import Session, prompt_fingerprint
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import TurnReport
 from gateway.types import Role
+from ppd.admission import Priority, parse_priority
 from ppd.explore import ExplorationPolicy, secret_seed
 from ppd.modes import Mode, ModeError, parse_mode
 from ppd.rate_limited_log import RateLimitedLog
@@ -109,6 +118,8 @@ MODE_HEADER = "X-PPD-Mode"
 OUTPUT_HINT_HEADER = "X-PPD-Expected-Output-Tokens"
 SESSION_HEADER = "X-Session-ID"
 WORKLOAD_HEADER = "X-PPD-Workload"
+PRIORITY_HEADER = "X-PPD-Priority"
+TENANT_HEADER = "X-PPD-Tenant"
 ROLE_OF: Mapping[str, Role] = {"pd": "decode", "local": "decode", "replica": "replica", "bidir": "decode"}
 _THROUGH_P: Final = ("pd", "bidir")
 # Rule 4: the roles a request's destination can have (what a subset narrows).
@@ -138,6 +149,8 @@ class ActiveTurn:
     held: bool = False
     # The prompt's token ids as a worker's /tokenize gave them (asked at most once per turn).
     token_ids: list[int] | None = None
+    # Rule 10: its admission, left when the turn ends (None: admission control is off).
+    ticket: Ticket | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +182,15 @@ class RequestCore:
         self._placement = s.routing.placement_settings()
         self._held_log = RateLimitedLog(log, clock=deps.clock)
         self._budget_log = RateLimitedLog(log, interval_s=10.0, clock=deps.clock)
+        self._gate: AdmissionGate | None = None
+        if s.admission.enabled:
+            pool = deps.pool
+            self._gate = AdmissionGate(
+                s.admission,
+                deps.metrics,
+                clock=deps.clock,
+                workers=lambda: pool.count("decode", live=True) + pool.count("replica", live=True),
+            )
         self._worker_headers: tuple[tuple[str, str], ...] = (
             (("Authorization", f"Bearer {s.worker_api_key}"),) if s.worker_api_key else ()
         )
@@ -190,51 +212,55 @@ class RequestCore:
         `subset` (rule 4) the ids D or R may be chosen from, named `subset_scope` in errors."""
         d = self._d
         start, start_wall = d.timer(), d.wall_clock()
-        req = parse_completion_request(request.body, request.endpoint, self._s.limits)
-        self._check_id_headers(request.headers)
-        check_model_length(
-            req.body,
-            req.messages,
-            max_model_len=d.pool.max_model_len(req.model),
-            counter=d.tokenizers.encoding(req.model),
-        )
-        mode = self._mode(request.headers)
-        view = self._view(subset, subset_scope)
-        match = await self._find_session(request, req)
-        static = static_decision(mode, turn=match.turn, session_id=match.session_id)
-        ask = static is None and not decode_gone(match.session, view)
-        measure_psi = functools.partial(
-            measure,
-            d.tokenizers,
-            model=req.model,
-            body=req.body,
-            new_messages=req.messages[match.new_messages_from :] if req.endpoint == "chat" else None,
-            session=match.session,
-            hint=_int_header(request.headers, OUTPUT_HINT_HEADER),
-            default_output=self._s.policy.default_output_tokens,
-        )
-        # ψ without asking a worker never waits; a worker's count (below) may, so it is asked inside
-        # the try: a client that leaves meanwhile still gets its request-log line.
-        psi = await measure_psi()
-        worker_count = self._worker_count(req, match, view) if ask and psi.n_in.source == "estimate" else None
-        turn = TurnInputs(
-            request_id=d.new_id(),
-            start=start,
-            start_wall=start_wall,
-            req=req,
-            mode=mode,
-            explicit_id=match.explicit_id,
-            session=match.session,
-            session_id=match.session_id,
-            turn=match.turn,
-            psi=psi,
-            workload=self._s.log.workload_label(request.headers.get(WORKLOAD_HEADER)),
-            chain=match.chain,
-            session_reset=match.reset,
-        )
-        active = ActiveTurn(
-            request, turn, TurnOutcome(), view, observed=self._relays_answer if observed is None else observed
-        )
+        req, mode = self._read(request)
+        ticket = await self._admit(request.headers)
+        try:
+            view = self._view(subset, subset_scope)
+            match = await self._find_session(request, req)
+            static = static_decision(mode, turn=match.turn, session_id=match.session_id)
+            ask = static is None and not decode_gone(match.session, view)
+            measure_psi = functools.partial(
+                measure,
+                d.tokenizers,
+                model=req.model,
+                body=req.body,
+                new_messages=req.messages[match.new_messages_from :] if req.endpoint == "chat" else None,
+                session=match.session,
+                hint=_int_header(request.headers, OUTPUT_HINT_HEADER),
+                default_output=self._s.policy.default_output_tokens,
+            )
+            # ψ without asking a worker never waits; a worker's count (below) may, so it is asked inside
+            # the try: a client that leaves meanwhile still gets its request-log line.
+            psi = await measure_psi()
+            worker_count = (
+                self._worker_count(req, match, view) if ask and psi.n_in.source == "estimate" else None
+            )
+            turn = TurnInputs(
+                request_id=d.new_id(),
+                start=start,
+                start_wall=start_wall,
+                req=req,
+                mode=mode,
+                explicit_id=match.explicit_id,
+                session=match.session,
+                session_id=match.session_id,
+                turn=match.turn,
+                psi=psi,
+                workload=self._s.log.workload_label(request.headers.get(WORKLOAD_HEADER)),
+                chain=match.chain,
+                session_reset=match.reset,
+            )
+            active = ActiveTurn(
+                request,
+                turn,
+                TurnOutcome(),
+                view,
+                observed=self._relays_answer if observed is None else observed,
+            )
+        except BaseException:
+            self._leave(ticket)
+            raise
+        active.ticket = ticket
         outcome = active.outcome
         self._begin()
         served = False
@@ -251,14 +277,7 @@ class RequestCore:
                 active.turn = dataclasses.replace(active.turn, psi=resident_psi)
             if match.turn == 1:  # tables index QPS by conversations started per second (the paper's)
                 d.qps.record()
-            if static is not None:
-                outcome.decision = static
-            elif ask and evicted:
-                outcome.decision = _KV_EVICTED
-            elif ask:
-                outcome.decision = self._explore(active.turn, await self._ask(active.turn, view))
-            else:
-                outcome.decision = _NOT_ASKED
+            outcome.decision = await self._decide(active, static, ask=ask, evicted=evicted)
             yield active
             served = True  # rule 7: only a block that ended without an exception leaves the turn held
         except GatewayError as exc:
@@ -272,10 +291,65 @@ class RequestCore:
             if not (active.held and served):
                 self._end(active)
 
+    def _read(self, request: ClientRequest) -> tuple[CompletionRequest, Mode]:
+        """Rule 1: the request and its headers checked, before any worker is called; its mode."""
+        d = self._d
+        req = parse_completion_request(request.body, request.endpoint, self._s.limits)
+        self._check_id_headers(request.headers)
+        check_model_length(
+            req.body,
+            req.messages,
+            max_model_len=d.pool.max_model_len(req.model),
+            counter=d.tokenizers.encoding(req.model),
+        )
+        return req, self._mode(request.headers)
+
+    async def _decide(self, t: ActiveTurn, static: Decision | None, *, ask: bool, evicted: bool) -> Decision:
+        """The turn's decision: static, a cold turn's PD, the DecisionService's (explored), or none
+        asked (the session's D is gone: plan.py decides)."""
+        if static is not None:
+            return static
+        if ask and evicted:
+            return _KV_EVICTED
+        if ask:
+            return self._explore(t.turn, await self._ask(t.turn, t.view))
+        return _NOT_ASKED
+
     def _begin(self) -> None:
         """A turn is served from here on: in flight, and one request the retry budget counts."""
         self._d.metrics.inflight.inc()
         self._budget.note_request(self._d.clock())
+
+    async def _admit(self, headers: Mapping[str, str]) -> Ticket | None:
+        """Rule 10: the request through admission control (when on), in its tenant's class."""
+        if self._gate is None:
+            return None
+        tenant = self._tenant(headers)
+        asked: Priority | None = None
+        raw = headers.get(PRIORITY_HEADER)
+        if raw:
+            try:
+                asked = parse_priority(raw.strip().lower())
+            except ValueError as exc:
+                raise BadRequestError(f"header {PRIORITY_HEADER}: {exc}", param=PRIORITY_HEADER) from None
+        priority = self._s.admission.tenant(tenant).priority_for(asked)
+        return await self._gate.enter(priority, tenant)
+
+    def _leave(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self._gate is not None:
+            self._gate.leave(ticket)
+
+    def _tenant(self, headers: Mapping[str, str]) -> str:
+        """Rule 10: `key:` and the first 16 hex digits of the SHA-256 of the client's bearer token,
+        else `tenant:` and the X-PPD-Tenant header, else `anonymous`. The key itself is never kept."""
+        scheme, _, token = headers.get("Authorization", "").strip().partition(" ")
+        if scheme.lower() == "bearer" and token.strip():
+            return "key:" + hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+        named = headers.get(TENANT_HEADER)
+        if named:
+            check_client_id(named, TENANT_HEADER, max_length=self._s.limits.max_id_length)
+            return f"tenant:{named}"
+        return "anonymous"
 
     def _view(self, subset: frozenset[str] | None, scope: str) -> PoolView:
         """Rule 4: this request's pool view, its D and R narrowed to `subset` when given."""
@@ -295,6 +369,7 @@ class RequestCore:
 
     def _end(self, t: ActiveTurn) -> None:
         t.held = False
+        self._leave(t.ticket)
         self._d.metrics.inflight.dec()
         self._report.finish(t.turn, t.outcome, end=self._d.timer(), line=t.observed)
 

@@ -7,6 +7,7 @@
     ├── UnauthorizedError (401)    admin API without the right bearer token
     ├── NotFoundError (404)        unknown admin object
     ├── ConflictError (409)        an admin registration the pool has no room for
+    ├── TooManyRequestsError (429) shed by admission control; carries the Retry-After seconds
     ├── NoWorkerError (503)        no live worker of a needed role; the message names the role
     ├── PrefillFailedError (503)   every P attempt failed and policy.prefill_failure = "error"
     └── UpstreamError              a worker failed
@@ -37,6 +38,7 @@ __all__ = [
     "NotFoundError",
     "PayloadTooLargeError",
     "PrefillFailedError",
+    "TooManyRequestsError",
     "UnauthorizedError",
     "UpstreamBrokenError",
     "UpstreamError",
@@ -58,6 +60,10 @@ class GatewayError(Exception):
 
     def to_openai_error(self) -> tuple[int, dict[str, Any]]:
         return self.status, error_body(self.message, self.error_type, self.status, self.param)
+
+    def response_headers(self) -> dict[str, str]:
+        """Headers each edge sends with the error (both front doors)."""
+        return {}
 
 
 class BadRequestError(GatewayError):
@@ -92,6 +98,21 @@ class NotFoundError(GatewayError):
 class ConflictError(GatewayError):
     status = 409
     error_type = "ConflictError"
+
+
+class TooManyRequestsError(GatewayError):
+    """Shed by admission control (gateway/admission_gate.py): the client should retry after
+    `retry_after_s` seconds (the Retry-After header)."""
+
+    status = 429
+    error_type = "RateLimitError"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def response_headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class NoWorkerError(GatewayError):

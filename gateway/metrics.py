@@ -18,6 +18,7 @@ _OVERHEAD_BUCKETS = (
     0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01,
     0.02, 0.05, 0.1,
 )  # fmt: skip
+_ADMISSION_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)
 
 
@@ -148,6 +149,32 @@ class GatewayMetrics:
             "ppd_gateway_retry_budget_exhausted",
             "Retries refused by the retry budget (the request answered with the error it had), by reason",
             ["reason"],
+            registry=r,
+        )
+        # Admission control ([admission], gateway/admission_gate.py); labelled series absent while off.
+        self.admission_shed = Counter(
+            "ppd_gateway_admission_shed",
+            "Requests shed with 429 by admission control, by reason (queue_full, wait_exceeded, "
+            "displaced) and priority class",
+            ["reason", "priority"],
+            registry=r,
+        )
+        self.admission_queue_depth = Gauge(
+            "ppd_gateway_admission_queue_depth",
+            "Requests waiting for admission, by priority class",
+            ["priority"],
+            registry=r,
+        )
+        self.admission_inflight = Gauge(
+            "ppd_gateway_admission_in_flight",
+            "Requests admitted and not yet finished (what the in-flight bound counts)",
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "ppd_gateway_admission_wait_seconds",
+            "Time from arrival to admission or shedding, by priority class and result (admitted, shed)",
+            ["priority", "result"],
+            buckets=_ADMISSION_BUCKETS,
             registry=r,
         )
         self.session_resets = Counter(

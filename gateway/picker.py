@@ -200,11 +200,17 @@ def _lb_metadata(dest: str) -> struct_pb2.Struct:
     return meta
 
 
-def _immediate(status: int, body: Mapping[str, Any]) -> pb.ProcessingResponse:
+def _immediate(
+    status: int, body: Mapping[str, Any], headers: Mapping[str, str] | None = None
+) -> pb.ProcessingResponse:
+    sets = [
+        _set("content-type", "application/json"),
+        *(_set(k.lower(), v) for k, v in (headers or {}).items()),
+    ]
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=pb.HeaderMutation(set_headers=[_set("content-type", "application/json")]),
+            headers=pb.HeaderMutation(set_headers=sets),
             body=json.dumps(body).encode(),
             details="ppd-picker",
         )
@@ -420,7 +426,7 @@ class Picker:
             picked = await self.pick(ClientRequest(endpoint, body, headers), subset=subset)
         except GatewayError as exc:
             status, err = exc.to_openai_error()
-            return [_immediate(status, err)], None
+            return [_immediate(status, err, exc.response_headers())], None
         except Exception:
             log.exception("unhandled error picking an endpoint")
             return [_immediate(500, error_body("internal gateway error", "InternalServerError", 500))], None

@@ -20,12 +20,14 @@ from gateway.limits import LimitSettings
 from gateway.outliers import OutlierSettings
 from gateway.pool import WorkerSpec
 from gateway.retry_budget import RetryBudgetSettings
+from ppd.admission import AdmissionSettings, TenantSettings
 from ppd.explore import ExploreSettings
 from ppd.modes import Mode, parse_mode
 from ppd.placement import PlacementSettings
 from ppd.slo import SloSettings
 
 __all__ = [
+    "AdmissionSettings",
     "DecisionSettings",
     "ExploreSettings",
     "KvEventSettings",
@@ -336,6 +338,8 @@ class Settings:
     # Passive outlier detection (gateway/outliers.py) and the retry budget (gateway/retry_budget.py).
     outliers: OutlierSettings = field(default_factory=OutlierSettings)
     retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
+    # Admission control (ppd/admission.py, gateway/admission_gate.py): off by default.
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -366,6 +370,7 @@ class Settings:
             "retry_budget": RetryBudgetSettings(
                 **_section(RetryBudgetSettings, data.pop("retry_budget", {}), "retry_budget")
             ),
+            "admission": _admission_section(data.pop("admission", {})),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -443,6 +448,22 @@ def explore_settings(values: Mapping[str, Any]) -> ExploreSettings:
         return ExploreSettings(**values)
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
+
+
+def _admission_section(raw: Any) -> AdmissionSettings:
+    """[admission] with its [admission.tenants."<id>"] tables; a bad value is a SettingsError."""
+    values = _section(AdmissionSettings, raw, "admission")
+    tenants = values.pop("tenants", {})
+    if not isinstance(tenants, Mapping):
+        raise SettingsError("[admission.tenants] must be a table of tenant tables")
+    parsed: dict[str, TenantSettings] = {}
+    try:
+        for tenant, table in tenants.items():
+            name = f'admission.tenants."{tenant}"'
+            parsed[tenant] = TenantSettings(**_section(TenantSettings, table, name))
+        return AdmissionSettings(**values, tenants=parsed)
+    except (ValueError, TypeError) as exc:
+        raise SettingsError(f"[admission]: {exc}") from None
 
 
 def _slo_section(raw: Any) -> SloConfig:

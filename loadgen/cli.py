@@ -4,6 +4,7 @@
     ppd-bench report --records DIR --out DIR
     ppd-bench drift --out DIR        (stale table vs closed loop vs oracle across a drift, simulated)
     ppd-bench slo --out DIR          (fixed weights vs the SLO controller on a load ramp, simulated)
+    ppd-bench admission --out DIR    (overload with and without admission control, simulated)
     ppd-bench plan --gpus 4 --out DIR (which P:D split and mode for N GPUs, simulated)
 
 Only this module reads argv and the environment (``OPENAI_API_KEY``).
@@ -106,12 +107,13 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_report(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from loadgen.report import bidir, command, drift, sim_vs_real, slo
+    from loadgen.report import admission, bidir, command, drift, sim_vs_real, slo
 
     command.add_parser(sub)
     bidir.add_parser(sub)
     drift.add_parser(sub)
     slo.add_parser(sub)
+    admission.add_parser(sub)
     sim_vs_real.add_parser(sub)
 
 

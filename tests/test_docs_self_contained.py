@@ -34,8 +34,8 @@ _URL_BEFORE = re.compile(r"(?:https?://|github\.com/|www\.)\S*$")
 
 #: Names of files the code writes at run time, not documents in the tree.
 GENERATED_MD = frozenset(
-    {"report.md", "drift.md", "slo.md", "bidir.md"}
-)  # loadgen/report/: report.py, drift.py, slo.py, bidir.py
+    {"report.md", "drift.md", "slo.md", "bidir.md", "admission.md"}
+)  # loadgen/report/: report.py, drift.py, slo.py, bidir.py, admission.py
 
 _TEXT_SUFFIXES = frozenset(
     {".py", ".pyi", ".md", ".toml", ".yaml", ".yml", ".sh", ".json", ".txt", ".cfg", ".ini", ".proto"}

@@ -39,6 +39,12 @@ all its turns, so a turn's prompt hits the blocks of the earlier turns wherever 
 A shared-prefix conversation (``Conversation.prefix``) puts its group's prompt stream in front for the
 prompt's full blocks (``kv_cache.PrefixedBlocks``): the conversations of one (workload, group) share
 those blocks in every engine's prefix cache, as vLLM's share a common system prompt.
+
+With ``ClusterConfig.admission`` (enabled), the gateway's admission control (``ppd/admission.py``)
+runs in front of routing, in virtual time: a conversation's workload name is its tenant (its class
+and weight from the settings' tenants), the in-flight bound counts requests from admission to their
+end, a queued request is routed when admitted, and a shed one ends its conversation with the record
+``error="shed_<reason>"`` (no TTFT). Its client timeout counts from arrival, queued or not.
 A request not finished ``timeout_s`` after it was sent fails (``error="timeout"``), is aborted on
 its engines, and ends its conversation.
 
@@ -56,7 +62,7 @@ end. Every call that changes an engine (a new request, KV arrived or failed, rel
 before ``t``, the step in flight at ``t`` ends as planned, and the change joins the step after it,
 as it would step by step. So a run is cut only where something actually reaches its engine.
 
-Why one module (about 600 lines): the nodes, the event heap, the routing of each turn and the lazy-run
+Why one module (about 870 lines): the nodes, the event heap, the routing of each turn and the lazy-run
 settling share one loop's state (every event may settle any node's run), and mypyc compiles it as one
 unit; the engines, links, workload and routing rule it drives are modules of their own.
 """
@@ -73,6 +79,7 @@ from typing import Any, Protocol
 
 from decision_service.header import Weights
 from decision_service.route import Query, Reason, Verdict
+from ppd.admission import AdmissionQueue, AdmissionSettings, Admitted, Queued, Shed
 from ppd.explore import ExplorationPolicy, ExploreSettings
 from ppd.modes import fraction_goes_local, parse_mode
 from ppd.placement import LEAST_LOADED, Candidate, PlacementSettings, place
@@ -149,6 +156,8 @@ class ClusterConfig:
     # the prompt's prefix resident in each engine's prefix cache against its outstanding requests.
     # least_loaded (the default) is the choice before placement existed: the same records as before.
     placement: PlacementSettings = LEAST_LOADED
+    # Admission control in front of routing (ppd/admission.py); tenant = the conversation's workload.
+    admission: AdmissionSettings | None = None
 
 
 @dataclass(slots=True)
@@ -167,7 +176,7 @@ class ClusterResult:
     placed_by_prefix: dict[str, str] = field(default_factory=dict)
 
 
-_ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT = range(8)
+_ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT, _ADMIT = range(9)
 
 
 class _Node:
@@ -232,6 +241,7 @@ class _Blocks:
 
 class _Req:
     __slots__ = (
+        "admitted",
         "arrival",
         "content",
         "conv",
@@ -278,6 +288,7 @@ class _Req:
         self.transfer: tuple[_LinkState, int] | None = None
         self.explored = False
         self.propensity = 1.0
+        self.admitted = False  # holds one of admission control's in-flight places
 
 
 class _Sim:
@@ -335,6 +346,7 @@ class _Sim:
         self.now = 0.0
         self.prefill_cached: dict[str, int] = {}  # ClusterResult.prefill_cached
         self.placed_by_prefix: dict[str, str] = {}
+        self._set_up_admission(config.admission)
         for event in config.drift:  # pushed before the arrivals: at a tie in time, the drift comes first
             self.push(event.at_s, _DRIFT, event)
 
@@ -362,6 +374,11 @@ class _Sim:
             self.decodes = [
                 _Node(f"D{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.decode)
             ]
+
+    def _set_up_admission(self, adm: AdmissionSettings | None) -> None:
+        self.admission = AdmissionQueue(adm) if adm is not None and adm.enabled else None
+        self.admission_limit = adm.limit(len(self.decodes)) if adm is not None else None
+        self.queued: dict[int, _Req] = {}  # admission tickets -> requests waiting (or just shed)
 
     def _set_up_steering(self, config: ClusterConfig, router: LocalPolicy | None) -> None:
         """Exploration and the SLO controller, the two things that steer ppd routing beyond the table."""
@@ -415,12 +432,11 @@ class _Sim:
             elif kind == _DISPATCH:
                 self.on_dispatch(obj, t)
             elif kind == _WAKE:
-                node, version = obj
-                if version == node.wake_version:
-                    node.wake_at = math.inf
-                    self.kick(node, t)
+                self.on_wake(obj[0], obj[1], t)
             elif kind == _DRIFT:
                 self.on_drift(obj, t)
+            elif kind == _ADMIT:
+                self.on_admission_deadline(t)
             else:
                 self.on_timeouts(t)
         nodes = [*self.prefills, *self.decodes]
@@ -435,6 +451,17 @@ class _Sim:
             prefill_cached=self.prefill_cached,
             placed_by_prefix=self.placed_by_prefix,
         )
+
+    def on_wake(self, node: _Node, version: int, t: float) -> None:
+        if version == node.wake_version:
+            node.wake_at = math.inf
+            self.kick(node, t)
+
+    def on_admission_deadline(self, t: float) -> None:
+        """Queued requests past their class's wait bound are shed (ppd/admission.py rule 4)."""
+        if self.admission is not None:
+            for shed in self.admission.expire(t):
+                self.shed(shed, t)
 
     # ------------------------------------------------------------------ routing
     def least_loaded(self, nodes: Sequence[_Node]) -> _Node:
@@ -462,6 +489,61 @@ class _Sim:
         return node
 
     def on_arrive(self, req: _Req, t: float) -> None:
+        """A request is sent: its client timeout starts; admission control (when on) says whether it
+        is routed now, later or never."""
+        req.deadline = t + self.cfg.timeout_s
+        self.deadlines.append(req)
+        if len(self.deadlines) == 1:
+            self.push(req.deadline, _TIMEOUT, None)
+        q, adm = self.admission, self.cfg.admission
+        if q is None or adm is None:
+            self.route(req, t)
+            return
+        tenant = req.conv.workload
+        offer = q.offer(
+            t, priority=adm.tenant(tenant).priority_for(None), tenant=tenant, limit=self.admission_limit
+        )
+        outcome = offer.outcome
+        self.queued[outcome.ticket] = req
+        if offer.displaced is not None:
+            self.shed(offer.displaced, t)
+        if isinstance(outcome, Admitted):
+            self.admit(outcome, t)
+        elif isinstance(outcome, Queued):
+            self.push(outcome.deadline, _ADMIT, None)
+        else:
+            self.shed(outcome, t)
+
+    def admit(self, admitted: Admitted, t: float) -> None:
+        req = self.queued.pop(admitted.ticket)
+        req.admitted = True
+        self.route(req, t)
+
+    def shed(self, shed: Shed, t: float) -> None:
+        """Admission control shed a request: answered at once (429), its conversation ends."""
+        req = self.queued.pop(shed.ticket)
+        req.done = True
+        req.error = f"shed_{shed.reason}"
+        self.records.append(req)
+        if self.observer is not None:
+            self.observer.finished(self.record(req), t)
+
+    def leave(self, req: _Req, t: float) -> None:
+        """A request ended: its admission place goes to the next queued ones (or, queued, it leaves)."""
+        q = self.admission
+        if q is None:
+            return
+        if req.admitted:
+            req.admitted = False
+            for admitted in q.release(t, limit=self.admission_limit):
+                self.admit(admitted, t)
+            return
+        for ticket, queued in list(self.queued.items()):
+            if queued is req:
+                q.cancel(ticket)
+                del self.queued[ticket]
+
+    def route(self, req: _Req, t: float) -> None:
         conv = req.conv
         self._live[req.rid] = req
         if self.replica_mode:
@@ -491,10 +573,6 @@ class _Sim:
         req.d.outstanding += 1
         delay = self.o_pd if req.p is not None else self.o_local
         self.push(t + delay, _DISPATCH, req)
-        req.deadline = t + self.cfg.timeout_s
-        self.deadlines.append(req)
-        if len(self.deadlines) == 1:
-            self.push(req.deadline, _TIMEOUT, None)
 
     def choose_local(self, req: _Req) -> bool:
         if self.kind == "local":
@@ -773,6 +851,7 @@ class _Sim:
         assert req.d is not None
         req.d.outstanding -= 1
         self.records.append(req)
+        self.leave(req, t)
         if self.observer is not None:
             self.observer.finished(self.record(req), t)
         nxt = req.idx + 1
@@ -805,6 +884,7 @@ class _Sim:
         self.records.append(req)
         if self.observer is not None:
             self.observer.finished(self.record(req), t)
+        self.leave(req, t)
 
     def on_timeouts(self, t: float) -> None:
         """Fail the requests whose deadline is ``t`` or earlier, then wait for the next live one's."""

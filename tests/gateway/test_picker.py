@@ -5,6 +5,7 @@ tests/deploy/test_envoy_picker.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, cast
@@ -246,3 +247,37 @@ async def test_a_worker_name_that_does_not_resolve_is_an_immediate_502_naming_it
     assert "worker D0's host" in json.loads(answers[1].immediate_response.body)["error"]["message"]
     passthrough = await _process(picker, _headers("/v1/models", "GET", end=True))
     assert passthrough[0].immediate_response.status.code == 502
+
+
+async def test_a_request_shed_by_admission_control_is_an_immediate_429_with_retry_after() -> None:
+    upstream = FakeUpstream()
+    config = {
+        "mode": "local",
+        "served_model": MODEL,
+        "workers": WORKERS,
+        "log": {"picker_observe_share": 1.0},
+        "admission": {"enabled": True, "max_inflight": 1, "max_queue": 0},
+    }
+    _, deps = forwarder_on_fakes(config, upstream=upstream)
+    picker = Picker(deps, draw=lambda: 0.0)  # every answer observed: the first turn stays in flight
+    answer_over = asyncio.Event()
+
+    async def first() -> AsyncIterator[pb.ProcessingRequest]:
+        yield _headers()
+        yield _body(_chat(FIRST))
+        await answer_over.wait()
+        yield RESPONSE_HEADERS
+
+    held = picker.Process(first(), cast(Any, None))
+    routed = [await anext(held), await anext(held)]
+    assert routed[1].WhichOneof("response") == "request_body"
+    answers = await _process(picker, _headers(), _body(_chat([{"role": "user", "content": "another"}])))
+    immediate = answers[1].immediate_response
+    assert immediate.status.code == 429
+    assert _set_headers(immediate.headers)["retry-after"] == "10"
+    error = json.loads(immediate.body)["error"]
+    assert (error["type"], error["code"]) == ("RateLimitError", 429)
+    assert "queue_full" in error["message"]
+    answer_over.set()
+    assert [a async for a in held]  # the first turn's answer: observed, then it ends
+    assert sample(deps.metrics.registry, "ppd_gateway_admission_in_flight") == 0

@@ -23,6 +23,11 @@ HEADERS: Mapping[str, tuple[str, str]] = {
     "X-PPD-Expected-Output-Tokens": ("request", "the client's hint of the answer's length (ψ's n_out)"),
     "X-PPD-Workload": ("request", "the request-log workload label, honoured only with "
                        "`[log] workload_header = true`"),
+    "X-PPD-Priority": ("request", "with `[admission] enabled`: the request's class, `high`, `normal` or "
+                       "`low` (any case; another value is a 400), never above its tenant's "
+                       "`max_priority`; without it, its tenant's default class"),
+    "X-PPD-Tenant": ("request", "with `[admission] enabled` and no `Authorization: Bearer` key: the "
+                     "tenant admission control shares the queue by (as `tenant:<value>`)"),
     "X-PPD-Path": ("response", "where the turn ran: `pd`, `local`, `bidir` or `replica`"),
     "X-PPD-Reason": ("response", "why: the DecisionService's reason (`table`, `weights`, "
                      "`live_signal`, ...) or the gateway's (`turn_one`, `kv_evicted`, `explore`, a "
