@@ -10,7 +10,14 @@
 D1 uses ``kv_load_failure_policy: recompute``, the others vLLM's default ``fail``. P0 and D1 run vLLM's
 ``bidirectional_kv_xfer`` (test_bidirectional.py), D0 does not (it answers ``kv_transfer_params: null``).
 Tests that crash a worker carry the ``crashes_workers`` mark and run after every other test of their engine,
-in the order they are written (a later one may rely on what an earlier one crashed).
+in the order they are written (a later one may rely on what an earlier one crashed); tests that need the
+cluster as it started (no blocks held by an earlier test's requests) carry ``first_on_cluster`` and run
+before every other test of their engine.
+
+Every worker serves vLLM's development routes (``VLLM_SERVER_DEV_MODE=1``, which the simulator honours
+too; vLLM then also logs the stack of each error it answers), of which the endpoints sweep
+(test_endpoints_sweep.py) uses ``POST /reset_prefix_cache``: it empties only the cached blocks no request
+holds (and publishes ``AllBlocksCleared``), so the tests after it see a colder cache, nothing else.
 
 ``front_door`` (front_doors.py): the gateway's two front doors, ``standalone`` (``gateway serve``) and
 ``envoy`` (``gateway picker`` behind the real Envoy); the tests that start a gateway start it behind each.
@@ -59,19 +66,20 @@ _KV_EVENTS = {
 _READY_TIMEOUT_S = {"sim": 60.0, "vllm-cpu": 900.0}
 
 
-def _order(item: pytest.Item) -> tuple[str, bool, int, str]:
+def _order(item: pytest.Item) -> tuple[str, bool, bool, int, str]:
     callspec = getattr(item, "callspec", None)
     params = callspec.params if callspec is not None else {}
     engine, door = str(params.get("cluster", "")), str(params.get("front_door", params.get("door", "")))
+    first = item.get_closest_marker("first_on_cluster") is not None
     crashes = item.get_closest_marker("crashes_workers") is not None
     line = (item.reportinfo()[1] or 0) if crashes else 0
-    return engine, crashes, line, door
+    return engine, not first, crashes, line, door
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Here, group by engine (one cluster start each), then by front door, and put the worker-crashing
-    tests last in each engine's group, in the order they are written; the slots of the rest of the
-    session are left as they are."""
+    """Here, group by engine (one cluster start each), then by front door; in each engine's group the
+    ``first_on_cluster`` tests come first and the worker-crashing tests last (in the order they are
+    written); the slots of the rest of the session are left as they are."""
     here = Path(__file__).parent
     slots = [i for i, item in enumerate(items) if here in item.path.parents]
     mine = sorted((items[i] for i in slots), key=_order)
@@ -103,7 +111,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         tmp,
         f"cluster-{engine}",
         ready_timeout_s=_READY_TIMEOUT_S[engine],
-        env={"PYTHONHASHSEED": KV_EVENTS_SEED},
+        # The dev routes (POST /reset_prefix_cache) for the endpoints sweep (test_endpoints_sweep.py).
+        env={"PYTHONHASHSEED": KV_EVENTS_SEED, "VLLM_SERVER_DEV_MODE": "1"},
     )
     yield Cluster(engine, proc.ready, proc)
     code = proc.stop(timeout_s=120.0)
