@@ -165,6 +165,9 @@ class ClusterResult:
     prefill_cached: dict[str, int] = field(default_factory=dict)
     # Request id -> the P whose prefix the placement chose over the least loaded (ppd/placement.py).
     placed_by_prefix: dict[str, str] = field(default_factory=dict)
+    # Engine -> virtual seconds it spent stepping (its steps' durations summed): its utilisation is
+    # this over the time it was measured (the placement report's "P busy").
+    busy_s: dict[str, float] = field(default_factory=dict)
 
 
 _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT = range(8)
@@ -356,6 +359,7 @@ class _Sim:
         self.now = 0.0
         self.prefill_cached: dict[str, int] = {}  # ClusterResult.prefill_cached
         self.placed_by_prefix: dict[str, str] = {}
+        self.busy_s: dict[str, float] = {}  # ClusterResult.busy_s
         for event in config.drift:  # pushed before the arrivals: at a tie in time, the drift comes first
             self.push(event.at_s, _DRIFT, event)
 
@@ -430,6 +434,7 @@ class _Sim:
             slo_trace=self.slo_trace,
             prefill_cached=self.prefill_cached,
             placed_by_prefix=self.placed_by_prefix,
+            busy_s=self.busy_s,
         )
 
     # ------------------------------------------------------------------ routing
@@ -443,7 +448,7 @@ class _Sim:
         if settings.policy == "least_loaded" or len(nodes) == 1:
             return self.least_loaded(nodes)
         ranked = sorted(nodes, key=lambda n: n.outstanding)  # stable: ties keep the index order
-        content = StreamBlocks(req.stream)
+        content = req.content
         n_prompt = req.n_ctx + req.n_in
         placed = place(
             [
@@ -638,6 +643,7 @@ class _Sim:
         result = node.inflight
         assert result is not None
         node.inflight = None
+        self.busy_s[node.name] = self.busy_s.get(node.name, 0.0) + result.duration
         reqs = self._live
         if node.is_prefill:
             for fin in result.finished:
