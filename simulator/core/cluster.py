@@ -175,6 +175,7 @@ _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT = range(8)
 
 class _Node:
     __slots__ = (
+        "busy_s",
         "engine",
         "inflight",
         "is_prefill",
@@ -196,6 +197,7 @@ class _Node:
         self.outstanding = 0
         self.wake_version = 0
         self.wake_at = math.inf  # time of the pending wake-up, if any
+        self.busy_s = 0.0  # seconds of the steps it made (ClusterResult.busy_s)
 
 
 class _LinkState:
@@ -306,28 +308,7 @@ class _Sim:
             fast_forward=config.fast_forward,
             kv_capacity_tokens=config.kv_capacity_tokens,
         )
-        topo = config.topology
-        if topo.replica and (topo.prefill or topo.decode):
-            raise ValueError(f"bad topology {topo.name!r}: replica workers do not mix with P/D workers")
-        self.replica_mode = self.kind == "replica" or topo.replica > 0
-        if topo.replica and self.kind not in ("replica",):
-            raise ValueError("a replica topology runs only in mode replica")
-        self.prefills: list[_Node] = []
-        self.decodes: list[_Node] = []
-        if topo.replica:
-            self.decodes = [
-                _Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.replica)
-            ]
-        elif self.replica_mode:
-            n = topo.prefill + topo.decode
-            self.decodes = [_Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(n)]
-        else:
-            self.prefills = [
-                _Node(f"P{i}", Engine(profile, ecfg), is_prefill=True) for i in range(topo.prefill)
-            ]
-            self.decodes = [
-                _Node(f"D{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.decode)
-            ]
+        self._make_nodes(profile, config, ecfg)
         physical = profile.link("nvlink") if config.transfer_mode is TransferMode.BLOCKING_ON_DECODE else None
         spec = profile.link(config.link)
         self.links: dict[tuple[int, int], _LinkState] = {}
@@ -359,9 +340,33 @@ class _Sim:
         self.now = 0.0
         self.prefill_cached: dict[str, int] = {}  # ClusterResult.prefill_cached
         self.placed_by_prefix: dict[str, str] = {}
-        self.busy_s: dict[str, float] = {}  # ClusterResult.busy_s
         for event in config.drift:  # pushed before the arrivals: at a tie in time, the drift comes first
             self.push(event.at_s, _DRIFT, event)
+
+    def _make_nodes(self, profile: Profile, config: ClusterConfig, ecfg: EngineConfig) -> None:
+        """The workers of the topology: P and D nodes, or replicas (mode replica or an R topology)."""
+        topo = config.topology
+        if topo.replica and (topo.prefill or topo.decode):
+            raise ValueError(f"bad topology {topo.name!r}: replica workers do not mix with P/D workers")
+        self.replica_mode = self.kind == "replica" or topo.replica > 0
+        if topo.replica and self.kind not in ("replica",):
+            raise ValueError("a replica topology runs only in mode replica")
+        self.prefills: list[_Node] = []
+        self.decodes: list[_Node] = []
+        if topo.replica:
+            self.decodes = [
+                _Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.replica)
+            ]
+        elif self.replica_mode:
+            n = topo.prefill + topo.decode
+            self.decodes = [_Node(f"R{i}", Engine(profile, ecfg), is_prefill=False) for i in range(n)]
+        else:
+            self.prefills = [
+                _Node(f"P{i}", Engine(profile, ecfg), is_prefill=True) for i in range(topo.prefill)
+            ]
+            self.decodes = [
+                _Node(f"D{i}", Engine(profile, ecfg), is_prefill=False) for i in range(topo.decode)
+            ]
 
     def _set_up_steering(self, config: ClusterConfig, router: LocalPolicy | None) -> None:
         """Exploration and the SLO controller, the two things that steer ppd routing beyond the table."""
@@ -434,7 +439,7 @@ class _Sim:
             slo_trace=self.slo_trace,
             prefill_cached=self.prefill_cached,
             placed_by_prefix=self.placed_by_prefix,
-            busy_s=self.busy_s,
+            busy_s={n.name: n.busy_s for n in nodes},
         )
 
     # ------------------------------------------------------------------ routing
@@ -643,7 +648,7 @@ class _Sim:
         result = node.inflight
         assert result is not None
         node.inflight = None
-        self.busy_s[node.name] = self.busy_s.get(node.name, 0.0) + result.duration
+        node.busy_s += result.duration
         reqs = self._live
         if node.is_prefill:
             for fin in result.finished:
