@@ -37,9 +37,9 @@ def _run_simulation(args: argparse.Namespace) -> None:
     if args.placement:
         from tqdm import tqdm
 
-        from loadgen.report.placement import run_placement
+        from loadgen.report.placement import placement_runs, run_placement
 
-        total = len(settings.shapes) * len(settings.qps_levels) * 2
+        total = placement_runs(settings)
         with tqdm(total=total, unit="run", desc="placement", disable=args.no_progress) as bar:
             run_placement(settings, args.records, on_point=bar.update)
 
@@ -127,8 +127,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--no-placement",
         dest="placement",
         action="store_false",
-        help="skip the placement runs (prefix against least-loaded placement of P, ShareGPT, mode pd, at "
-        "every shape and QPS level; the section 'Prefix-aware placement')",
+        help="skip the placement runs (prefix against least-loaded placement of P, mode pd, at every "
+        "shape and QPS level, on ShareGPT and two shared-prefix workloads; the section 'Prefix-aware "
+        "placement')",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=_report)

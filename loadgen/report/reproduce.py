@@ -84,6 +84,12 @@ class ReproduceSettings:
     links: tuple[str, ...] = ("nvlink", "ib_ndr", "ib_hdr", "100gbe")
     link_qps: float = 1.0
     link_duration_s: float = 60.0
+    #: The placement section's shared-prefix workloads (``loadgen.report.placement``): one whose groups
+    #: are few and reused (P idle at the table's levels), one with many prompts (P busy from QPS 8).
+    placement_shared_workloads: tuple[str, ...] = (
+        "shared2048_8x16_small_mid_bal",
+        "shared4096_64x4_small_small_bal",
+    )
 
 
 def find_table(tables: Path, shape: str, model: str) -> Path | None:
@@ -289,15 +295,20 @@ def simulate_cluster(
     placement: Placement = "least_loaded",
 ) -> ClusterResult:
     """``simulate_run``'s run, with ``placement`` (ppd/placement.py), answering the cluster's result
-    (records as dicts, P's prefix-cache hits per request, the legs placement moved)."""
+    (records as dicts, P's prefix-cache hits per request, the legs placement moved, each engine's busy
+    time). A shared-prefix ``workload`` (``shared<L>_<G>x<C>_<turn1>_<class>``) makes its own two-turn
+    conversations, each group's behind its shared prompt; ``lists`` is not used then."""
     from decision_service.table import Weights
     from simulator.core.cluster import ClusterConfig, simulate
     from simulator.core.profile import load_profile
     from simulator.core.routing import TableRouter
     from simulator.core.topology import Topology
-    from simulator.core.workload import turn_list_conversations
+    from simulator.core.workload import shared_prefix_conversations, turn_list_conversations
 
-    conversations = turn_list_conversations(lists, qps, duration_s, workload=workload, seed=seed)
+    if catalog.is_shared_prefix(workload):
+        conversations = shared_prefix_conversations(workload, qps, duration_s, seed)
+    else:
+        conversations = turn_list_conversations(lists, qps, duration_s, workload=workload, seed=seed)
     router = None
     if mode == "ppd" and table is not None:
         router = TableRouter.open(str(table), None if weights is None else Weights(*weights))

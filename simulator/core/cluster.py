@@ -174,6 +174,9 @@ class ClusterResult:
     prefill_cached: dict[str, int] = field(default_factory=dict)
     # Request id -> the P whose prefix the placement chose over the least loaded (ppd/placement.py).
     placed_by_prefix: dict[str, str] = field(default_factory=dict)
+    # Engine -> virtual seconds it spent stepping (its steps' durations summed): its utilisation is
+    # this over the time it was measured (the placement report's "P busy").
+    busy_s: dict[str, float] = field(default_factory=dict)
 
 
 _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT, _ADMIT = range(9)
@@ -181,6 +184,7 @@ _ARRIVE, _DISPATCH, _STEP, _WAKE, _XFER, _TIMEOUT, _RUN, _DRIFT, _ADMIT = range(
 
 class _Node:
     __slots__ = (
+        "busy_s",
         "engine",
         "inflight",
         "is_prefill",
@@ -202,6 +206,7 @@ class _Node:
         self.outstanding = 0
         self.wake_version = 0
         self.wake_at = math.inf  # time of the pending wake-up, if any
+        self.busy_s = 0.0  # seconds of the steps it made (ClusterResult.busy_s)
 
 
 class _LinkState:
@@ -450,6 +455,7 @@ class _Sim:
             slo_trace=self.slo_trace,
             prefill_cached=self.prefill_cached,
             placed_by_prefix=self.placed_by_prefix,
+            busy_s={n.name: n.busy_s for n in nodes},
         )
 
     def on_wake(self, node: _Node, version: int, t: float) -> None:
@@ -720,6 +726,7 @@ class _Sim:
         result = node.inflight
         assert result is not None
         node.inflight = None
+        node.busy_s += result.duration
         reqs = self._live
         if node.is_prefill:
             for fin in result.finished:

@@ -94,6 +94,8 @@ def test_report_run_writes_records_and_the_report(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "figure6_paper_setting.png").stat().st_size > 0
     assert "## Prefix-aware placement" in text  # its runs are part of --run unless --no-placement
     assert "| 1P3D: within 2% of least loaded | PASS |" in text
+    assert "#### shared4096_64x4_small_small_bal, 1P3D" in text  # and the shared-prefix family's Turn 1
+    assert (tmp_path / "out" / "placement_shared.png").stat().st_size > 0
 
 
 def test_reproduce_feeds_real_sharegpt_turns(tmp_path: Path) -> None:

@@ -63,3 +63,18 @@ def test_one_prefill_worker_or_least_loaded_gives_the_records_of_before(profile:
     assert _run(profile, "1P3D", PlacementSettings("prefix"), convs).records == (
         _run(profile, "1P3D", LEAST_LOADED, convs).records
     )
+
+
+def test_busy_seconds_per_engine_fall_with_the_prefill_placement_saves(profile: Profile) -> None:
+    convs = _convs()
+    least = _run(profile, "2P2D", LEAST_LOADED, convs)
+    prefix = _run(profile, "2P2D", ANY_LOAD, convs)
+    for result in (least, prefix):
+        assert result.busy_s.keys() == {"P0", "P1", "D0", "D1"}
+        assert all(0.0 < busy <= result.end_time for busy in result.busy_s.values())
+
+    def p_busy(result: ClusterResult) -> float:
+        return result.busy_s["P0"] + result.busy_s["P1"]
+
+    assert sum(prefix.prefill_cached.values()) > sum(least.prefill_cached.values())
+    assert p_busy(prefix) < p_busy(least)  # fewer prompt tokens computed: less time stepping
