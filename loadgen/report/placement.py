@@ -274,20 +274,7 @@ def placement_section(path: Path, out: Path, caption: str) -> list[str]:
         *md_table(["goal", "result", "measured"], _goals(pairs)),
     ]
     for shape, levels in pairs.items():
-        rows = [
-            [
-                f"{a.qps:g}",
-                f"{a.prefill_tokens:,} / {a.prompt_tokens:,}",
-                f"{b.prefill_tokens:,}",
-                _x(_ratio(b.prefill_tokens, a.prefill_tokens)),
-                f"{ms(a.ttft_mean_ms)} / {ms(b.ttft_mean_ms)}",
-                _x(_ratio(b.ttft_mean_ms, a.ttft_mean_ms)),
-                f"{ms(a.ttft_p99_ms)} / {ms(b.ttft_p99_ms)}",
-                f"{b.moved} of {b.turns}",
-                f"{a.success:.1%} / {b.success:.1%}",
-            ]
-            for a, b in levels
-        ]
+        rows = [[f"{a.qps:g}", *_compared(a, b)] for a, b in levels]
         header = ["QPS", "P tokens, least loaded / prompts", "P tokens, prefix", "ratio"]
         header += ["mean TTFT ms, least / prefix", "ratio", "P99 TTFT ms", "moved", "success"]
         lines += [f"### {shape}", "", *md_table(header, rows)]
@@ -319,6 +306,23 @@ def _shared_pairs(points: Sequence[SharedPrefixPoint]) -> _SharedPairs:
         if least is not None and prefix is not None:
             out.setdefault(workload, {}).setdefault(shape, []).append((least, prefix))
     return out
+
+
+def _compared(
+    least: PlacementPoint | SharedPrefixPoint, prefix: PlacementPoint | SharedPrefixPoint
+) -> list[str]:
+    """One level's cells, least loaded against prefix: P's tokens, mean and P99 TTFT, moved, success."""
+    a, b = least, prefix
+    return [
+        f"{a.prefill_tokens:,} / {a.prompt_tokens:,}",
+        f"{b.prefill_tokens:,}",
+        _x(_ratio(b.prefill_tokens, a.prefill_tokens)),
+        f"{ms(a.ttft_mean_ms)} / {ms(b.ttft_mean_ms)}",
+        _x(_ratio(b.ttft_mean_ms, a.ttft_mean_ms)),
+        f"{ms(a.ttft_p99_ms)} / {ms(b.ttft_p99_ms)}",
+        f"{b.moved} of {b.turns}",
+        f"{a.success:.1%} / {b.success:.1%}",
+    ]
 
 
 def _busy(least: SharedPrefixPoint) -> bool:
@@ -372,14 +376,7 @@ def _shared_lines(points: Sequence[SharedPrefixPoint], out: Path, caption: str) 
                 [
                     f"{a.qps:g}",
                     f"{a.p_utilisation:.0%} / {b.p_utilisation:.0%}" + (" *busy*" if _busy(a) else ""),
-                    f"{a.prefill_tokens:,} / {a.prompt_tokens:,}",
-                    f"{b.prefill_tokens:,}",
-                    _x(_ratio(b.prefill_tokens, a.prefill_tokens)),
-                    f"{ms(a.ttft_mean_ms)} / {ms(b.ttft_mean_ms)}",
-                    _x(_ratio(b.ttft_mean_ms, a.ttft_mean_ms)),
-                    f"{ms(a.ttft_p99_ms)} / {ms(b.ttft_p99_ms)}",
-                    f"{b.moved} of {b.turns}",
-                    f"{a.success:.1%} / {b.success:.1%}",
+                    *_compared(a, b),
                 ]
                 for a, b in levels
             ]

@@ -33,7 +33,7 @@ from ppd.kv_events import (
 from simulator.server.worker_group import WorkerGroup
 from tests.gateway.fake_decision import FakeDecision
 from tests.simulator.client import start_group
-from tests.support.gateway_app import served_gateway
+from tests.support.gateway_app import kv_events_settings, served_gateway
 from tests.support.metrics import sample, total
 from tests.support.polling import eventually
 
@@ -86,12 +86,7 @@ async def gateway(workers: WorkerGroup, decision: FakeDecision) -> AsyncIterator
         "decision": {"address": decision.address, "deadline_ms": 10000.0},
         "pool": {"health_interval_s": 3600.0},
         "sessions": {"sweep_interval_s": 3600.0},
-        "kv_events": {
-            "endpoints": {i: w.describe()["kv_events"] for i, w in ws.items()},
-            "replay_endpoints": {i: w.describe()["kv_events_replay"] for i, w in ws.items()},
-            "hash_seed": os.environ.get("PYTHONHASHSEED", ""),
-            "block_size": 16,
-        },
+        "kv_events": kv_events_settings(ws),
     }
     async with served_gateway(config) as (server, http):
         yield Gateway(server, http)

@@ -20,7 +20,7 @@ from gateway.residency import KvTracking
 from ppd.kv_events import BlockHasher, KvEventsConfig
 from simulator.server.worker_group import WorkerGroup
 from tests.simulator.client import start_group
-from tests.support.gateway_app import served_gateway
+from tests.support.gateway_app import kv_events_settings, served_gateway
 from tests.support.metrics import sample, total
 from tests.support.polling import eventually
 
@@ -75,12 +75,7 @@ async def _gateway(workers: WorkerGroup, placement: str) -> AsyncIterator[Gatewa
         "pool": {"health_interval_s": 3600.0},
         "sessions": {"sweep_interval_s": 3600.0},
         "routing": {"placement": placement},
-        "kv_events": {
-            "endpoints": {i: w.describe()["kv_events"] for i, w in ws.items()},
-            "replay_endpoints": {i: w.describe()["kv_events_replay"] for i, w in ws.items()},
-            "hash_seed": os.environ.get("PYTHONHASHSEED", ""),
-            "block_size": 16,
-        },
+        "kv_events": kv_events_settings(ws),
     }
     async with served_gateway(config) as (server, http):
         gw = Gateway(server, http, workers)

@@ -4,6 +4,7 @@ client session beside it (one place, for the tests that run the app on simulated
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from gateway.app import create_app
 from gateway.settings import Settings
 
-__all__ = ["served_gateway"]
+__all__ = ["kv_events_settings", "served_gateway"]
 
 
 @contextlib.asynccontextmanager
@@ -29,3 +30,14 @@ async def served_gateway(
     finally:
         await http.close()
         await server.close()
+
+
+def kv_events_settings(workers: Mapping[str, Any], *, block_size: int = 16) -> dict[str, Any]:
+    """The gateway's `[kv_events]` for simulated workers by id (each one's `describe()` names its
+    publisher and replay endpoints), with this process's PYTHONHASHSEED as the hash seed."""
+    return {
+        "endpoints": {i: w.describe()["kv_events"] for i, w in workers.items()},
+        "replay_endpoints": {i: w.describe()["kv_events_replay"] for i, w in workers.items()},
+        "hash_seed": os.environ.get("PYTHONHASHSEED", ""),
+        "block_size": block_size,
+    }
