@@ -40,9 +40,13 @@ the answer started and only within the retry budget (retry_budget.py): counted b
 caused it (`ppd_gateway_retries_total{reason}`); refused, it is counted
 (`ppd_gateway_retry_budget_exhausted_total{reason}`, a WARNING line every 10 s at most) and the
 request is answered with the error it had.
+Rule 10 (tracing, gateway/request_trace.py): with a `RequestTrace` from the front door, the steps get
+their spans (parse, session lookup, ψ, the decision with its traceparent to the DecisionService, each
+P attempt and D's leg with theirs to the worker) and the turn's attributes go on the front door's span
+when it is reported. Without one (tracing off), no span object is made.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
-It stays one module (about 700 lines): its steps share one turn's inputs, outcome and pool view in the
+It stays one module (about 780 lines): its steps share one turn's inputs, outcome and pool view in the
 order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
 plan, turn_report).
 """
@@ -55,9 +59,11 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
+
+from opentelemetry.trace import SpanKind
 
 from gateway.deps import Deps
 from gateway.errors import (
@@ -88,6 +94,7 @@ from gateway.pool import PoolView, WorkerView
 from gateway.ports import ClientRequest, LiveSignals, RouteQuery
 from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
 from gateway.relay import Usage
+from gateway.request_trace import LegSpan, RequestTrace
 from gateway.residency import KvTracking
 from gateway.retry_budget import RetryBudget
 from gateway.routing import Decision, static_decision
@@ -100,6 +107,7 @@ from ppd.explore import ExplorationPolicy, secret_seed
 from ppd.modes import Mode, ModeError, parse_mode
 from ppd.rate_limited_log import RateLimitedLog
 from ppd.records import CLIENT_DISCONNECTED
+from ppd.tracing import traceparent_of
 
 __all__ = ["ActiveTurn", "DecodeLeg", "RequestCore"]
 
@@ -121,6 +129,12 @@ _NOT_ASKED = Decision("pd", "not_asked")
 # ppd mode, turn 2+: the decode worker's KV events say none of the context is resident any more, so
 # the turn is a cold one (a full prefill either way): P/D, as turn 1, without asking (gateway/residency.py).
 _KV_EVICTED = Decision("pd", "kv_evicted")
+# Rule 10 without a trace: one reusable context manager that does nothing (no span object).
+_NO_SPAN: Final = contextlib.nullcontext()
+
+
+def _step(trace: RequestTrace | None, name: str) -> contextlib.AbstractContextManager[object]:
+    return _NO_SPAN if trace is None else trace.step(name)
 
 
 @dataclass(slots=True)
@@ -136,6 +150,8 @@ class ActiveTurn:
     observed: bool = True
     # The turn's end (in-flight count, report) is the front door's, by `end` (rule 7).
     held: bool = False
+    # Rule 10: the request's spans (None: tracing off or not asked for by the front door).
+    trace: RequestTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +162,8 @@ class DecodeLeg:
     call: UpstreamCall
     # Rule 8: the P leg left to D's sidecar (None: no P leg, or the core ran it).
     prefiller: UpstreamCall | None = None
+    # Rule 10: D's leg span, whose traceparent `call` carries; the front door ends it.
+    span: LegSpan | None = None
 
 
 class RequestCore:
@@ -180,24 +198,20 @@ class RequestCore:
         observed: bool | None = None,
         subset: frozenset[str] | None = None,
         subset_scope: str = "the gateway's endpoint subset",
+        trace: RequestTrace | None = None,
     ) -> AsyncIterator[ActiveTurn]:
         """Read, check and decide one request (rules 1, 4, 5); the turn is served inside. Raises
         GatewayError before anything is counted when the request itself is wrong. `observed`
         (default: whether this front door relays answers) says whether the turn's line is written;
-        `subset` (rule 4) the ids D or R may be chosen from, named `subset_scope` in errors."""
+        `subset` (rule 4) the ids D or R may be chosen from, named `subset_scope` in errors; `trace`
+        (rule 10) the front door's spans of this request."""
         d = self._d
         start, start_wall = d.timer(), d.wall_clock()
-        req = parse_completion_request(request.body, request.endpoint, self._s.limits)
-        self._check_id_headers(request.headers)
-        check_model_length(
-            req.body,
-            req.messages,
-            max_model_len=d.pool.max_model_len(req.model),
-            counter=d.tokenizers.encoding(req.model),
-        )
-        mode = self._mode(request.headers)
+        with _step(trace, "ppd.parse"):
+            req, mode = self._read(request)
         view = self._view(subset, subset_scope)
-        match = await self._find_session(request, req)
+        with _step(trace, "ppd.session_lookup"):
+            match = await self._find_session(request, req)
         static = static_decision(mode, turn=match.turn, session_id=match.session_id)
         ask = static is None and not decode_gone(match.session, view)
         measure_psi = functools.partial(
@@ -212,7 +226,8 @@ class RequestCore:
         )
         # ψ without asking a worker never waits; a worker's count (below) may, so it is asked inside
         # the try: a client that leaves meanwhile still gets its request-log line.
-        psi = await measure_psi()
+        with _step(trace, "ppd.psi"):
+            psi = await measure_psi()
         worker_count = self._worker_count(req, match, view) if ask and psi.n_in.source == "estimate" else None
         turn = TurnInputs(
             request_id=d.new_id(),
@@ -230,20 +245,21 @@ class RequestCore:
             session_reset=match.reset,
         )
         active = ActiveTurn(
-            request, turn, TurnOutcome(), view, observed=self._relays_answer if observed is None else observed
+            request,
+            turn,
+            TurnOutcome(),
+            view,
+            observed=self._relays_answer if observed is None else observed,
+            trace=trace,
         )
         outcome = active.outcome
         self._begin()
         served = False
         try:
-            if worker_count is not None:
-                active.turn = dataclasses.replace(
-                    active.turn, psi=await measure_psi(worker_count=worker_count)
-                )
             evicted = False
-            if ask and d.kv is not None:  # asks the decode worker's /tokenize: inside the try too
-                resident_psi, evicted = await self._resident(d.kv, req, match, view, active.turn.psi)
-                active.turn = dataclasses.replace(active.turn, psi=resident_psi)
+            if worker_count is not None or (ask and d.kv is not None):
+                with _step(trace, "ppd.psi.worker"):  # a worker's /tokenize: may wait
+                    evicted = await self._worker_psi(active, measure_psi, worker_count, match, ask=ask)
             if match.turn == 1:  # tables index QPS by conversations started per second (the paper's)
                 d.qps.record()
             if static is not None:
@@ -251,7 +267,7 @@ class RequestCore:
             elif ask and evicted:
                 outcome.decision = _KV_EVICTED
             elif ask:
-                outcome.decision = self._explore(active.turn, await self._ask(active.turn, view))
+                outcome.decision = self._explore(active.turn, await self._ask(active.turn, view, trace))
             else:
                 outcome.decision = _NOT_ASKED
             yield active
@@ -266,6 +282,40 @@ class RequestCore:
         finally:
             if not (active.held and served):
                 self._end(active)
+
+    def _read(self, request: ClientRequest) -> tuple[CompletionRequest, Mode]:
+        """Rule 1: the request's body and identifiers checked, against the model's length too; its mode."""
+        d = self._d
+        req = parse_completion_request(request.body, request.endpoint, self._s.limits)
+        self._check_id_headers(request.headers)
+        check_model_length(
+            req.body,
+            req.messages,
+            max_model_len=d.pool.max_model_len(req.model),
+            counter=d.tokenizers.encoding(req.model),
+        )
+        return req, self._mode(request.headers)
+
+    async def _worker_psi(
+        self,
+        active: ActiveTurn,
+        measure_psi: Callable[..., Awaitable[Psi]],
+        worker_count: WorkerCount | None,
+        match: SessionMatch,
+        *,
+        ask: bool,
+    ) -> bool:
+        """ψ refined by what a worker says (its /tokenize count; the context still resident by its
+        KV events), inside the turn's try; whether none of the context is resident (evicted)."""
+        kv = self._d.kv
+        evicted = False
+        if worker_count is not None:
+            active.turn = dataclasses.replace(active.turn, psi=await measure_psi(worker_count=worker_count))
+        if ask and kv is not None:  # asks the decode worker's /tokenize
+            req = active.turn.req
+            resident_psi, evicted = await self._resident(kv, req, match, active.view, active.turn.psi)
+            active.turn = dataclasses.replace(active.turn, psi=resident_psi)
+        return evicted
 
     def _begin(self) -> None:
         """A turn is served from here on: in flight, and one request the retry budget counts."""
@@ -292,6 +342,8 @@ class RequestCore:
         t.held = False
         self._d.metrics.inflight.dec()
         self._report.finish(t.turn, t.outcome, end=self._d.timer(), line=t.observed)
+        if t.trace is not None:
+            t.trace.record(t.turn, t.outcome)
 
     async def route(self, t: ActiveTurn, *, run_prefill: bool = True) -> DecodeLeg:
         """The decided turn planned and, for pd and bidir, its P leg run (with its retries and the
@@ -333,13 +385,18 @@ class RequestCore:
             t.outcome.prefill_worker = prefiller.worker
             self._d.pool.note_pick(prefiller.worker)
         elif p.path in _THROUGH_P:
-            p, kv = await self._prefill(t.turn, t.outcome, p)
+            p, kv = await self._prefill(t.turn, t.outcome, p, t.trace)
         call = decode_after_prefill(p, kv) if p.path in _THROUGH_P else p.decode
         outcome = t.outcome
         outcome.path, outcome.reason, outcome.rebound = p.path, p.reason, p.rebound
         outcome.decode_worker = call.worker
         self._d.pool.note_pick(call.worker)
-        return DecodeLeg(p, call, prefiller)
+        span = None
+        if t.trace is not None:  # rule 10: D's leg carries its span's traceparent
+            span = t.trace.leg("ppd.decode", call.worker, call.url)
+            span.span.set_attribute("ppd.path", p.path)
+            call = dataclasses.replace(call, headers=span.headers(call.headers))
+        return DecodeLeg(p, call, prefiller, span)
 
     async def _find_session(self, request: ClientRequest, req: CompletionRequest) -> SessionMatch:
         """The session this request continues (session_lookup.py), with its lookup counted."""
@@ -467,7 +524,7 @@ class RequestCore:
 
     # ------------------------------------------------------------------ decide and plan
 
-    async def _ask(self, turn: TurnInputs, view: PoolView) -> Decision:
+    async def _ask(self, turn: TurnInputs, view: PoolView, trace: RequestTrace | None) -> Decision:
         d = self._d
         s = self._s.decision
         live: LiveSignals | None = None
@@ -490,7 +547,23 @@ class RequestCore:
             weights=d.slo.weights(s.table_key) if d.slo is not None else None,
             capabilities=_BIDIR if self._s.routing.bidir else frozenset(),
         )
-        return await d.decisions.route(query, Decision(s.fallback, "fallback"))
+        fallback = Decision(s.fallback, "fallback")
+        if trace is None:
+            return await d.decisions.route(query, fallback)
+        with trace.step("ppd.decision", kind=SpanKind.CLIENT) as span:  # rule 10
+            if span.is_recording():
+                query = dataclasses.replace(query, traceparent=traceparent_of(span))
+            decision = await d.decisions.route(query, fallback)
+            span.set_attributes(
+                {
+                    "ppd.table.key": s.table_key,
+                    "ppd.table.version": decision.table_version,
+                    "ppd.path": decision.path,
+                    "ppd.reason": decision.reason,
+                    "ppd.fallback": decision.fallback,
+                }
+            )
+            return decision
 
     def _explore(self, turn: TurnInputs, decision: Decision) -> Decision:
         """ppd mode, turn 2+: the path the exploration policy takes (ppd/explore.py). Its draw is keyed
@@ -530,7 +603,7 @@ class RequestCore:
     # ------------------------------------------------------------------ the P leg
 
     async def _prefill(
-        self, turn: TurnInputs, outcome: TurnOutcome, p: Plan
+        self, turn: TurnInputs, outcome: TurnOutcome, p: Plan, trace: RequestTrace | None = None
     ) -> tuple[Plan, Mapping[str, Any] | None]:
         d = self._d
         failure: tuple[str, GatewayError] | None = None  # the last P's: the retry's reason and error
@@ -541,9 +614,9 @@ class RequestCore:
                 d.metrics.prefill_retries.inc()
             d.pool.acquire(call.worker)
             sent = d.timer()
+            leg = None if trace is None else trace.leg("ppd.prefill", call.worker, call.url)
             try:
-                reply = await d.upstream.call_json(call, prefill=True)
-                body = reply.json()
+                body = await self._prefill_call(call, leg)
             except UpstreamStatusError as exc:
                 if 400 <= exc.upstream_status < 500:
                     self.worker_answered(call.worker)
@@ -580,6 +653,24 @@ class RequestCore:
             )
             return local_fallback(p, "prefill_failed"), None
         raise PrefillFailedError(f"every prefill worker failed ({len(p.prefill)} tried)")
+
+    async def _prefill_call(self, call: UpstreamCall, leg: LegSpan | None) -> Any:
+        """One P leg's answer body (parsed); with its span (rule 10), ended with the outcome."""
+        if leg is None:
+            return (await self._d.upstream.call_json(call, prefill=True)).json()
+        try:
+            reply = await self._d.upstream.call_json(
+                dataclasses.replace(call, headers=leg.headers(call.headers)), prefill=True
+            )
+            body = reply.json()
+        except GatewayError as exc:
+            leg.end(exc.message)
+            raise
+        except BaseException as exc:  # a malformed body (ValueError), or the client left
+            leg.end(type(exc).__name__)
+            raise
+        leg.end(status=reply.status)
+        return body
 
     def _prefill_failed(self, worker: str, kind: str, exc: GatewayError) -> tuple[str, GatewayError]:
         """A P leg failed before its answer (rule 9): counted, reported; the retry's reason and error."""

@@ -4,7 +4,7 @@ Every setting has a default (an empty file is a valid config); unknown keys are 
 never silently does nothing. `gateway/README.md` documents each key with an example.
 Secrets (`admin_token`, `worker_api_key`) are `Secret` strings: their value is used as is, but their
 repr, and so any printed Settings (`ppd-gateway check-config`), shows `'<redacted>'`.
-It stays one module (about 490 lines): one loader reads and checks every section together, and a
+It stays one module (about 500 lines): one loader reads and checks every section together, and a
 newcomer finds every key of the gateway's file in one place.
 """
 
@@ -23,6 +23,7 @@ from gateway.retry_budget import RetryBudgetSettings
 from ppd.explore import ExploreSettings
 from ppd.modes import Mode, parse_mode
 from ppd.slo import SloSettings
+from ppd.tracing import TracingSettings
 
 __all__ = [
     "DecisionSettings",
@@ -41,6 +42,7 @@ __all__ = [
     "SettingsError",
     "SloConfig",
     "TimeoutSettings",
+    "TracingSettings",
     "UpstreamSettings",
     "explore_settings",
 ]
@@ -317,6 +319,8 @@ class Settings:
     # Passive outlier detection (gateway/outliers.py) and the retry budget (gateway/retry_budget.py).
     outliers: OutlierSettings = field(default_factory=OutlierSettings)
     retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
+    # OpenTelemetry traces of each request (ppd/tracing.py; gateway/request_trace.py): off by default.
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -347,6 +351,7 @@ class Settings:
             "retry_budget": RetryBudgetSettings(
                 **_section(RetryBudgetSettings, data.pop("retry_budget", {}), "retry_budget")
             ),
+            "tracing": _tracing_section(data.pop("tracing", {})),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -423,6 +428,14 @@ def explore_settings(values: Mapping[str, Any]) -> ExploreSettings:
     try:
         return ExploreSettings(**values)
     except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+
+
+def _tracing_section(raw: Any) -> TracingSettings:
+    values = _section(TracingSettings, raw, "tracing")
+    try:
+        return TracingSettings(**values)
+    except (TypeError, ValueError) as exc:
         raise SettingsError(str(exc)) from None
 
 
