@@ -77,7 +77,7 @@ def _converse(url: str, first: str) -> list[Any]:
         raw = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=messages, max_tokens=8, stream=True
         )
-        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)  # type: ignore[union-attr]
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
         headers.append(raw.headers)
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and then ({t})"}]
     return headers
@@ -116,7 +116,8 @@ def test_one_trace_per_request_through_gateway_service_and_workers(
     roots = _roots(spans, door)
     first, second = roots[ids[0]], roots[ids[1]]
     assert first.trace_id != second.trace_id  # one trace per request
-    assert first.kind == SERVER and first.parent_span_id == ""
+    assert first.kind == SERVER
+    assert first.parent_span_id == ""
     for root, h in ((first, headers[0]), (second, headers[1])):
         own = [s for s in spans if s.trace_id == root.trace_id]
         for step in ("ppd.parse", "ppd.session_lookup", "ppd.psi"):
@@ -130,7 +131,8 @@ def test_one_trace_per_request_through_gateway_service_and_workers(
         assert attrs["ppd.worker.decode"] == h["x-ppd-decode-worker"]
         assert attrs["ppd.tokens.prompt"] == attrs["ppd.tokens.context"] + attrs["ppd.tokens.new"] > 0
         decode = _one(own, "ppd.decode", root)
-        assert decode.kind == CLIENT and decode.attributes["ppd.worker"] == h["x-ppd-decode-worker"]
+        assert decode.kind == CLIENT
+        assert decode.attributes["ppd.worker"] == h["x-ppd-decode-worker"]
         # The traceparent reached D (through Envoy for the picker): vLLM's span is the leg's child.
         assert _one(own, "llm_request", decode).service == "vllm"
         if h["x-ppd-path"] == "pd":
@@ -148,7 +150,8 @@ def test_one_trace_per_request_through_gateway_service_and_workers(
     served = _one(own, "ppd.decision.Route", asked)
     assert (served.service, served.kind) == ("ppd-decision", SERVER)
     assert served.attributes["ppd.table.version"] == headers[1]["x-ppd-table-version"]
-    assert served.attributes["ppd.turn"] == 2 and served.attributes["ppd.cell"]
+    assert served.attributes["ppd.turn"] == 2
+    assert served.attributes["ppd.cell"]
     assert served.attributes["ppd.path"] == asked.attributes["ppd.path"]
 
 

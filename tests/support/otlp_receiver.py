@@ -50,7 +50,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, sink: Callable[[list[ReceivedSpan]], None]) -> None:
         self._sink = sink
 
-    def Export(  # noqa: N802 (the gRPC method's name)
+    def Export(
         self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
     ) -> trace_service_pb2.ExportTraceServiceResponse:
         received: list[ReceivedSpan] = []
@@ -85,7 +85,8 @@ class OtlpReceiver:
         self._lock = threading.Lock()
         self._spans: list[ReceivedSpan] = []
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self._add), self._server)
+        add = trace_service_pb2_grpc.add_TraceServiceServicer_to_server
+        add(_TraceService(self._add), self._server)  # type: ignore[no-untyped-call]
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
