@@ -13,12 +13,7 @@ A RouteBatch of more than `max_batch_items` requests is refused whole (INVALID_A
 decided against one table snapshot, `BATCH_SLICE` items at a time, handing the event loop back between
 slices so that a large batch never holds up the unary calls and streams sharing the loop.
 
-Tracing (off unless a tracer is given; ppd/tracing.py): each unary Route call is a SERVER span
-`ppd.decision.Route`, the child of the `traceparent` in the call's metadata (the gateway's decision
-span), with the query (turn, tokens, QPS, table key) and the answer (decision, reason, table version,
-cell, score) as attributes, and an error status for a call that fails. RouteBatch and RouteStream items
-are not traced: their metadata is the whole call's, not one request's (the gateway sends a traced
-request as a unary call: gateway/decision_client.py rule 7).
+Tracing (off unless a tracer is given): each unary Route call is one span (route_trace.py).
 
 Route is the hot path: one snapshot read of the holder, one `Query`, one `route()`, one response
 message, pre-bound metric children. Keep it that way.
@@ -35,11 +30,11 @@ from typing import Any, Final
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, QueryError, Router, Verdict, check_query
+from decision_service.route_trace import answered, failed, route_span
 from decision_service.settings import DEFAULT_MAX_BATCH_ITEMS
 from decision_service.table import Figure, Table, Weights
 from decision_service.wire import Malformed, exactly_one, lenient
@@ -47,7 +42,6 @@ from ppd.decision.v1 import decision_pb2 as pb
 from ppd.decision.v1 import decision_pb2_grpc as pb_grpc
 from ppd.decision.v1.status import UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE
 from ppd.rate_limited_log import RateLimitedLog
-from ppd.tracing import TRACEPARENT, context_from
 
 __all__ = ["BATCH_SLICE", "DecisionServicer", "add_to_server"]
 
@@ -61,7 +55,6 @@ _Context = grpc.aio.ServicerContext
 _DECISION = (pb.DECISION_PD, pb.DECISION_LOCAL)  # indexed by Verdict.local
 _SERVICE = pb.DESCRIPTOR.services_by_name["DecisionService"].full_name
 _NO_TABLE: Final = ((UNAVAILABLE_CAUSE_KEY, UNAVAILABLE_NO_TABLE),)
-_TRACE_KEYS: Final = (TRACEPARENT, "tracestate")
 
 # Batch items decided between two turns of the event loop (about 0.2 ms of handler time on a quiet
 # core). A unary call needs several turns of the loop to be answered, each waiting for one slice.
@@ -234,37 +227,15 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         tracer: trace.Tracer,
     ) -> pb.RouteResponse:
         """Route inside its span (the module docstring's tracing)."""
-        carrier = {
-            key: value
-            for key, value in context.invocation_metadata() or ()
-            if key in _TRACE_KEYS and isinstance(value, str)
-        }
-        span = tracer.start_span(
-            "ppd.decision.Route",
-            context=context_from(carrier),
-            kind=SpanKind.SERVER,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": _SERVICE,
-                "rpc.method": "Route",
-                "ppd.request_id": request.request_id,
-                "ppd.turn": request.turn,
-                "ppd.tokens.new": request.new_input_tokens,
-                "ppd.tokens.context": request.context_tokens,
-                "ppd.tokens.expected_output": request.expected_output_tokens,
-                "ppd.qps": request.qps,
-                "ppd.table.key": request.table_key,
-            },
-        )
+        span = route_span(tracer, request, context.invocation_metadata() or ())
         try:
             start = self._clock()
             outcome = self._decide_counted(request, self._holder.current, "Route")
             if isinstance(outcome, _Failure):
-                span.set_attribute("rpc.grpc.status_code", outcome.code.value[0])
-                span.set_status(Status(StatusCode.ERROR, outcome.message))
+                failed(span, outcome.code, outcome.message)
                 await context.abort(outcome.code, outcome.message, outcome.trailing)
             self._latency.observe(self._clock() - start)
-            span.set_attributes(_answer_attributes(outcome))
+            answered(span, outcome)
             return outcome
         finally:
             span.end()
@@ -325,25 +296,6 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
             failure = _Failure(_INTERNAL, "internal error while describing the table; see the log")
         await context.abort(failure.code, failure.message, failure.trailing)
         raise AssertionError("abort() returned")  # pragma: no cover
-
-
-def _answer_attributes(response: pb.RouteResponse) -> dict[str, str | float | bool]:
-    """What a traced Route answered, as span attributes."""
-    attributes: dict[str, str | float | bool] = {
-        "ppd.path": pb.Decision.Name(response.decision).removeprefix("DECISION_").lower(),
-        "ppd.reason": pb.Reason.Name(response.reason).removeprefix("REASON_").lower(),
-        "ppd.table.key": response.table_key,
-        "ppd.table.version": response.table_version,
-        "ppd.score": response.score,
-        "ppd.alternative_allowed": response.alternative_allowed,
-    }
-    if response.HasField("cell"):
-        cell = response.cell
-        attributes["ppd.cell"] = f"{cell.context_class}/{cell.workload_class}/{cell.qps_level:g}"
-        attributes["ppd.cell.context_class"] = cell.context_class
-        attributes["ppd.cell.workload_class"] = cell.workload_class
-        attributes["ppd.cell.qps_level"] = cell.qps_level
-    return attributes
 
 
 def add_to_server(servicer: DecisionServicer, server: grpc.aio.Server) -> None:

@@ -548,11 +548,10 @@ class RequestCore:
             capabilities=_BIDIR if self._s.routing.bidir else frozenset(),
         )
         fallback = Decision(s.fallback, "fallback")
-        if trace is None:
+        if trace is None or not trace.recording:  # an unsampled request's decision: no span, no metadata
             return await d.decisions.route(query, fallback)
         with trace.step("ppd.decision", kind=SpanKind.CLIENT) as span:  # rule 10
-            if span.is_recording():
-                query = dataclasses.replace(query, traceparent=traceparent_of(span))
+            query = dataclasses.replace(query, traceparent=traceparent_of(span))
             decision = await d.decisions.route(query, fallback)
             span.set_attributes(
                 {

@@ -11,6 +11,10 @@ attempt and `ppd.decode` (CLIENT both: the worker gets the leg's traceparent hea
 Rule 2: `ppd.decode` is the D (or R) leg from its request to the answer's end as the front door sees
 it; its child `ppd.decode.first_token` ends at the first answer token. The picker does not see D's
 answer unless it observes it (picker.py rule 6): its `ppd.decode` ends at D's response headers.
+Rule 2b: an unsampled request (the sampler said no: `recording` False) makes its root span only (a
+non-recording one) and no other: its steps are not spans, and every worker leg sends the root's
+traceparent, whose sampled flag is clear, so the workers (vLLM's parent-based sampler) record nothing
+either, nor start traces of their own.
 Rule 3: the root span carries the turn's attributes once it is reported (`record`): turn, path,
 reason, table key and version, workers, explored, fallback, tokens (prompt, new, context, expected and
 actual output), TTFT; an error sets its status to ERROR with the error's text.
@@ -36,14 +40,27 @@ _TRACESTATE: Final = "tracestate"
 
 
 class LegSpan:
-    """A call to a worker (rule 1): its CLIENT span and the traceparent the worker gets."""
+    """A call to a worker (rule 1): its CLIENT span and the traceparent the worker gets; of an unsampled
+    request (rule 2b), no span: the root's (non-recording, ending it does nothing) and traceparent."""
 
     __slots__ = ("_first", "_start_ns", "_tracer", "span", "traceparent")
 
-    def __init__(self, tracer: trace.Tracer, parent: trace.Span, name: str, worker: str, url: str) -> None:
+    def __init__(
+        self,
+        tracer: trace.Tracer,
+        parent: trace.Span,
+        name: str,
+        worker: str,
+        url: str,
+        *,
+        unsampled: str | None = None,
+    ) -> None:
         self._tracer = tracer
         self._start_ns = time.time_ns()
-        self._first = False
+        self._first = unsampled is not None  # rule 2b: no first-token span either
+        if unsampled is not None:
+            self.span, self.traceparent = parent, unsampled
+            return
         self.span = tracer.start_span(
             name,
             context=trace.set_span_in_context(parent),
@@ -69,6 +86,8 @@ class LegSpan:
         ).end()
 
     def end(self, error: str | None = None, *, status: int | None = None) -> None:
+        if not self.span.is_recording():  # rule 2b
+            return
         if status is not None:
             self.span.set_attribute("http.response.status_code", status)
         if error is not None:
@@ -79,17 +98,26 @@ class LegSpan:
 class RequestTrace:
     """Rule 1's root span of one request and its children."""
 
-    __slots__ = ("_context", "_tracer", "root")
+    __slots__ = ("_context", "_tracer", "_unsampled", "recording", "root")
 
     def __init__(self, tracer: trace.Tracer, name: str, headers: Mapping[str, str]) -> None:
         self._tracer = tracer
         carrier = {key: headers[key] for key in (TRACEPARENT, _TRACESTATE) if key in headers}
         self.root = tracer.start_span(name, context=context_from(carrier), kind=SpanKind.SERVER)
+        self.recording = self.root.is_recording()
+        # Rule 2b: what an unsampled request's legs send.
+        self._unsampled = None if self.recording else traceparent_of(self.root)
         self._context = trace.set_span_in_context(self.root)
 
+    def step(
+        self, name: str, *, kind: SpanKind = SpanKind.INTERNAL
+    ) -> contextlib.AbstractContextManager[trace.Span]:
+        """A child span around a step of the request path; an exception out of it is recorded. Of an
+        unsampled request (rule 2b): none, the root's non-recording span stands in."""
+        return self._step(name, kind) if self.recording else contextlib.nullcontext(self.root)
+
     @contextlib.contextmanager
-    def step(self, name: str, *, kind: SpanKind = SpanKind.INTERNAL) -> Iterator[trace.Span]:
-        """A child span around a step of the request path; an exception out of it is recorded."""
+    def _step(self, name: str, kind: SpanKind) -> Iterator[trace.Span]:
         span = self._tracer.start_span(name, context=self._context, kind=kind)
         try:
             yield span
@@ -101,10 +129,12 @@ class RequestTrace:
 
     def leg(self, name: str, worker: str, url: str) -> LegSpan:
         """A call to a worker, child of the root (rule 1)."""
-        return LegSpan(self._tracer, self.root, name, worker, url)
+        return LegSpan(self._tracer, self.root, name, worker, url, unsampled=self._unsampled)
 
     def record(self, turn: TurnInputs, outcome: TurnOutcome) -> None:
         """Rule 3: the turn's attributes on the root span."""
+        if not self.recording:
+            return
         psi = turn.psi
         attributes: dict[str, str | int | float | bool] = {
             "ppd.request_id": turn.request_id,
@@ -135,7 +165,8 @@ class RequestTrace:
 
     def failed(self, error: BaseException) -> None:
         """The request failed with `error` (its status), the span still open."""
-        self.root.set_status(Status(StatusCode.ERROR, _describe(error)))
+        if self.recording:
+            self.root.set_status(Status(StatusCode.ERROR, _describe(error)))
 
     def end(self, error: BaseException | None = None) -> None:
         """The front door is done with the request; an exception that ended it is its status."""
