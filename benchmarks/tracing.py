@@ -1,14 +1,15 @@
 """What OpenTelemetry tracing costs the gateway per request: prints figures, asserts nothing.
 
     python -m benchmarks.tracing [--rounds 5] [--streams 16] [--requests 1600] [--chunks 20]
-                                 [--ratio 0.1] [--mode local|pd] [--baseline-src DIR]
+                                 [--ratio 0.1 ...] [--mode local|pd] [--baseline-src DIR]
 
 Gateways identical but for tracing run side by side in one run, alternating, each round a fresh
 process per arm, in front of the fixed-pace stand-in worker (`python -m benchmarks.gateway upstream`),
 with the same load (--streams users, each a named session's Turn 2+ streaming requests):
 - `off`: this tree, no `[tracing]` (the default: no tracer, no span objects);
-- `on`: this tree, `[tracing] enabled` at --ratio, exporting over OTLP/gRPC to a receiver in this
-  process (it decodes each export and counts the spans, so the sampled share is seen to be right);
+- `on@R` for each R of --ratio: this tree, `[tracing] enabled` at sampling ratio R, exporting over
+  OTLP/gRPC to a receiver in this process (it decodes each export and counts the spans, so the sampled
+  share is seen to be right); ratio 0 is what a tracer costs that keeps nothing;
 - `today` (with --baseline-src): the gateway of another source tree, e.g. the commit before tracing
   (`git worktree add /tmp/before <commit>`), started with that tree as its working directory.
 
@@ -17,6 +18,12 @@ Figures, one JSON object per line:
    token (`ppd_gateway_overhead_seconds`: the handler's time minus the worker's) p50/p99 in ms, the
    client's TTFT p50/p99, and for `on` the spans exported per request.
 2. `summary`: each arm's medians over the rounds, and each arm's CPU per request against `off`.
+3. `in_process`: the spans' own CPU per request at each --ratio, in this process (no server, no
+   network): one request's trace as the standalone gateway makes it in local mode (its span, parse,
+   session lookup, ψ, D's leg with its traceparent and first token, the attributes), with the batch
+   processor encoding what is kept as the OTLP exporter does (protobuf), best of --in-process-repeats.
+With `on` arms of the same tree, the CPU a sampled request adds is the difference of two `on` arms
+divided by the difference of their ratios.
 --mode pd adds a P leg per request (one more span; the stand-in answers P too). Nothing here is
 imported by the gateway.
 """
@@ -29,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
@@ -36,11 +44,16 @@ from typing import Any
 
 import grpc
 import uvloop
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from tqdm import tqdm
 
 from benchmarks.gateway import _emit, _histogram, _load, _pct, _Proc, _quantile, _start
 from devstack.ready import start_ready
+from gateway.request_trace import RequestTrace
 
 __all__ = ["main"]
 
@@ -79,6 +92,38 @@ class _Sink:
 
     def stop(self) -> None:
         self._server.stop(grace=None)
+
+
+class _Encoder(SpanExporter):
+    """What the OTLP exporter does with a batch before it sends it: the protobuf bytes."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        encode_spans(spans).SerializeToString()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _in_process(ratio: float, requests: int) -> float:
+    """Figure 3: CPU seconds per request of one request's trace calls at `ratio`."""
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)))
+    provider.add_span_processor(BatchSpanProcessor(_Encoder()))
+    tracer = provider.get_tracer("benchmark")
+    start = time.process_time()
+    for _ in range(requests):
+        trace = RequestTrace(tracer, "ppd.gateway.request", {})
+        for step in ("ppd.parse", "ppd.session_lookup", "ppd.psi"):
+            with trace.step(step):
+                pass
+        leg = trace.leg("ppd.decode", "D0", "http://127.0.0.1:8200")
+        leg.headers(())
+        leg.first_token()
+        leg.end()
+        trace.root.set_attributes({"ppd.turn": 2, "ppd.path": "local", "ppd.reason": "table"})
+        trace.end()
+    provider.shutdown()  # the batches still queued are encoded too
+    return (time.process_time() - start) / requests
 
 
 def _config(path: Path, url: str, mode: str, tracing: str) -> Path:
@@ -144,13 +189,21 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             url = up.ready["url"]
-            traced = (
-                f'[tracing]\nenabled = true\nsampling_ratio = {args.ratio}\nendpoint = "{sink.endpoint}"\n'
-            )
             arms: list[tuple[str, Path, Path | None, _Sink | None]] = [
-                ("off", _config(Path(tmp) / "off.toml", url, args.mode, ""), None, None),
-                ("on", _config(Path(tmp) / "on.toml", url, args.mode, traced), None, sink),
+                ("off", _config(Path(tmp) / "off.toml", url, args.mode, ""), None, None)
             ]
+            for ratio in args.ratio:
+                traced = (
+                    f'[tracing]\nenabled = true\nsampling_ratio = {ratio}\nendpoint = "{sink.endpoint}"\n'
+                )
+                arms.append(
+                    (
+                        f"on@{ratio:g}",
+                        _config(Path(tmp) / f"on-{ratio:g}.toml", url, args.mode, traced),
+                        None,
+                        sink,
+                    )
+                )
             if args.baseline_src is not None:
                 today = _config(Path(tmp) / "today.toml", url, args.mode, "")
                 arms.insert(0, ("today", today, args.baseline_src.resolve(), None))
@@ -163,6 +216,9 @@ def _run(args: argparse.Namespace) -> int:
                         _emit({"figure": "arm", "round": r, "arm": name, "mode": args.mode, **figures})
                         bar.update()
             _emit(_summary(args, results))
+        for ratio in (0.0, *args.ratio):
+            best = min(_in_process(ratio, args.in_process_requests) for _ in range(args.in_process_repeats))
+            _emit({"figure": "in_process", "ratio": ratio, "cpu_us_per_request": round(best * 1e6, 2)})
     finally:
         sink.stop()
         up.stop()
@@ -189,7 +245,7 @@ def _summary(args: argparse.Namespace, results: dict[str, list[dict[str, Any]]])
     return {
         "figure": "summary",
         "mode": args.mode,
-        "ratio": args.ratio,
+        "ratios": args.ratio,
         "rounds": args.rounds,
         "streams": args.streams,
         "chunks": args.chunks,
@@ -211,8 +267,16 @@ def _parser() -> argparse.ArgumentParser:
     add("--requests", type=int, default=1600, help="measured requests per arm and round (default 1600)")
     add("--chunks", type=int, default=20, help="chunks per answer (default 20)")
     add("--chunk-interval-ms", type=float, default=1.0, help="the stand-in's pace between chunks")
-    add("--ratio", type=float, default=0.1, help="the `on` arm's [tracing] sampling_ratio (default 0.1)")
+    add(
+        "--ratio",
+        type=float,
+        nargs="+",
+        default=[0.1],
+        help="[tracing] sampling_ratio of the `on` arms, one arm each (default 0.1)",
+    )
     add("--mode", choices=("local", "pd"), default="local", help="the gateways' routing mode (default local)")
+    add("--in-process-requests", type=int, default=20000, help="requests of the in-process figure")
+    add("--in-process-repeats", type=int, default=5, help="repeats of the in-process figure (best kept)")
     add(
         "--baseline-src",
         type=Path,
