@@ -216,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
                         _emit({"figure": "arm", "round": r, "arm": name, "mode": args.mode, **figures})
                         bar.update()
             _emit(_summary(args, results))
-        for ratio in (0.0, *args.ratio):
+        for ratio in sorted({0.0, *args.ratio}):
             best = min(_in_process(ratio, args.in_process_requests) for _ in range(args.in_process_repeats))
             _emit({"figure": "in_process", "ratio": ratio, "cpu_us_per_request": round(best * 1e6, 2)})
     finally:
