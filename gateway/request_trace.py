@@ -16,7 +16,7 @@ non-recording one) and no other: its steps are not spans, and every worker leg s
 traceparent, whose sampled flag is clear, so the workers (vLLM's parent-based sampler) record nothing
 either, nor start traces of their own.
 Rule 3: the root span carries the turn's attributes once it is reported (`record`): turn, path,
-reason, table key and version, workers, explored, fallback, tokens (prompt, new, context, expected and
+reason, table version, workers, explored, fallback, tokens (prompt, new, context, expected and
 actual output), TTFT; an error sets its status to ERROR with the error's text.
 Only OpenTelemetry's API is used (the tracer comes from ppd/tracing_export.py through Deps).
 """
