@@ -93,6 +93,46 @@ def _parser(defaults: Settings) -> argparse.ArgumentParser:
             "too_many_pings (default %(default)s; clients should ping at twice this or slower)"
         ),
     )
+    tracing = run.add_argument_group("OpenTelemetry tracing (off by default)")
+    tracing.add_argument(
+        "--tracing",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.tracing_enabled,
+        help="export a span per unary Route call over OTLP/gRPC, joined to the caller's traceparent",
+    )
+    tracing.add_argument(
+        "--tracing-sampling-ratio",
+        type=float,
+        default=defaults.tracing_sampling_ratio,
+        help="share of the traces this service starts that are kept, 0 to 1 (default %(default)s)",
+    )
+    tracing.add_argument(
+        "--tracing-endpoint",
+        default=defaults.tracing_endpoint,
+        help="OTLP/gRPC receiver, http://host:4317 or https://host:4317 (default %(default)s)",
+    )
+    tracing.add_argument(
+        "--tracing-protocol",
+        choices=["grpc"],
+        default=defaults.tracing_protocol,
+        help="OTLP transport (default %(default)s)",
+    )
+    tracing.add_argument(
+        "--tracing-service-name",
+        default=defaults.tracing_service_name,
+        help="the spans' service.name (default: ppd-decision)",
+    )
+    tracing.add_argument(
+        "--tracing-headers",
+        default=defaults.tracing_headers,
+        help="extra metadata on each export, key=value,key2=value2 (e.g. a backend's API key)",
+    )
+    tracing.add_argument(
+        "--tracing-timeout",
+        type=float,
+        default=defaults.tracing_timeout_s,
+        help="seconds one export may take (default %(default)s)",
+    )
     run.add_argument("--log-level", default="INFO", help="logging level (default %(default)s)")
     return parser
 
@@ -130,6 +170,13 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             max_batch_items=args.max_batch_items,
             max_message_bytes=args.max_message_bytes,
             keepalive_min_ping_interval_s=args.keepalive_min_ping_interval,
+            tracing_enabled=args.tracing,
+            tracing_sampling_ratio=args.tracing_sampling_ratio,
+            tracing_endpoint=args.tracing_endpoint,
+            tracing_protocol=args.tracing_protocol,
+            tracing_service_name=args.tracing_service_name,
+            tracing_headers=args.tracing_headers,
+            tracing_timeout_s=args.tracing_timeout,
         )
     except SettingsError as exc:
         sys.stderr.write(f"ppd-decision serve: {exc}\n")

@@ -18,12 +18,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics, start_metrics_endpoint
 from decision_service.servicer import DecisionServicer, add_to_server
 from decision_service.settings import Settings
 from ppd.decision.v1 import decision_pb2
+from ppd.tracing_export import build_tracing
 
 __all__ = ["SERVICE_NAME", "DecisionServer", "build_server", "serve", "server_options"]
 
@@ -76,10 +78,14 @@ def server_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-def build_server(settings: Settings, holder: TableHolder, metrics: DecisionMetrics) -> DecisionServer:
-    """Register the services and bind the port; call `start()` on the result to serve."""
+def build_server(
+    settings: Settings, holder: TableHolder, metrics: DecisionMetrics, *, tracer: trace.Tracer | None = None
+) -> DecisionServer:
+    """Register the services and bind the port; call `start()` on the result to serve. `tracer`: the
+    Route calls' spans (None: tracing off)."""
     server = grpc.aio.server(options=server_options(settings))
-    add_to_server(DecisionServicer(holder, metrics, max_batch_items=settings.max_batch_items), server)
+    servicer = DecisionServicer(holder, metrics, max_batch_items=settings.max_batch_items, tracer=tracer)
+    add_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -107,7 +113,8 @@ async def serve(settings: Settings, announce: Callable[[Mapping[str, object]], N
         logger.warning(
             "no usable table in %s yet; health stays NOT_SERVING until one arrives", settings.tables_dir
         )
-    server = build_server(settings, holder, metrics)
+    tracing = build_tracing(settings.tracing, service_name="ppd-decision", scope="decision_service")
+    server = build_server(settings, holder, metrics, tracer=tracing.tracer if tracing is not None else None)
     endpoint = start_metrics_endpoint(metrics, settings.metrics_host, settings.metrics_port)
     stop = asyncio.Event()
     background: set[asyncio.Task[object]] = set()
@@ -145,4 +152,6 @@ async def serve(settings: Settings, announce: Callable[[Mapping[str, object]], N
         for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         endpoint.close()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.close)  # exports the spans still queued
         logger.info("decision service stopped")

@@ -13,6 +13,8 @@ A RouteBatch of more than `max_batch_items` requests is refused whole (INVALID_A
 decided against one table snapshot, `BATCH_SLICE` items at a time, handing the event loop back between
 slices so that a large batch never holds up the unary calls and streams sharing the loop.
 
+Tracing (off unless a tracer is given): each unary Route call is one span (route_trace.py).
+
 Route is the hot path: one snapshot read of the holder, one `Query`, one `route()`, one response
 message, pre-bound metric children. Keep it that way.
 """
@@ -27,10 +29,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 import grpc
+from opentelemetry import trace
 
 from decision_service.holder import TableHolder, TableSet
 from decision_service.metrics import DecisionMetrics
 from decision_service.route import Query, QueryError, Router, Verdict, check_query
+from decision_service.route_trace import answered, failed, route_span
 from decision_service.settings import DEFAULT_MAX_BATCH_ITEMS
 from decision_service.table import Figure, Table, Weights
 from decision_service.wire import Malformed, exactly_one, lenient
@@ -128,6 +132,7 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         max_batch_items: int = DEFAULT_MAX_BATCH_ITEMS,
         clock: Callable[[], float] = time.perf_counter,
         bad_frame_log: RateLimitedLog | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self._holder = holder
         self._metrics = metrics
@@ -136,6 +141,7 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
         self._bad_frames = bad_frame_log or RateLimitedLog(logger, interval_s=_BAD_FRAME_LOG_S)
         self._decision_counter = metrics.decision_counter
         self._latency = metrics.route_latency
+        self._tracer = tracer
 
     # --- item level: one request -> a response or a failure ---------------------------------
 
@@ -205,12 +211,34 @@ class DecisionServicer(pb_grpc.DecisionServiceServicer):
     async def Route(  # noqa: N802
         self, request: pb.RouteRequest, context: _Context[pb.RouteRequest, pb.RouteResponse]
     ) -> pb.RouteResponse:
+        if self._tracer is not None:
+            return await self._traced_route(request, context, self._tracer)
         start = self._clock()
         outcome = self._decide_counted(request, self._holder.current, "Route")
         if isinstance(outcome, _Failure):
             await context.abort(outcome.code, outcome.message, outcome.trailing)
         self._latency.observe(self._clock() - start)
         return outcome
+
+    async def _traced_route(
+        self,
+        request: pb.RouteRequest,
+        context: _Context[pb.RouteRequest, pb.RouteResponse],
+        tracer: trace.Tracer,
+    ) -> pb.RouteResponse:
+        """Route inside its span (the module docstring's tracing)."""
+        span = route_span(tracer, request, context.invocation_metadata() or ())
+        try:
+            start = self._clock()
+            outcome = self._decide_counted(request, self._holder.current, "Route")
+            if isinstance(outcome, _Failure):
+                failed(span, outcome.code, outcome.message)
+                await context.abort(outcome.code, outcome.message, outcome.trailing)
+            self._latency.observe(self._clock() - start)
+            answered(span, outcome)
+            return outcome
+        finally:
+            span.end()
 
     async def RouteBatch(  # noqa: N802
         self,

@@ -4,7 +4,11 @@ Only `cli.py` reads argv and the environment; everything below it receives a `Se
 Environment variables (all optional) give the defaults the command-line flags override:
 PPD_DECISION_TABLES, PPD_DECISION_HOST, PPD_DECISION_PORT, PPD_DECISION_METRICS_PORT,
 PPD_DECISION_DEFAULT_KEY, PPD_DECISION_RELOAD_INTERVAL, PPD_DECISION_GRACE, PPD_DECISION_WORKERS,
-PPD_DECISION_MAX_BATCH_ITEMS, PPD_DECISION_MAX_MESSAGE_BYTES, PPD_DECISION_KEEPALIVE_MIN_PING_INTERVAL.
+PPD_DECISION_MAX_BATCH_ITEMS, PPD_DECISION_MAX_MESSAGE_BYTES, PPD_DECISION_KEEPALIVE_MIN_PING_INTERVAL,
+and OpenTelemetry tracing's PPD_DECISION_TRACING, PPD_DECISION_TRACING_SAMPLING_RATIO,
+PPD_DECISION_TRACING_ENDPOINT, PPD_DECISION_TRACING_PROTOCOL, PPD_DECISION_TRACING_SERVICE_NAME,
+PPD_DECISION_TRACING_HEADERS, PPD_DECISION_TRACING_TIMEOUT (the `tracing_*` fields; `tracing` gives
+them as one `ppd.tracing.TracingSettings`, the gateway's `[tracing]` section).
 """
 
 from __future__ import annotations
@@ -15,9 +19,23 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["DEFAULT_MAX_BATCH_ITEMS", "ENV_PREFIX", "ENV_VARIABLES", "Settings", "SettingsError"]
+from ppd.tracing import TracingSettings, parse_headers
+
+__all__ = ["DEFAULT_MAX_BATCH_ITEMS", "ENV_PREFIX", "ENV_VARIABLES", "Settings", "SettingsError", "on_off"]
 
 ENV_PREFIX: Final = "PPD_DECISION_"
+
+
+def on_off(raw: str) -> bool:
+    """A boolean environment value: 1/true/yes/on or 0/false/no/off (any case)."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
+
+
 DEFAULT_MAX_BATCH_ITEMS = 4096
 
 #: Each environment variable (ENV_PREFIX + suffix) as (suffix, Settings field, converter); the flag of
@@ -36,6 +54,13 @@ ENV_VARIABLES: Final[tuple[tuple[str, str, Callable[[str], Any]], ...]] = (
     ("MAX_BATCH_ITEMS", "max_batch_items", int),
     ("MAX_MESSAGE_BYTES", "max_message_bytes", int),
     ("KEEPALIVE_MIN_PING_INTERVAL", "keepalive_min_ping_interval_s", float),
+    ("TRACING", "tracing_enabled", on_off),
+    ("TRACING_SAMPLING_RATIO", "tracing_sampling_ratio", float),
+    ("TRACING_ENDPOINT", "tracing_endpoint", str),
+    ("TRACING_PROTOCOL", "tracing_protocol", str),
+    ("TRACING_SERVICE_NAME", "tracing_service_name", str),
+    ("TRACING_HEADERS", "tracing_headers", str),
+    ("TRACING_TIMEOUT", "tracing_timeout_s", float),
 )
 
 
@@ -70,8 +95,41 @@ class Settings:
     # flight) that is not "too many pings". Clients (the gateway, Envoy) ping every 10 s; half of that
     # leaves room for timer jitter. Pings more often than this earn strikes and, after two, GOAWAY.
     keepalive_min_ping_interval_s: float = 5.0
+    # Export OpenTelemetry traces: a span per unary Route call, the child of the caller's traceparent
+    # (gRPC metadata). Off: no tracer, no span objects.
+    tracing_enabled: bool = False
+    # Share of the traces this service starts (calls without a traceparent) that are kept; a call
+    # with one follows the caller's sampling decision.
+    tracing_sampling_ratio: float = 1.0
+    # OTLP/gRPC receiver of the spans: http://host:4317 (plain) or https://host:4317 (TLS).
+    tracing_endpoint: str = "http://127.0.0.1:4317"
+    # OTLP transport; only "grpc".
+    tracing_protocol: str = "grpc"
+    # The spans' service.name (empty: "ppd-decision").
+    tracing_service_name: str = ""
+    # Extra gRPC metadata on each export, key=value,key2=value2 (values never printed).
+    tracing_headers: str = field(default="", repr=False)
+    # Seconds one export may take before it is dropped.
+    tracing_timeout_s: float = 10.0
+
+    @property
+    def tracing(self) -> TracingSettings:
+        """The `tracing_*` fields as the tracing settings the gateway's `[tracing]` section holds."""
+        return TracingSettings(
+            enabled=self.tracing_enabled,
+            sampling_ratio=self.tracing_sampling_ratio,
+            endpoint=self.tracing_endpoint,
+            protocol=self.tracing_protocol,  # type: ignore[arg-type]  # checked by TracingSettings
+            service_name=self.tracing_service_name,
+            headers=parse_headers(self.tracing_headers),
+            timeout_s=self.tracing_timeout_s,
+        )
 
     def __post_init__(self) -> None:
+        try:
+            self.tracing  # noqa: B018 (checks the tracing_* fields)
+        except ValueError as exc:
+            raise SettingsError(str(exc).replace("tracing.", "tracing_")) from exc
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:

@@ -46,6 +46,10 @@ its tenant is `key:` + a hash of its bearer token, else `tenant:` + X-PPD-Tenant
 its class the X-PPD-Priority header (a bad value is a 400), else its tenant's default, never above
 its tenant's ceiling. Shed, it is a TooManyRequestsError (429, Retry-After) and nothing else
 happens; admitted, it holds its place until the turn ends (`_end`, held turns included).
+Rule 11 (tracing, gateway/request_trace.py): with a `RequestTrace` from the front door, the steps get
+their spans (parse, session lookup, ψ, the decision with its traceparent to the DecisionService, each
+P attempt and D's leg with theirs to the worker) and the turn's attributes go on the front door's span
+when it is reported. Without one (tracing off), no span object is made.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
 It stays one module (about 780 lines): its steps share one turn's inputs, outcome and pool view in the
@@ -62,11 +66,13 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 from gateway.admission_gate import AdmissionGate, Ticket
+from opentelemetry.trace import SpanKind
+
 from gateway.deps import Deps
 from gateway.errors import (
     BadRequestError,
@@ -96,6 +102,7 @@ from gateway.pool import PoolView, WorkerView
 from gateway.ports import ClientRequest, LiveSignals, RouteQuery
 from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
 from gateway.relay import Usage
+from gateway.request_trace import LegSpan, RequestTrace
 from gateway.residency import KvTracking
 from gateway.retry_budget import RetryBudget
 from gateway.routing import Decision, static_decision
@@ -109,6 +116,7 @@ from ppd.explore import ExplorationPolicy, secret_seed
 from ppd.modes import Mode, ModeError, parse_mode
 from ppd.rate_limited_log import RateLimitedLog
 from ppd.records import CLIENT_DISCONNECTED
+from ppd.tracing import traceparent_of
 
 __all__ = ["ActiveTurn", "DecodeLeg", "RequestCore"]
 
@@ -132,6 +140,12 @@ _NOT_ASKED = Decision("pd", "not_asked")
 # ppd mode, turn 2+: the decode worker's KV events say none of the context is resident any more, so
 # the turn is a cold one (a full prefill either way): P/D, as turn 1, without asking (gateway/residency.py).
 _KV_EVICTED = Decision("pd", "kv_evicted")
+# Rule 11 without a trace: one reusable context manager that does nothing (no span object).
+_NO_SPAN: Final = contextlib.nullcontext()
+
+
+def _step(trace: RequestTrace | None, name: str) -> contextlib.AbstractContextManager[object]:
+    return _NO_SPAN if trace is None else trace.step(name)
 
 
 @dataclass(slots=True)
@@ -151,6 +165,8 @@ class ActiveTurn:
     token_ids: list[int] | None = None
     # Rule 10: its admission, left when the turn ends (None: admission control is off).
     ticket: Ticket | None = None
+    # Rule 11: the request's spans (None: tracing off or not asked for by the front door).
+    trace: RequestTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +177,8 @@ class DecodeLeg:
     call: UpstreamCall
     # Rule 8: the P leg left to D's sidecar (None: no P leg, or the core ran it).
     prefiller: UpstreamCall | None = None
+    # Rule 11: D's leg span, whose traceparent `call` carries; the front door ends it.
+    span: LegSpan | None = None
 
 
 class RequestCore:
@@ -205,18 +223,22 @@ class RequestCore:
         observed: bool | None = None,
         subset: frozenset[str] | None = None,
         subset_scope: str = "the gateway's endpoint subset",
+        trace: RequestTrace | None = None,
     ) -> AsyncIterator[ActiveTurn]:
         """Read, check and decide one request (rules 1, 4, 5); the turn is served inside. Raises
         GatewayError before anything is counted when the request itself is wrong. `observed`
         (default: whether this front door relays answers) says whether the turn's line is written;
-        `subset` (rule 4) the ids D or R may be chosen from, named `subset_scope` in errors."""
+        `subset` (rule 4) the ids D or R may be chosen from, named `subset_scope` in errors; `trace`
+        (rule 11) the front door's spans of this request."""
         d = self._d
         start, start_wall = d.timer(), d.wall_clock()
-        req, mode = self._read(request)
+        with _step(trace, "ppd.parse"):
+            req, mode = self._read(request)
         ticket = await self._admit(request.headers)
         try:
             view = self._view(subset, subset_scope)
-            match = await self._find_session(request, req)
+            with _step(trace, "ppd.session_lookup"):
+                match = await self._find_session(request, req)
             static = static_decision(mode, turn=match.turn, session_id=match.session_id)
             ask = static is None and not decode_gone(match.session, view)
             measure_psi = functools.partial(
@@ -231,7 +253,8 @@ class RequestCore:
             )
             # ψ without asking a worker never waits; a worker's count (below) may, so it is asked inside
             # the try: a client that leaves meanwhile still gets its request-log line.
-            psi = await measure_psi()
+            with _step(trace, "ppd.psi"):
+                psi = await measure_psi()
             worker_count = (
                 self._worker_count(req, match, view) if ask and psi.n_in.source == "estimate" else None
             )
@@ -256,6 +279,7 @@ class RequestCore:
                 TurnOutcome(),
                 view,
                 observed=self._relays_answer if observed is None else observed,
+                trace=trace,
             )
         except BaseException:
             self._leave(ticket)
@@ -265,16 +289,10 @@ class RequestCore:
         self._begin()
         served = False
         try:
-            if worker_count is not None:
-                active.turn = dataclasses.replace(
-                    active.turn, psi=await measure_psi(worker_count=worker_count)
-                )
             evicted = False
-            if ask and d.kv is not None:  # asks the decode worker's /tokenize: inside the try too
-                resident_psi, evicted, active.token_ids = await self._resident(
-                    d.kv, req, match, view, active.turn.psi
-                )
-                active.turn = dataclasses.replace(active.turn, psi=resident_psi)
+            if worker_count is not None or (ask and d.kv is not None):
+                with _step(trace, "ppd.psi.worker"):  # a worker's /tokenize: may wait
+                    evicted = await self._worker_psi(active, measure_psi, worker_count, match, ask=ask)
             if match.turn == 1:  # tables index QPS by conversations started per second (the paper's)
                 d.qps.record()
             outcome.decision = await self._decide(active, static, ask=ask, evicted=evicted)
@@ -292,7 +310,7 @@ class RequestCore:
                 self._end(active)
 
     def _read(self, request: ClientRequest) -> tuple[CompletionRequest, Mode]:
-        """Rule 1: the request and its headers checked, before any worker is called; its mode."""
+        """Rule 1: the request's body and identifiers checked, against the model's length too; its mode."""
         d = self._d
         req = parse_completion_request(request.body, request.endpoint, self._s.limits)
         self._check_id_headers(request.headers)
@@ -312,8 +330,31 @@ class RequestCore:
         if ask and evicted:
             return _KV_EVICTED
         if ask:
-            return self._explore(t.turn, await self._ask(t.turn, t.view))
+            return self._explore(t.turn, await self._ask(t.turn, t.view, t.trace))
         return _NOT_ASKED
+
+    async def _worker_psi(
+        self,
+        active: ActiveTurn,
+        measure_psi: Callable[..., Awaitable[Psi]],
+        worker_count: WorkerCount | None,
+        match: SessionMatch,
+        *,
+        ask: bool,
+    ) -> bool:
+        """ψ refined by what a worker says (its /tokenize count; the context still resident by its
+        KV events), inside the turn's try; whether none of the context is resident (evicted)."""
+        kv = self._d.kv
+        evicted = False
+        if worker_count is not None:
+            active.turn = dataclasses.replace(active.turn, psi=await measure_psi(worker_count=worker_count))
+        if ask and kv is not None:  # asks the decode worker's /tokenize
+            req = active.turn.req
+            resident_psi, evicted, active.token_ids = await self._resident(
+                kv, req, match, active.view, active.turn.psi
+            )
+            active.turn = dataclasses.replace(active.turn, psi=resident_psi)
+        return evicted
 
     def _begin(self) -> None:
         """A turn is served from here on: in flight, and one request the retry budget counts."""
@@ -372,6 +413,8 @@ class RequestCore:
         self._leave(t.ticket)
         self._d.metrics.inflight.dec()
         self._report.finish(t.turn, t.outcome, end=self._d.timer(), line=t.observed)
+        if t.trace is not None:
+            t.trace.record(t.turn, t.outcome)
 
     async def route(self, t: ActiveTurn, *, run_prefill: bool = True) -> DecodeLeg:
         """The decided turn planned and, for pd and bidir, its P leg run (with its retries and the
@@ -442,13 +485,18 @@ class RequestCore:
             t.outcome.prefill_worker = prefiller.worker
             self._d.pool.note_pick(prefiller.worker)
         elif p.path in _THROUGH_P:
-            p, kv = await self._prefill(t.turn, t.outcome, p)
+            p, kv = await self._prefill(t.turn, t.outcome, p, t.trace)
         call = decode_after_prefill(p, kv) if p.path in _THROUGH_P else p.decode
         outcome = t.outcome
         outcome.path, outcome.reason, outcome.rebound = p.path, p.reason, p.rebound
         outcome.decode_worker = call.worker
         self._d.pool.note_pick(call.worker)
-        return DecodeLeg(p, call, prefiller)
+        span = None
+        if t.trace is not None:  # rule 11: D's leg carries its span's traceparent
+            span = t.trace.leg("ppd.decode", call.worker, call.url)
+            span.span.set_attribute("ppd.path", p.path)
+            call = dataclasses.replace(call, headers=span.headers(call.headers))
+        return DecodeLeg(p, call, prefiller, span)
 
     def _count_placements(self, t: ActiveTurn, p: Plan) -> None:
         """ppd_gateway_placements_total for the P of a leg through P and a D placed (not the bound one)."""
@@ -586,7 +634,7 @@ class RequestCore:
 
     # ------------------------------------------------------------------ decide and plan
 
-    async def _ask(self, turn: TurnInputs, view: PoolView) -> Decision:
+    async def _ask(self, turn: TurnInputs, view: PoolView, trace: RequestTrace | None) -> Decision:
         d = self._d
         s = self._s.decision
         live: LiveSignals | None = None
@@ -609,7 +657,22 @@ class RequestCore:
             weights=d.slo.weights(s.table_key) if d.slo is not None else None,
             capabilities=_BIDIR if self._s.routing.bidir else frozenset(),
         )
-        return await d.decisions.route(query, Decision(s.fallback, "fallback"))
+        fallback = Decision(s.fallback, "fallback")
+        if trace is None or not trace.recording:  # an unsampled request's decision: no span, no metadata
+            return await d.decisions.route(query, fallback)
+        with trace.step("ppd.decision", kind=SpanKind.CLIENT) as span:  # rule 11
+            query = dataclasses.replace(query, traceparent=traceparent_of(span))
+            decision = await d.decisions.route(query, fallback)
+            span.set_attributes(
+                {
+                    "ppd.table.key": s.table_key,
+                    "ppd.table.version": decision.table_version,
+                    "ppd.path": decision.path,
+                    "ppd.reason": decision.reason,
+                    "ppd.fallback": decision.fallback,
+                }
+            )
+            return decision
 
     def _explore(self, turn: TurnInputs, decision: Decision) -> Decision:
         """ppd mode, turn 2+: the path the exploration policy takes (ppd/explore.py). Its draw is keyed
@@ -650,7 +713,7 @@ class RequestCore:
     # ------------------------------------------------------------------ the P leg
 
     async def _prefill(
-        self, turn: TurnInputs, outcome: TurnOutcome, p: Plan
+        self, turn: TurnInputs, outcome: TurnOutcome, p: Plan, trace: RequestTrace | None = None
     ) -> tuple[Plan, Mapping[str, Any] | None]:
         d = self._d
         failure: tuple[str, GatewayError] | None = None  # the last P's: the retry's reason and error
@@ -661,9 +724,9 @@ class RequestCore:
                 d.metrics.prefill_retries.inc()
             d.pool.acquire(call.worker)
             sent = d.timer()
+            leg = None if trace is None else trace.leg("ppd.prefill", call.worker, call.url)
             try:
-                reply = await d.upstream.call_json(call, prefill=True)
-                body = reply.json()
+                body = await self._prefill_call(call, leg)
             except UpstreamStatusError as exc:
                 if 400 <= exc.upstream_status < 500:
                     self.worker_answered(call.worker)
@@ -700,6 +763,24 @@ class RequestCore:
             )
             return local_fallback(p, "prefill_failed"), None
         raise PrefillFailedError(f"every prefill worker failed ({len(p.prefill)} tried)")
+
+    async def _prefill_call(self, call: UpstreamCall, leg: LegSpan | None) -> Any:
+        """One P leg's answer body (parsed); with its span (rule 11), ended with the outcome."""
+        if leg is None:
+            return (await self._d.upstream.call_json(call, prefill=True)).json()
+        try:
+            reply = await self._d.upstream.call_json(
+                dataclasses.replace(call, headers=leg.headers(call.headers)), prefill=True
+            )
+            body = reply.json()
+        except GatewayError as exc:
+            leg.end(exc.message)
+            raise
+        except BaseException as exc:  # a malformed body (ValueError), or the client left
+            leg.end(type(exc).__name__)
+            raise
+        leg.end(status=reply.status)
+        return body
 
     def _prefill_failed(self, worker: str, kind: str, exc: GatewayError) -> tuple[str, GatewayError]:
         """A P leg failed before its answer (rule 9): counted, reported; the retry's reason and error."""

@@ -31,6 +31,11 @@ retried). The real service keeps its streams open and answers each item instead:
 Rule 6 (the third path): `RouteQuery.capabilities` containing "bidir" goes out as CAPABILITY_BIDIR, and
 only then may the answer be DECISION_BIDIR, read back as path "bidir"; a query without it sends the
 request it sent before capabilities existed.
+Rule 7 (tracing): a query with a `traceparent` (a traced request, gateway/request_trace.py) is one
+unary Route call carrying it as gRPC metadata, whatever `decision.stream` says: a RouteStream's metadata
+is sent once for all the requests it carries, so a per-request trace context cannot ride on it. The
+service's span of that call is then the child of the gateway's decision span. Untraced queries keep
+to the streams.
 Every time it measures (availability, RPC latency, stream retries) comes from the injected clock.
 Talks gRPC only; never imports decision_service.
 """
@@ -52,6 +57,7 @@ from gateway.routing import Decision
 from gateway.settings import DecisionSettings
 from gateway.types import Clock, Path
 from ppd.decision.v1 import decision_pb2, decision_pb2_grpc
+from ppd.tracing import TRACEPARENT
 
 __all__ = [
     "KEEPALIVE_TIMEOUT_MS",
@@ -282,7 +288,7 @@ class GrpcDecisionClient:
         if self._serving is False:
             return self._fall(fallback, "not_serving")
         start = self._clock()
-        resp, outcome = await self._call(self._stub, request_from_query(query))
+        resp, outcome = await self._call(self._stub, request_from_query(query), query.traceparent)
         self._metrics.route_rpc.labels(outcome).observe(self._clock() - start)
         if outcome in ("timeout", "unavailable"):
             self._availability.missed(outcome)
@@ -294,9 +300,15 @@ class GrpcDecisionClient:
         return decision
 
     async def _call(
-        self, stub: decision_pb2_grpc.DecisionServiceAsyncStub, req: decision_pb2.RouteRequest
+        self,
+        stub: decision_pb2_grpc.DecisionServiceAsyncStub,
+        req: decision_pb2.RouteRequest,
+        traceparent: str = "",
     ) -> tuple[decision_pb2.RouteResponse | None, str]:
         try:
+            if traceparent:  # rule 7
+                metadata = ((TRACEPARENT, traceparent),)
+                return await stub.Route(req, timeout=self._deadline, metadata=metadata), "ok"
             if self._streams is not None:
                 return await self._call_streams(self._streams, stub, req)
             return await stub.Route(req, timeout=self._deadline), "ok"

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from opentelemetry.trace import Tracer
+
 from gateway.metrics import GatewayMetrics
 from gateway.pool import WorkerPool
 from gateway.ports import DecisionClient, Upstream
@@ -41,3 +43,5 @@ class Deps:
     slo: SloControl | None = None
     # KV residency from the workers' KV events ([kv_events]); None when not configured.
     kv: KvTracking | None = None
+    # The tracer of the request path (ppd/tracing_export.py); None when tracing is off: no spans.
+    tracer: Tracer | None = None

@@ -15,6 +15,9 @@ first byte goes to the client: answered, or failed (a 5xx, a timeout, no connect
 the worker (core.py rule 9); a 4xx is the client's and counts as answered.
 Rule 4: the turn is remembered with its answer, before the client can see `[DONE]` (and send its next
 turn, which must find this one).
+Rule 5 (tracing, gateway/request_trace.py): with a tracer, each request is one trace under its
+`ppd.gateway.request` span (core.py rule 10 adds the steps and the P legs); D's leg span ends when the
+answer is over (its `ppd.decode.first_token` child at the first token), with the error that ended it.
 No transport here: the client is reached through the `ClientConnection` of ports.py, so this module is
 unit-tested with fakes (tests/gateway/test_forwarding.py).
 """
@@ -36,6 +39,7 @@ from gateway.errors import (
 from gateway.plan import Plan, UpstreamCall
 from gateway.ports import ClientConnection, ClientRequest, UpstreamStream
 from gateway.relay import StreamRelay, answer_from_body, client_body, error_event, kv_params_from_body
+from gateway.request_trace import LegSpan, RequestTrace
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import provenance_headers
 from ppd.records import CLIENT_DISCONNECTED
@@ -53,8 +57,23 @@ class Forwarder:
     async def handle(self, request: ClientRequest, client: ClientConnection) -> None:
         """Serve one completion request; the answer goes to `client`. Raises GatewayError before
         the answer has started (app.py renders it)."""
+        tracer = self._d.tracer
+        if tracer is None:
+            await self._handle(request, client, None)
+            return
+        trace = RequestTrace(tracer, "ppd.gateway.request", request.headers)  # rule 5
+        try:
+            await self._handle(request, client, trace)
+        except BaseException as exc:
+            trace.end(exc)
+            raise
+        trace.end()
+
+    async def _handle(
+        self, request: ClientRequest, client: ClientConnection, trace: RequestTrace | None
+    ) -> None:
         core = self._core
-        async with core.turn(request) as t:
+        async with core.turn(request, trace=trace) as t:
             leg = await core.route(t)
             for attempt in range(2):
                 try:
@@ -67,10 +86,18 @@ class Forwarder:
                     leg = await core.reroute(t, leg, exc)
 
     async def _decode(self, client: ClientConnection, t: ActiveTurn, leg: DecodeLeg) -> None:
-        if leg.call.stream:
-            await self._stream(client, t.turn, t.outcome, leg.plan, leg.call)
-        else:
-            await self._unary(client, t.turn, t.outcome, leg.call)
+        span = leg.span
+        try:
+            if leg.call.stream:
+                await self._stream(client, t.turn, t.outcome, leg.plan, leg.call, span=span)
+            else:
+                await self._unary(client, t.turn, t.outcome, leg.call)
+        except BaseException as exc:
+            if span is not None:
+                span.end(getattr(exc, "message", type(exc).__name__))
+            raise
+        if span is not None:
+            span.end(t.outcome.error)
 
     async def _unary(
         self, client: ClientConnection, turn: TurnInputs, outcome: TurnOutcome, call: UpstreamCall
@@ -105,7 +132,14 @@ class Forwarder:
         outcome.delivered = True
 
     async def _stream(
-        self, client: ClientConnection, turn: TurnInputs, outcome: TurnOutcome, p: Plan, call: UpstreamCall
+        self,
+        client: ClientConnection,
+        turn: TurnInputs,
+        outcome: TurnOutcome,
+        p: Plan,
+        call: UpstreamCall,
+        *,
+        span: LegSpan | None = None,
     ) -> None:
         d = self._d
         role = ROLE_OF[outcome.path]
@@ -124,7 +158,7 @@ class Forwarder:
                 self._core.worker_failed(call.worker, role)
                 raise
             try:
-                await self._relay(client, turn, outcome, p=p, call=call, upstream=upstream)
+                await self._relay(client, turn, outcome, p=p, call=call, upstream=upstream, span=span)
             finally:
                 upstream.close()
         finally:
@@ -139,6 +173,7 @@ class Forwarder:
         p: Plan,
         call: UpstreamCall,
         upstream: UpstreamStream,
+        span: LegSpan | None,
     ) -> None:
         metrics = self._d.metrics
         headers = provenance_headers(turn, outcome)
@@ -147,7 +182,9 @@ class Forwarder:
         relay = StreamRelay(strip_usage=p.strip_usage)
         try:
             await client.open_stream(headers)
-            failure = await self._pump(client, turn, outcome, call=call, upstream=upstream, relay=relay)
+            failure = await self._pump(
+                client, turn, outcome, call=call, upstream=upstream, relay=relay, span=span
+            )
             if failure is not None:
                 metrics.stream_errors.labels("upstream").inc()
                 log.warning("request %s: %s", turn.request_id, failure)
@@ -177,6 +214,7 @@ class Forwarder:
         call: UpstreamCall,
         upstream: UpstreamStream,
         relay: StreamRelay,
+        span: LegSpan | None,
     ) -> str | None:
         """Copy the worker's events to the client; returns what went wrong upstream, if anything.
         A failed write to the client raises ConnectionResetError."""
@@ -195,6 +233,8 @@ class Forwarder:
             out, content = relay.feed(data)
             if content:
                 outcome.content_at(received, turn.start)
+                if span is not None:
+                    span.first_token()
             if relay.done and relay.error is None:
                 # Before the client can see [DONE] and send its next turn, which must find this one.
                 await self._complete(turn, outcome, relay)

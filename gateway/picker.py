@@ -65,7 +65,13 @@ Rule 9 (vLLM's bidirectional mode, `[routing] bidir`): a D leg that carries para
 standalone would send instead, without them (observed_turn rule 2b; a replacing `BodyMutation`, or
 the `streamed_response` in full duplex: picker_stream rule 5), the response's Content-Length removed,
 and the turn remembered with D's params at `[DONE]` (or the body's end), so the next turn can go bidir.
-It stays one module (about 480 lines): `Process` and the answers it builds share one stream's state
+Rule 10 (tracing, gateway/request_trace.py): with a tracer, a completion is one trace under its
+`ppd.picker.request` span, from its request headers to the end of its ext_proc stream (core.py rule 10
+adds the steps and the P legs). D's request carries the `ppd.decode` span's traceparent among the
+headers Envoy forwards, so vLLM's span joins the trace; the picker sees D's leg only up to D's response
+headers (where `ppd.decode` ends, with the status) unless it observes the answer (rule 6): D's first
+token and end are in vLLM's span, not the picker's.
+It stays one module (about 510 lines): `Process` and the answers it builds share one stream's state
 (modes, headers, the routed and held turn) in the order Envoy requires; what stands alone lives apart
 (picker_stream, picker_subset, picker_failover, observed_turn, answer_observer, destinations).
 """
@@ -96,6 +102,7 @@ from gateway.picker_stream import BodyAssembly, Modes, echo, modes, replaced_chu
 from gateway.picker_subset import SUBSET_SCOPE, Subset, subset_hint
 from gateway.plan import decode_returns_params
 from gateway.ports import ClientRequest
+from gateway.request_trace import LegSpan, RequestTrace
 from gateway.turn_report import exploration
 from gateway.types import Endpoint, Role
 
@@ -174,6 +181,7 @@ class Picked:
     # Rule 9: D may answer with its bidirectional params: the answer's bytes are rewritten.
     strip: bool = False
     failover: Failover | None = None  # rule 5b
+    span: LegSpan | None = None  # rule 10: D's leg, ended at its response headers
 
 
 def destination(url: str) -> str:
@@ -186,6 +194,23 @@ def _header_map(headers: pb.HttpHeaders) -> Headers:
     return Headers(
         {h.key: h.raw_value.decode("utf-8", "replace") or h.value for h in headers.headers.headers}
     )
+
+
+def _leg_answered(span: LegSpan | None, headers: pb.HttpHeaders) -> LegSpan | None:
+    """Rule 10: D's leg span ends at its response headers, with their `:status`; None (ended)."""
+    if span is not None:
+        raw = _header_map(headers).get(":status", "")
+        span.end(status=int(raw) if raw.isdigit() else 0)
+    return None
+
+
+def _end_trace(trace: RequestTrace | None, span: LegSpan | None) -> None:
+    """Rule 10: the ext_proc stream is over: the request's span ends (and D's, if no response
+    headers came)."""
+    if span is not None:
+        span.end("the stream ended before D's response headers")
+    if trace is not None:
+        trace.end()
 
 
 def _set(name: str, value: str) -> base_pb2.HeaderValueOption:
@@ -260,6 +285,8 @@ class Picker:
         watch: ObservedTurn | None = None  # rule 6: an observed turn, held until its answer is over
         subset: Subset | None = None  # rule 8
         failover: Failover | None = None  # rule 5b
+        trace: RequestTrace | None = None  # rule 10
+        span: LegSpan | None = None
         try:
             async for message in request_iterator:
                 mode = mode or modes(message)
@@ -268,21 +295,23 @@ class Picker:
                 if kind == "request_headers":
                     headers, subset = _header_map(message.request_headers), subset_hint(message)
                     endpoint, answers = await self._on_headers(message.request_headers, headers, mode, subset)
+                    trace = trace or self._start_trace(endpoint, headers)
                     if endpoint is not None and mode.request:  # answered with the body (picker_stream rule 2)
                         gathering = BodyAssembly(self._d.settings.max_body_bytes)
                 elif kind == "request_body" or (kind == "request_trailers" and mode.request):
                     if mode.request:
                         answers, routed = await self._duplex_request(
-                            message, gathering, endpoint, headers, subset
+                            message, gathering, endpoint, headers, subset, trace=trace
                         )
                     else:
                         answers, routed = await self._buffered_request(
-                            message.request_body, endpoint, headers, subset
+                            message.request_body, endpoint, headers, subset, trace=trace
                         )
                     if routed is not None:
                         provenance, gathering, watch = routed.provenance, None, self._watch(routed)
-                        failover = routed.failover
+                        failover, span = routed.failover, routed.span
                 elif kind == "response_headers":
+                    span = _leg_answered(span, message.response_headers)  # None from here on
                     provenance = await answered(failover, message, provenance)
                     answers = [self._response_headers(message.response_headers, provenance, mode, watch)]
                 elif kind is not None:  # the response body (echoed in duplex; rule 6) and trailers
@@ -293,6 +322,14 @@ class Picker:
                     return
         finally:
             ObservedTurn.close_if(watch)
+            _end_trace(trace, span)
+
+    def _start_trace(self, endpoint: Endpoint | None, headers: Headers) -> RequestTrace | None:
+        """Rule 10: a completion's trace, when tracing is on."""
+        tracer = self._d.tracer
+        if tracer is None or endpoint is None:
+            return None
+        return RequestTrace(tracer, "ppd.picker.request", headers)
 
     def _watch(self, picked: Picked) -> ObservedTurn | None:
         if picked.observed is None:
@@ -352,7 +389,13 @@ class Picker:
         return endpoint, [] if mode.request else [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
 
     async def _buffered_request(
-        self, body: pb.HttpBody, endpoint: Endpoint | None, headers: Headers, subset: Subset | None
+        self,
+        body: pb.HttpBody,
+        endpoint: Endpoint | None,
+        headers: Headers,
+        subset: Subset | None,
+        *,
+        trace: RequestTrace | None,
     ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """The request body in BUFFERED mode (rules 1-3): its answer, and what was picked when routed."""
         if not body.end_of_stream:
@@ -361,7 +404,7 @@ class Picker:
             return [_immediate(500, error_body(_UNBUFFERED, "InternalServerError", 500))], None
         if endpoint is None:
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())], None
-        return await self._pick(endpoint, body.body, headers, subset)
+        return await self._pick(endpoint, body.body, headers, subset, trace=trace)
 
     async def _duplex_request(
         self,
@@ -370,6 +413,8 @@ class Picker:
         endpoint: Endpoint | None,
         headers: Headers,
         subset: Subset | None,
+        *,
+        trace: RequestTrace | None,
     ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """A request body chunk or the request trailers in full duplex (picker_stream rules 2-4): the
         answers to send now, and what was picked once the completion is routed."""
@@ -385,7 +430,9 @@ class Picker:
             return [_immediate(*exc.to_openai_error())], None
         if not gathering.complete:
             return [], None
-        answers, picked = await self._pick(endpoint, gathering.body, headers, subset, duplex=gathering)
+        answers, picked = await self._pick(
+            endpoint, gathering.body, headers, subset, duplex=gathering, trace=trace
+        )
         if kind == "request_trailers" and not answers[0].HasField("immediate_response"):
             answers.append(_empty_answer(kind))  # after the body (picker_stream rule 3)
         return answers, picked
@@ -418,16 +465,21 @@ class Picker:
         subset: Subset | None,
         *,
         duplex: BodyAssembly | None = None,
+        trace: RequestTrace | None = None,
     ) -> tuple[list[pb.ProcessingResponse], Picked | None]:
         """Rules 2 and 3: the core's answer, as the buffered body's response or, in full duplex, as
         the headers response and the streamed body (picker_stream rule 3); or one ImmediateResponse.
         With it what was picked (None: nothing)."""
         try:
-            picked = await self.pick(ClientRequest(endpoint, body, headers), subset=subset)
+            picked = await self.pick(ClientRequest(endpoint, body, headers), subset=subset, trace=trace)
         except GatewayError as exc:
+            if trace is not None:
+                trace.failed(exc)
             status, err = exc.to_openai_error()
             return [_immediate(status, err, exc.response_headers())], None
-        except Exception:
+        except Exception as exc:
+            if trace is not None:
+                trace.failed(exc)
             log.exception("unhandled error picking an endpoint")
             return [_immediate(500, error_body("internal gateway error", "InternalServerError", 500))], None
         sets = [_set(DESTINATION_HEADER, picked.destination), *(_set(k, v) for k, v in picked.headers)]
@@ -452,16 +504,20 @@ class Picker:
         )
         return [first, *streamed_body(picked.body, end=not duplex.trailers)], picked
 
-    async def pick(self, request: ClientRequest, *, subset: Subset | None = None) -> Picked:
+    async def pick(
+        self, request: ClientRequest, *, subset: Subset | None = None, trace: RequestTrace | None = None
+    ) -> Picked:
         """The core for one completion request: routed, its P leg run (or left to D's sidecar, rule
         7), the turn remembered; an observed turn (rule 6) held, to be ended by whoever observes its
-        answer. D or R chosen inside `subset` (rule 8)."""
+        answer. D or R chosen inside `subset` (rule 8); the steps traced under `trace` (rule 10)."""
         core = self._core
         inside = None
         if subset is not None:
             inside = await subset.inside(self._d.pool.specs(), self._destinations, roles=_DESTINATION)
         observed = self._share > 0 and self._draw() < self._share
-        async with core.turn(request, observed=observed, subset=inside, subset_scope=SUBSET_SCOPE) as t:
+        async with core.turn(
+            request, observed=observed, subset=inside, subset_scope=SUBSET_SCOPE, trace=trace
+        ) as t:
             leg = await core.route(t, run_prefill=self._run_prefill)
             # Before the turn is remembered: a D (or a sidecar's P) whose name does not resolve
             # serves no turn.
@@ -482,6 +538,7 @@ class Picker:
                 prefiller=prefiller,
                 strip=strip,
                 failover=failover,
+                span=leg.span,
             )
             if observed:
                 core.hold(t)

@@ -56,7 +56,7 @@ async def serve_picker(
     announce: Callable[[Mapping[str, object]], None],
 ) -> None:
     """Serve until SIGTERM/SIGINT; `announce` gets {"grpc": port, "metrics": port} once both listen."""
-    async with running(settings) as deps:
+    async with running(settings, service_name="ppd-picker") as deps:
         server = grpc.aio.server()
         pb_grpc.add_ExternalProcessorServicer_to_server(Picker(deps), server)
         health = health_aio.HealthServicer()

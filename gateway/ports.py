@@ -99,6 +99,9 @@ class RouteQuery:
     # Paths this gateway can serve besides pd and local ("bidir"); sent as RouteRequest.capabilities.
     # Without "bidir" the service never answers bidir.
     capabilities: frozenset[str] = frozenset()
+    # The W3C traceparent of the gateway's decision span (gateway/request_trace.py); "" when the request
+    # is not traced. A traced query goes as a unary Route call with it in the call's metadata.
+    traceparent: str = ""
 
 
 class DecisionClient(Protocol):

@@ -1,7 +1,8 @@
 """The gateway's running parts, built once at start-up from the settings and closed at shutdown, for
 either front door (app.py's aiohttp server, picker_server.py's gRPC ext_proc server): the worker pool and
 its monitor, the session store and its sweeper, the DecisionService client, the workers' HTTP client,
-the request log, the SLO controllers, KV residency and its subscriber. `running(settings)` is an async
+the request log, the SLO controllers, KV residency and its subscriber, and the tracer provider
+(`[tracing]`, ppd/tracing_export.py: flushed at shutdown). `running(settings)` is an async
 context manager yielding the `Deps` (deps.py) that the request path reads.
 """
 
@@ -33,6 +34,7 @@ from gateway.stream_upstream import ProtocolStreamUpstream
 from gateway.types import Clock, Role
 from gateway.upstream import HttpUpstream
 from ppd.kv_events import DEFAULT_NONE_HASH_SEED, BlockHasher
+from ppd.tracing_export import build_tracing
 
 __all__ = ["new_id", "running"]
 
@@ -56,11 +58,13 @@ async def running(
     new_id: Callable[[], str] = new_id,
     sessions: SessionStore | None = None,
     request_log: bool = True,
+    service_name: str = "ppd-gateway",
 ) -> AsyncIterator[Deps]:
     """The gateway's parts for the duration of the `async with`. `upstream` and `decisions` default
     to the aiohttp and gRPC clients built from `settings` (with `metrics`, the registry); whichever it
     holds is started and closed here. `request_log` False: no request log even if `[log]` names one
-    (the picker, which does not see the answers yet)."""
+    (the picker, which does not see the answers yet). `service_name`: the spans' service.name unless
+    `[tracing] service_name` sets one."""
     app_metrics = metrics or GatewayMetrics()
     workers = upstream or _upstream(settings)
     decider = decisions or GrpcDecisionClient(settings.decision, app_metrics, clock=clock)
@@ -79,6 +83,7 @@ async def running(
         RequestLog(settings.log.request_log) if settings.log.request_log and request_log else None
     )
     kv, subscriber = _kv_tracking(settings, app_metrics)
+    tracing = build_tracing(settings.tracing, service_name=service_name, scope="gateway")
     deps = Deps(
         settings=settings,
         pool=pool,
@@ -95,6 +100,7 @@ async def running(
         new_id=new_id,
         slo=SloControl.from_config(settings.slo, app_metrics, clock),
         kv=kv,
+        tracer=tracing.tracer if tracing is not None else None,
     )
     app_metrics.bind_sessions(store.__len__)
     app_metrics.bind_qps(qps.measured)
@@ -125,6 +131,8 @@ async def running(
             shared=shared,
             request_log=request_log_file,
         )
+        if tracing is not None:
+            await asyncio.to_thread(tracing.close)  # exports what is queued: not on the event loop
 
 
 def _kv_tracking(

@@ -4,7 +4,7 @@ Every setting has a default (an empty file is a valid config); unknown keys are 
 never silently does nothing. `gateway/README.md` documents each key with an example.
 Secrets (`admin_token`, `worker_api_key`) are `Secret` strings: their value is used as is, but their
 repr, and so any printed Settings (`ppd-gateway check-config`), shows `'<redacted>'`.
-It stays one module (about 490 lines): one loader reads and checks every section together, and a
+It stays one module (about 500 lines): one loader reads and checks every section together, and a
 newcomer finds every key of the gateway's file in one place.
 """
 
@@ -25,6 +25,7 @@ from ppd.explore import ExploreSettings
 from ppd.modes import Mode, parse_mode
 from ppd.placement import PlacementSettings
 from ppd.slo import SloSettings
+from ppd.tracing import TracingSettings
 
 __all__ = [
     "AdmissionSettings",
@@ -44,6 +45,7 @@ __all__ = [
     "SettingsError",
     "SloConfig",
     "TimeoutSettings",
+    "TracingSettings",
     "UpstreamSettings",
     "explore_settings",
 ]
@@ -340,6 +342,8 @@ class Settings:
     retry_budget: RetryBudgetSettings = field(default_factory=RetryBudgetSettings)
     # Admission control (ppd/admission.py, gateway/admission_gate.py): off by default.
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    # OpenTelemetry traces of each request (ppd/tracing.py; gateway/request_trace.py): off by default.
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
     @classmethod
     def from_toml(cls, path: str | FsPath) -> Settings:
@@ -371,6 +375,7 @@ class Settings:
                 **_section(RetryBudgetSettings, data.pop("retry_budget", {}), "retry_budget")
             ),
             "admission": _admission_section(data.pop("admission", {})),
+            "tracing": _tracing_section(data.pop("tracing", {})),
         }
         workers = data.pop("workers", [])
         if not isinstance(workers, list):
@@ -464,6 +469,14 @@ def _admission_section(raw: Any) -> AdmissionSettings:
         return AdmissionSettings(**values, tenants=parsed)
     except (ValueError, TypeError) as exc:
         raise SettingsError(f"[admission]: {exc}") from None
+
+
+def _tracing_section(raw: Any) -> TracingSettings:
+    values = _section(TracingSettings, raw, "tracing")
+    try:
+        return TracingSettings(**values)
+    except (TypeError, ValueError) as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _slo_section(raw: Any) -> SloConfig:

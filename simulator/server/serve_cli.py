@@ -53,6 +53,13 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest accepted request body"
     )
     g.add_argument(
+        "--otlp-traces-endpoint",
+        default="",
+        metavar="URL",
+        help="as vLLM's flag: export an llm_request span per request over OTLP/gRPC (http://host:4317), "
+        "the child of the request's traceparent header; default off",
+    )
+    g.add_argument(
         "--spin-us",
         type=float,
         default=DEFAULT_SPIN_S * 1e6,
@@ -190,6 +197,7 @@ def _run(args: argparse.Namespace, topology: Topology, base_port: int, *, single
         kv_load_failure_policies=policies,
         bidir_workers=bidir,
         spin_s=args.spin_us / 1e6,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
     async def main() -> int:

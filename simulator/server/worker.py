@@ -7,7 +7,7 @@ uses to read this worker's leases: `side_channel.py`). A generation
 request's response (the SSE stream or the whole body) is written by `stream.py`. See
 simulator/README.md.
 
-The module stays whole (about 750 lines) because the routes, the fault middleware, the driver
+The module stays whole (about 800 lines) because the routes, the fault middleware, the driver
 callbacks and the KV-source side all share one worker's state on one loop without locks (Rule 4):
 the engine that a crash replaces, the leases it pins, the remotes it reads and the tasks `stop()`
 cancels. The parts that need none of that state live beside it (`stream.py`, `side_channel.py`).
@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
+from opentelemetry import trace
 
 from ppd.kv_events import BlockHasher
 from simulator.core.api_error import ApiError
@@ -84,6 +85,7 @@ from simulator.server.metrics import FinishedRequest, WorkerMetrics
 from simulator.server.realtime import DEFAULT_SPIN_S, RealtimeDriver, StepTiming
 from simulator.server.side_channel import KvRemote, SideChannelClient, SideChannelServer
 from simulator.server.stream import INTERNAL_ERROR, GenerationRun
+from simulator.server.tracing import RequestSpanData, export_request_span
 
 __all__ = ["VLLM_VERSION", "Worker"]
 
@@ -116,8 +118,10 @@ class Worker:
         spin_s: float = DEFAULT_SPIN_S,
         timing: StepTiming | None = None,
         board: DeadlineBoard | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.settings = settings
+        self._tracer = tracer  # vLLM's --otlp-traces-endpoint: an `llm_request` span per request (tracing.py)
         self.tokenizer = tokenizer
         self.fabric = fabric
         self.limits = ServingLimits(model=settings.model, max_model_len=settings.max_model_len)
@@ -679,6 +683,7 @@ class Worker:
 
     async def _generate(self, request: web.Request, req: GenerationRequest) -> web.StreamResponse:
         response_id, internal_id = self._ids(request, req)
+        span_data = RequestSpanData(request.headers) if self._tracer is not None else None
         kv = req.kv_transfer
         remote_decode = kv is not None and kv.do_remote_decode
         remote_prefill = kv is not None and kv.do_remote_prefill and not remote_decode
@@ -743,6 +748,17 @@ class Worker:
             if driver.engine.has_request(internal_id) and not handle.kv_pinned:
                 driver.abort(internal_id)
             self._remote.pop(internal_id, None)
+            if self._tracer is not None and span_data is not None:
+                export_request_span(
+                    self._tracer,
+                    span_data,
+                    request_id=response_id,
+                    handle=handle,
+                    now=driver.now(),
+                    prompt_tokens=len(req.prompt_ids),
+                    completion_tokens=run.produced,
+                    max_tokens=req.max_tokens,
+                )
 
     def kv_params_for(
         self, internal_id: str, handle: JobHandle, req: GenerationRequest

@@ -27,6 +27,7 @@ from simulator.core.worker_settings import WorkerSettings
 from simulator.server.deadline_board import DeadlineBoard
 from simulator.server.fabric import Fabric, FabricSettings
 from simulator.server.realtime import DEFAULT_SPIN_S, StepTiming
+from simulator.server.tracing import worker_tracing
 from simulator.server.worker import Worker
 
 __all__ = ["GroupSettings", "WorkerGroup", "serve_group"]
@@ -49,6 +50,8 @@ class GroupSettings:
     # worker ids that run bidirectional_kv_xfer whatever the worker settings say (--bidir-workers)
     bidir_workers: frozenset[str] = frozenset()
     spin_s: float = DEFAULT_SPIN_S
+    # vLLM's --otlp-traces-endpoint: each worker exports an `llm_request` span per request (tracing.py).
+    otlp_traces_endpoint: str = ""
 
 
 class WorkerGroup:
@@ -64,6 +67,8 @@ class WorkerGroup:
         self.tokenizer = tokenizer or Llama3Tokenizer()
         self.fabric = Fabric(profile, settings.fabric)
         board = DeadlineBoard()  # one event loop hosts every worker's driver
+        self._tracing = worker_tracing(settings.otlp_traces_endpoint)
+        tracer = self._tracing.tracer if self._tracing is not None else None
         self.workers: list[Worker] = []
         for i, spec in enumerate(settings.topology.workers):
             port = settings.base_port + i if settings.base_port else 0
@@ -91,6 +96,7 @@ class WorkerGroup:
                     spin_s=settings.spin_s,
                     timing=timing,
                     board=board,
+                    tracer=tracer,
                 )
             )
 
@@ -124,6 +130,8 @@ class WorkerGroup:
         for w in self.workers:
             await w.stop()
         await self.fabric.stop()
+        if self._tracing is not None:
+            await asyncio.to_thread(self._tracing.close)  # exports the spans still queued
 
     def ready_line(self) -> dict[str, Any]:
         return {"topology": self.settings.topology.name, "workers": [w.describe() for w in self.workers]}

@@ -19,6 +19,10 @@ too; vLLM then also logs the stack of each error it answers), of which the endpo
 (test_endpoints_sweep.py) uses ``POST /reset_prefix_cache``: it empties only the cached blocks no request
 holds (and publishes ``AllBlocksCleared``), so the tests after it see a colder cache, nothing else.
 
+``otlp``: one OTLP/gRPC receiver for the session (tests/support/otlp_receiver.py), started before the
+clusters: every worker exports its ``llm_request`` span per request to it (vLLM's and the simulator's
+``--otlp-traces-endpoint``), which test_tracing.py reads; it costs no cluster start.
+
 ``front_door`` (front_doors.py): the gateway's two front doors, ``standalone`` (``gateway serve``) and
 ``envoy`` (``gateway picker`` behind the real Envoy); the tests that start a gateway start it behind each.
 Tests are grouped by engine, then by front door, so each starts once per engine where it can.
@@ -37,6 +41,7 @@ import pytest
 from tests.conformance.front_doors import FRONT_DOORS
 from tests.conformance.workers import Cluster
 from tests.gateway.processes import start
+from tests.support.otlp_receiver import OtlpReceiver, otlp_receiver
 from vllm_harness.cluster import held_shared_memory
 
 ENGINES = ("sim", "vllm-cpu")
@@ -62,6 +67,10 @@ _KV_EVENTS = {
     ],
     "vllm-cpu": ["--kv-events", "--kv-cache-mib", "32"],
 }
+#: Each worker's spans (test_tracing.py): the simulator's flag, or real vLLM's, after the harness's `--`.
+_TRACING = {"sim": ["--otlp-traces-endpoint"], "vllm-cpu": ["--", "--otlp-traces-endpoint"]}
+#: OpenTelemetry's batch delay in the workers (5 s by default): their spans arrive within 0.2 s.
+_SPAN_DELAY_MS = "200"
 #: Real vLLM: preparing (if the cache is cold) plus three workers loading on two cores.
 _READY_TIMEOUT_S = {"sim": 60.0, "vllm-cpu": 900.0}
 
@@ -98,8 +107,17 @@ def front_door(request: pytest.FixtureRequest) -> str:
     return door
 
 
+@pytest.fixture(scope="session")
+def otlp() -> Iterator[OtlpReceiver]:
+    """The session's OTLP receiver, up before any cluster starts."""
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
 @pytest.fixture(scope="session", params=_engines())
-def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver
+) -> Iterator[Cluster]:
     engine: str = request.param
     if engine == "external":
         yield Cluster(engine, json.loads(os.environ["PPD_TEST_CLUSTER"]), None)
@@ -107,12 +125,12 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     tmp: Path = tmp_path_factory.mktemp(f"cluster-{engine}")
     shm_before = _multiprocessing_shm()
     proc = start(
-        [*_COMMANDS[engine], *_COMMON, *_KV_EVENTS[engine]],
+        [*_COMMANDS[engine], *_COMMON, *_KV_EVENTS[engine], *_TRACING[engine], otlp.endpoint],
         tmp,
         f"cluster-{engine}",
         ready_timeout_s=_READY_TIMEOUT_S[engine],
         # The dev routes (POST /reset_prefix_cache) for the endpoints sweep (test_endpoints_sweep.py).
-        env={"PYTHONHASHSEED": KV_EVENTS_SEED, "VLLM_SERVER_DEV_MODE": "1"},
+        env={"PYTHONHASHSEED": KV_EVENTS_SEED, "VLLM_SERVER_DEV_MODE": "1", "OTEL_BSP_SCHEDULE_DELAY": _SPAN_DELAY_MS},
     )
     yield Cluster(engine, proc.ready, proc)
     code = proc.stop(timeout_s=120.0)

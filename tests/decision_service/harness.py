@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from decision_service.holder import TableHolder
 from decision_service.metrics import DecisionMetrics
@@ -31,16 +32,21 @@ class Running:
 
 
 async def start_server(
-    tables_dir: Path, *, default_key: str | None = None, **settings_fields: Any
+    tables_dir: Path,
+    *,
+    default_key: str | None = None,
+    tracer: trace.Tracer | None = None,
+    **settings_fields: Any,
 ) -> Running:
-    """A started server; `settings_fields` override other `Settings` fields (limits, keepalive)."""
+    """A started server; `settings_fields` override other `Settings` fields (limits, keepalive);
+    `tracer` traces its Route calls."""
     metrics = DecisionMetrics()
     holder = TableHolder(tables_dir, default_key=default_key, listener=metrics)
     await holder.refresh()
     settings = Settings(
         tables_dir=tables_dir, host="127.0.0.1", port=0, default_key=default_key, **settings_fields
     )
-    server = build_server(settings, holder, metrics)
+    server = build_server(settings, holder, metrics, tracer=tracer)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     stub = pb_grpc.DecisionServiceStub(channel)

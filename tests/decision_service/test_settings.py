@@ -49,6 +49,15 @@ def test_from_env_reads_only_the_prefixed_variables() -> None:
             {"PPD_DECISION_KEEPALIVE_MIN_PING_INTERVAL": "-1"},
             "keepalive_min_ping_interval_s must be a positive",
         ),
+        ({"PPD_DECISION_TRACING": "maybe"}, "PPD_DECISION_TRACING='maybe'"),
+        ({"PPD_DECISION_TRACING_SAMPLING_RATIO": "1.5"}, "tracing_sampling_ratio must be between 0 and 1"),
+        ({"PPD_DECISION_TRACING_PROTOCOL": "http/protobuf"}, "tracing_protocol must be 'grpc'"),
+        ({"PPD_DECISION_TRACING_TIMEOUT": "0"}, "tracing_timeout_s must be a positive"),
+        ({"PPD_DECISION_TRACING_HEADERS": "api-key"}, "OTLP header 'api-key' is not key=value"),
+        (
+            {"PPD_DECISION_TRACING": "true", "PPD_DECISION_TRACING_ENDPOINT": "collector:4317"},
+            "tracing_endpoint must be http://host:port or https://host:port",
+        ),
     ],
 )
 def test_bad_values_name_the_setting(environ: dict[str, str], message: str) -> None:
@@ -80,3 +89,20 @@ def test_workers_get_every_limit() -> None:
     assert pairs["--max-batch-items"] == "7"
     assert pairs["--max-message-bytes"] == "4096"
     assert float(pairs["--keepalive-min-ping-interval"]) == 1.5
+
+
+def test_tracing_comes_from_the_environment_and_hides_header_values() -> None:
+    settings = Settings.from_env(
+        {
+            "PPD_DECISION_TRACING": "on",
+            "PPD_DECISION_TRACING_SAMPLING_RATIO": "0.25",
+            "PPD_DECISION_TRACING_ENDPOINT": "https://tempo:4317",
+            "PPD_DECISION_TRACING_HEADERS": "X-Api-Key=s3cret, tenant=a",
+        }
+    )
+    tracing = settings.tracing
+    assert (tracing.enabled, tracing.sampling_ratio, tracing.endpoint) == (True, 0.25, "https://tempo:4317")
+    assert dict(tracing.headers) == {"x-api-key": "s3cret", "tenant": "a"}
+    assert "s3cret" not in repr(tracing)
+    assert "s3cret" not in repr(settings)
+    assert not Settings().tracing.enabled
