@@ -52,7 +52,7 @@ P attempt and D's leg with theirs to the worker) and the turn's attributes go on
 when it is reported. Without one (tracing off), no span object is made.
 No transport here: workers are reached through the `Upstream`, the DecisionService through the
 `DecisionClient` of ports.py (import-linter keeps the core free of aiohttp, grpc and Envoy's stubs).
-It stays one module (about 780 lines): its steps share one turn's inputs, outcome and pool view in the
+It stays one module (about 910 lines): its steps share one turn's inputs, outcome and pool view in the
 order the rules above need; the parts that stand alone already live apart (session_lookup, psi.measure,
 plan, turn_report).
 """
@@ -70,9 +70,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from gateway.admission_gate import AdmissionGate, Ticket
 from opentelemetry.trace import SpanKind
 
+from gateway.admission_gate import AdmissionGate, Ticket
 from gateway.deps import Deps
 from gateway.errors import (
     BadRequestError,

@@ -71,7 +71,7 @@ adds the steps and the P legs). D's request carries the `ppd.decode` span's trac
 headers Envoy forwards, so vLLM's span joins the trace; the picker sees D's leg only up to D's response
 headers (where `ppd.decode` ends, with the status) unless it observes the answer (rule 6): D's first
 token and end are in vLLM's span, not the picker's.
-It stays one module (about 510 lines): `Process` and the answers it builds share one stream's state
+It stays one module (about 545 lines): `Process` and the answers it builds share one stream's state
 (modes, headers, the routed and held turn) in the order Envoy requires; what stands alone lives apart
 (picker_stream, picker_subset, picker_failover, observed_turn, answer_observer, destinations).
 """

@@ -4,7 +4,7 @@ Every setting has a default (an empty file is a valid config); unknown keys are 
 never silently does nothing. `gateway/README.md` documents each key with an example.
 Secrets (`admin_token`, `worker_api_key`) are `Secret` strings: their value is used as is, but their
 repr, and so any printed Settings (`ppd-gateway check-config`), shows `'<redacted>'`.
-It stays one module (about 500 lines): one loader reads and checks every section together, and a
+It stays one module (about 540 lines): one loader reads and checks every section together, and a
 newcomer finds every key of the gateway's file in one place.
 """
 

@@ -130,7 +130,11 @@ def cluster(
         f"cluster-{engine}",
         ready_timeout_s=_READY_TIMEOUT_S[engine],
         # The dev routes (POST /reset_prefix_cache) for the endpoints sweep (test_endpoints_sweep.py).
-        env={"PYTHONHASHSEED": KV_EVENTS_SEED, "VLLM_SERVER_DEV_MODE": "1", "OTEL_BSP_SCHEDULE_DELAY": _SPAN_DELAY_MS},
+        env={
+            "PYTHONHASHSEED": KV_EVENTS_SEED,
+            "VLLM_SERVER_DEV_MODE": "1",
+            "OTEL_BSP_SCHEDULE_DELAY": _SPAN_DELAY_MS,
+        },
     )
     yield Cluster(engine, proc.ready, proc)
     code = proc.stop(timeout_s=120.0)
