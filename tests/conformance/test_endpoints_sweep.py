@@ -6,11 +6,11 @@ prefix caches reset over the dev route the cluster serves, conftest.py), the tab
 A worker resets its prefix cache only while it holds no block (``{"success": false}`` otherwise, and the
 sweep retries until its settle timeout), and D1 runs ``bidirectional_kv_xfer`` (conftest.py): as a
 decode worker it keeps the blocks of every P/D request it answers for P to pull, for
-``decoder_kv_blocks_ttl`` (480 s). So the test is marked ``first_on_cluster`` (conftest.py): on the
-cluster as it started, every worker resets before the first point; before the second, D1 may hold the
-first point's blocks (every Turn 1 is P/D, in either mode) and say so, which the sweep logs and
-outlives after a short ``--settle-timeout``. P0 and D0 reset before every point: their KV events show
-one ``AllBlocksCleared`` per point.
+``decoder_kv_blocks_ttl`` (480 s). So D1 may refuse any reset (before the first point too: on real vLLM
+it may already hold blocks when the sweep starts, though the test is marked ``first_on_cluster``,
+conftest.py) and say so, which the sweep logs and outlives after a short ``--settle-timeout``; the test
+asks nothing of D1's resets but that only D1 refuses. P0 and D0 reset before every point: their KV
+events show one ``AllBlocksCleared`` per point.
 """
 
 from __future__ import annotations
@@ -145,11 +145,11 @@ def test_a_sweep_through_the_gateway_resets_the_workers_and_builds_a_served_tabl
     def published() -> bool:
         counts.update(_cleared(cluster, since))
         others = {k: v for k, v in counts.items() if k != HOLDS_BLOCKS}
-        return set(others.values()) == {len(MODES)} and counts[HOLDS_BLOCKS] >= 1
+        return set(others.values()) == {len(MODES)}
 
-    # P0 and D0 once per point; D1 at least before the first point (it held nothing then).
+    # P0 and D0 once per point; D1 may have held blocks at every point (bidirectional transfer).
     wait_until(published, deadline_s=60.0, what="one AllBlocksCleared per point from each worker")
-    assert counts[HOLDS_BLOCKS] <= len(MODES), counts
+    assert counts.get(HOLDS_BLOCKS, 0) <= len(MODES), counts
 
     records = read_records(sorted((out / "records").rglob("*.jsonl")))
     assert {(r.mode, r.target_qps) for r in records} == {(m, QPS) for m in MODES}
