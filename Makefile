@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# xds-protos (Envoy's ext_proc stubs) ships its own, older copy of opentelemetry/proto/**, and pip
+	@# lets the last package installed win: when xds-protos lands after opentelemetry-proto, the OTLP
+	@# exporter fails to import (InstrumentationScope missing). Put opentelemetry-proto's files back.
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps \
+	  "opentelemetry-proto==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+	$(BIN)/python -c 'from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter'
 	touch $(STAMP)
 
 venv: $(STAMP)
