@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol
 
 from gateway.sessions import Session
 from gateway.types import Clock
+from gateway.window_counts import WindowCounts
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -158,25 +159,17 @@ class QpsMeter:
         self._clock = clock
         self._width = window_s / buckets
         self._window = window_s
-        self._counts = [0] * buckets
-        self._slots = [-1] * buckets
+        self._counts = WindowCounts(window_s, buckets=buckets)
         self._hysteresis = hysteresis
         self._reported = 0.0
         self._started = clock()
 
     def record(self) -> None:
-        slot = int(self._clock() / self._width)
-        i = slot % len(self._counts)
-        if self._slots[i] != slot:
-            self._slots[i] = slot
-            self._counts[i] = 0
-        self._counts[i] += 1
+        self._counts.add(self._clock())
 
     def measured(self) -> float:
         now = self._clock()
-        current = int(now / self._width)
-        oldest = current - len(self._counts) + 1
-        total = sum(c for c, s in zip(self._counts, self._slots, strict=True) if s >= oldest)
+        total, _ = self._counts.totals(now)
         # Until a whole window has passed, divide by the time actually observed.
         span = min(self._window, max(now - self._started, self._width))
         return total / span

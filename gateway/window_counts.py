@@ -1,6 +1,7 @@
 """Two counts over a sliding window of fixed buckets: events, and the share of them that were marked
-(errors among a worker's requests, retries among the gateway's requests). Pure: every call takes its
-time as an argument (seconds, monotonic); memory and work per call are O(buckets), never O(events).
+(errors among a worker's requests, retries among the gateway's requests; psi.QpsMeter counts events
+only). Pure: every call takes its time as an argument (seconds, monotonic); memory and work per call
+are O(buckets), never O(events).
 
 Rule 1: the window is `buckets` slots of `window_s / buckets` seconds each; a slot older than the
 window is cleared when time reaches it again, so what is counted is at most one slot's width older
