@@ -25,16 +25,21 @@ def _prepared(python: Path, tmp_path: Path) -> Prepared:
     return Prepared(python=python, model=tmp_path, served_model="llama-3-tiny-random", vllm_version="0.32.0")
 
 
+@pytest.mark.parametrize("topology", ["1P1D", "1R"])
 async def test_a_worker_that_dies_before_it_is_ready_fails_the_cluster_with_its_last_words(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    topology: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = ClusterSettings(topology=Topology.parse("1P1D"), pin=False, ready_timeout_s=120)
+    # No CPU NIXL changes: they import NIXL at start, before the command line is read.
+    settings = ClusterSettings(
+        topology=Topology.parse(topology), pin=False, cpu_nixl_fixes=False, ready_timeout_s=120
+    )
     out = io.StringIO()
     code = await run_cluster(_prepared(Path(sys.executable), tmp_path), settings, out, asyncio.Event())
     assert code == 1
     assert out.getvalue() == ""  # no ready line for a cluster that is not up
     assert "exited with code 1 before it was ready" in caplog.text
     assert "ModuleNotFoundError" in caplog.text  # the worker's own stderr (no NIXL, no vLLM here)
+    assert "invalid choice" not in caplog.text  # its command line was accepted, a replica's too
 
 
 async def test_a_stop_while_the_workers_start_ends_the_cluster_cleanly(tmp_path: Path) -> None:

@@ -89,7 +89,12 @@ def _announce_when_healthy(url: str, line: str, out: int, stop: threading.Event)
 def main() -> None:
     parser = argparse.ArgumentParser(description="One vLLM worker with a JSON ready line.")
     parser.add_argument("--id", required=True, help="worker id in the ready line")
-    parser.add_argument("--role", required=True, choices=("prefill", "decode", "both"))
+    parser.add_argument(
+        "--role",
+        required=True,
+        choices=("prefill", "decode", "replica"),
+        help="the topology's role (the cluster's ready line names it; a replica runs without P/D)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then the `vllm serve` arguments")
