@@ -248,7 +248,7 @@ def _authorize(request: web.Request) -> Deps:
 
 async def _list_workers(request: web.Request) -> web.StreamResponse:
     deps = _authorize(request)
-    return web.json_response({"workers": deps.pool.describe()})
+    return web.json_response({"workers": deps.pool.describe(), "placement": deps.placement()})
 
 
 async def _register_worker(request: web.Request) -> web.StreamResponse:

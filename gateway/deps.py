@@ -45,3 +45,8 @@ class Deps:
     kv: KvTracking | None = None
     # The tracer of the request path (ppd/tracing_export.py); None when tracing is off: no spans.
     tracer: Tracer | None = None
+
+    def placement(self) -> str:
+        """The placement legs get (ppd/placement.py): `[routing] placement`, but least_loaded without
+        `[kv_events]`, where no residency is known (what `GET /admin/workers` says, for sweeps)."""
+        return self.settings.routing.placement if self.kv is not None else "least_loaded"

@@ -34,6 +34,9 @@ Rule 6: a point is not kept (``SweepError``) when every request failed to connec
         asked for (a gateway or picker whose ``allow_mode_header`` is off ignores ``X-PPD-Mode``: the
         records would carry a mode label the traffic never had). Points run one at a time
         (``max_jobs``): two points at once would measure each other.
+Rule 7: the table says the placement the deployment ran (its header's ``placement``): what the
+        standalone gateway's ``GET /admin/workers`` says it does (``prefix`` only where it follows
+        KV events), else what ``--placement`` says (the picker's front door does not tell).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from loadgen.load import LoadSettings, run_load
 from loadgen.tokens import llama3_counter
 from loadgen.workloads import SyntheticWorkload, single_token_words
 from ppd.catalog import Workload
+from ppd.placement import PLACEMENTS
 from table_builder.analytic import parse_shape
 from table_builder.engines import EngineError, EngineOptions
 from table_builder.records import Record
@@ -116,6 +120,8 @@ class Deployment:
     versions: tuple[str, ...]
     #: Where the worker list came from: ``admin`` (the gateway), ``flags`` (``--worker``) or ``none``.
     source: str
+    #: The placement the gateway says its legs get (``GET /admin/workers``), None when it does not say.
+    placement: str | None = None
 
     def roles(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -132,6 +138,8 @@ class EndpointsEngine:
     seed: int = 0
     timeout_s: float = 30.0
     settle_timeout_s: float = 120.0
+    #: Rule 7: how the deployment places P and the Turn-1 D, as the table's header will say.
+    placement: str = "least_loaded"
     #: Workers found without the reset route: logged once, not asked again (rule 4).
     _told_no_reset: set[str] = field(default_factory=set, repr=False, compare=False)
 
@@ -152,7 +160,7 @@ class EndpointsEngine:
             "timeout_s": self.timeout_s,
             "vllm": ",".join(d.versions) or "unknown",
             "workers": ",".join(f"{role}={n}" for role, n in d.roles().items()) or "unknown",
-        }
+        } | ({"placement": self.placement} if self.placement != "least_loaded" else {})
 
     def arrivals_seed(self, point: GridPoint) -> int:
         return zlib.crc32(f"{self.seed}/{point.workload.name}/{point.qps:g}".encode())
@@ -336,8 +344,11 @@ def _model_card(payload: Any, url: str, wanted: str | None) -> tuple[str, int | 
     return str(card.get("id")), length if isinstance(length, int) and length > 0 else None
 
 
-async def _admin_workers(http: aiohttp.ClientSession, url: str, token: str | None) -> list[WorkerRef] | None:
-    """The gateway's worker list, or None (logged) when this front door does not give it."""
+async def _admin_workers(
+    http: aiohttp.ClientSession, url: str, token: str | None
+) -> tuple[list[WorkerRef], str | None] | None:
+    """The gateway's worker list and the placement it says its legs get (None when it does not say),
+    or None (logged) when this front door does not give them."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         async with http.get(f"{url}/admin/workers", headers=headers) as resp:
@@ -356,7 +367,8 @@ async def _admin_workers(http: aiohttp.ClientSession, url: str, token: str | Non
         for w in workers
         if isinstance(w, dict) and isinstance(w.get("url"), str)
     ]
-    return sorted(refs, key=lambda w: (w.role, w.id, w.url))
+    placement = payload.get("placement") if isinstance(payload, dict) else None
+    return sorted(refs, key=lambda w: (w.role, w.id, w.url)), placement if placement in PLACEMENTS else None
 
 
 async def discover(options: EngineOptions, flagged: Sequence[WorkerRef]) -> Deployment:
@@ -366,8 +378,9 @@ async def discover(options: EngineOptions, flagged: Sequence[WorkerRef]) -> Depl
     timeout = aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         model, length = _model_card(await _get_json(http, f"{url}/v1/models"), url, options.served_model)
-        listed = None if flagged else await _admin_workers(http, url, options.admin_token)
-        workers = tuple(flagged) if flagged else tuple(listed or ())
+        admin = await _admin_workers(http, url, options.admin_token)
+        listed, placement = admin if admin is not None else ([], None)
+        workers = tuple(flagged) if flagged else tuple(listed)
         source = "flags" if flagged else ("admin" if listed else "none")
         versions: set[str] = set()
         lengths = [length] if length is not None else []
@@ -386,6 +399,7 @@ async def discover(options: EngineOptions, flagged: Sequence[WorkerRef]) -> Depl
         workers=workers,
         versions=tuple(sorted(versions)),
         source=source,
+        placement=placement,
     )
 
 
@@ -422,4 +436,21 @@ def make(options: EngineOptions) -> EndpointsEngine:
         seed=options.seed,
         timeout_s=options.timeout_s,
         settle_timeout_s=options.settle_timeout_s,
+        placement=_placement(deployment, options),
     )
+
+
+def _placement(deployment: Deployment, options: EngineOptions) -> str:
+    """Rule 7: the gateway's own word on its placement; else ``--placement`` (said once); else
+    least_loaded, what a gateway without ``[kv_events]`` does."""
+    if deployment.placement is not None:
+        return deployment.placement
+    said = options.placement or "least_loaded"
+    logger.info(
+        "%s does not say how it places legs (only our standalone gateway's GET /admin/workers does): "
+        "the table will say placement %s%s",
+        options.url,
+        said,
+        "" if options.placement else " (set --placement to what the deployment runs)",
+    )
+    return said

@@ -47,9 +47,10 @@ class EngineOptions:
     timeout_s: float = 30.0
     #: Seconds to wait before a point for the workers' queues to drain.
     settle_timeout_s: float = 120.0
-    #: How the runs place P and the Turn-1 D (ppd/placement.py); an engine that models placement has a
-    #: ``placement`` attribute, and a sweep asking another engine for "prefix" is refused.
-    placement: str = "least_loaded"
+    #: How the runs place P and the Turn-1 D (ppd/placement.py), None when ``--placement`` was not
+    #: given. An engine has a ``placement`` attribute when it models placement (sim) or reads it from
+    #: the deployment (endpoints); a sweep asking another placement of an engine is refused.
+    placement: str | None = None
 
 
 class EngineError(RuntimeError):

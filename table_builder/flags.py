@@ -166,9 +166,10 @@ def add_build_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--placement",
         choices=PLACEMENTS,
-        default=header.placement,
+        default=None,
         help="how the measured runs placed P and the Turn-1 D (the gateway's [routing] placement; a "
-        "sweep runs its engine with it): recorded in the table header "
+        "sweep runs its engine with it, and the endpoints engine takes it from the gateway's GET "
+        "/admin/workers where it can): recorded in the table header "
         f"(default {header.placement}, the choice of a gateway without [kv_events])",
     )
     p.add_argument(
@@ -187,8 +188,13 @@ def _limit_text(limit: int | None) -> str:
 
 
 def options_from_args(
-    args: argparse.Namespace, *, shape: str, labels: dict[str, str] | None = None
+    args: argparse.Namespace,
+    *,
+    shape: str,
+    labels: dict[str, str] | None = None,
+    placement: str | None = None,
 ) -> BuildOptions:
+    """The build's options from the flags; ``placement`` (the sweep's engine's) before ``--placement``."""
     defaults = default_header(shape, args.model)
     header = dataclasses.replace(
         defaults,
@@ -199,7 +205,7 @@ def options_from_args(
         max_decode_kv_usage=args.max_kv_usage,
         max_decode_running=args.max_decode_running,
         max_prefill_queue_depth=args.max_prefill_queue,
-        placement=args.placement,
+        placement=placement or args.placement or defaults.placement,
     )
     if args.qps_levels is not None:
         header = dataclasses.replace(

@@ -69,12 +69,24 @@ def _engine(
     except ValueError as exc:
         logger.error("%s", exc)
         return None
-    if getattr(engine, "placement", "least_loaded") != args.placement:
-        logger.error(
-            "the %s engine does not model placement; --placement %s needs one that does (sim)",
-            engine.name,
-            args.placement,
-        )
+    placement = getattr(engine, "placement", "least_loaded")
+    if args.placement is not None and placement != args.placement:
+        if hasattr(engine, "placement"):
+            logger.error(
+                "the %s engine's runs place legs by %s, not --placement %s: drop the flag (the table "
+                "says %s), or sweep a deployment that places by %s",
+                engine.name,
+                placement,
+                args.placement,
+                placement,
+                args.placement,
+            )
+        else:
+            logger.error(
+                "the %s engine does not model placement; --placement %s needs one that does (sim)",
+                engine.name,
+                args.placement,
+            )
         return None
     # An engine on real workers runs its points one at a time and holds processes until closed.
     max_jobs: int | None = getattr(engine, "max_jobs", None)
@@ -231,7 +243,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     publish_to = args.publish if args.publish is not None else f"{args.out}{os.sep}"
     code = 0
     for shape, paths in files.items():
-        options = options_from_args(args, shape=shape, labels=labels)
+        placement = getattr(engine, "placement", None)
+        options = options_from_args(args, shape=shape, labels=labels, placement=placement)
         try:
             result = build_from_records(read_records(paths), options)
         except RecordsError as exc:

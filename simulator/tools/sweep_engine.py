@@ -113,7 +113,8 @@ class SimEngine:
 
 def make(options: EngineOptions) -> SimEngine:
     """The entry point of ``sim`` in the group ``ppd_table.engines``."""
-    if options.placement not in PLACEMENTS:
-        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {options.placement!r}")
-    placement: Placement = "prefix" if options.placement == "prefix" else "least_loaded"
+    asked = options.placement or "least_loaded"
+    if asked not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {asked!r}")
+    placement: Placement = "prefix" if asked == "prefix" else "least_loaded"
     return SimEngine(duration_s=options.duration_s, seed=options.seed, placement=placement)

@@ -49,6 +49,8 @@ async def test_listing_and_removing_with_the_token(make_stack: StackFactory) -> 
     listed = await _call(stack, "GET", "/admin/workers", AUTH)
     assert listed.status == 200
     assert "D9" in [w["id"] for w in listed.body["workers"]]
+    # [routing] placement is "prefix" by default, but without [kv_events] legs go to the least loaded.
+    assert listed.body["placement"] == "least_loaded"
     removed = await _call(stack, "DELETE", "/admin/workers/D9", AUTH)
     assert (removed.status, removed.body) == (200, {"id": "D9", "removed": True})
     assert stack.deps.pool.view().get("D9") is None

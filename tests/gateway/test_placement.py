@@ -199,6 +199,8 @@ async def test_a_registered_p_is_tracked_placed_on_and_forgotten_when_it_leaves(
     async with _registered_gateway(workers, accept=True) as gw:
         registered = (201, {"id": "P0", "registered": True, "heartbeat_expiry_s": 30.0})
         assert await _register(gw, _p0(workers)) == registered
+        async with gw.http.get(str(gw.server.make_url("/admin/workers")), headers=AUTH) as resp:
+            assert (await resp.json())["placement"] == "prefix"  # the default, with [kv_events]
         assert (await _register(gw, _p0(workers)))[0] == 200  # a heartbeat: the same stream goes on
         synced = ("P0", "P1", "D0")
         await eventually(

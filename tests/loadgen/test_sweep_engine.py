@@ -51,11 +51,13 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict[str, Any]]:
-    """ppd-up on the simulator (1P1D, port 0), its workers serving vLLM's dev routes; its ready line."""
+    """ppd-up on the simulator (1P1D, port 0), its workers serving vLLM's dev routes and publishing
+    their KV events (its gateway follows them, so it places legs by prefix); its ready line."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     tables = str(ROOT / "tables" / "example")
     argv = [sys.executable, "-m", "devstack.stack", "--engine", "sim", "--topology", "1P1D", "--port", "0",
-            "--tables", tables, "--log-level", "WARNING", "--ready-timeout", "110"]  # fmt: skip
+            "--tables", tables, "--kv-events", "--log-level", "WARNING",
+            "--ready-timeout", "110"]  # fmt: skip
     proc, ready = start_ready(argv, timeout_s=150.0, name="ppd-up", env=env, cwd=ROOT)
     try:
         yield ready
@@ -283,6 +285,8 @@ def test_a_sweep_through_the_gateway_builds_a_table_that_is_checked_and_served(
         table.close()
     assert labels["engine"] == "endpoints"
     assert labels["workers"] == "decode=1,prefill=1"
+    # ppd-up's gateway has no admin token, so it cannot say it places by prefix: --placement's default.
+    assert table.header.placement == "least_loaded"
     assert main(["check", str(table_path)]) == 0
 
     # A rerun against the same deployment resumes: nothing runs again.
@@ -345,7 +349,8 @@ def test_the_gateways_worker_list_checks_the_shape_and_an_ignored_mode_header_st
     stack: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A second gateway on the stack's workers, as production configures one: the admin API on (so
-    the engine reads its workers) and X-PPD-Mode not followed (allow_mode_header off)."""
+    the engine reads its workers and its placement: by prefix, as it follows the workers' KV events)
+    and X-PPD-Mode not followed (allow_mode_header off)."""
     token = tmp_path / "admin-token"
     token.write_text("s3cret\n")
     lines = [
@@ -355,7 +360,14 @@ def test_the_gateways_worker_list_checks_the_shape_and_an_ignored_mode_header_st
         "allow_mode_header = false",
     ]
     config = tmp_path / "gateway.toml"
-    config.write_text("\n".join(lines + worker_tables(stack["workers"])) + "\n")
+    workers = stack["workers"]
+    lines += ["", "[kv_events.endpoints]", *(f'{w["id"]} = "{w["kv_events"]}"' for w in workers)]
+    lines += [
+        "",
+        "[kv_events.replay_endpoints]",
+        *(f'{w["id"]} = "{w["kv_events_replay"]}"' for w in workers),
+    ]
+    config.write_text("\n".join(lines + worker_tables(workers)) + "\n")
     proc, ready = start_ready(
         [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "0"],
         timeout_s=60.0, name="ppd-gateway", cwd=ROOT,
@@ -367,6 +379,10 @@ def test_the_gateways_worker_list_checks_the_shape_and_an_ignored_mode_header_st
         assert main(wrong_shape) == 2
         assert "--shape 1P3D but the deployment has 1 prefill and 1 decode workers" in caplog.text
         assert not out.exists()
+        # The gateway says it places by prefix: a table claiming least_loaded is refused.
+        other = _sweep(url, out, "--admin-token-file", str(token), "--placement", "least_loaded", "--dry-run")
+        assert main(other) == 2
+        assert "runs place legs by prefix, not --placement least_loaded" in caplog.text
 
         assert main(_sweep(url, out, "--admin-token-file", str(token), qps="4")) == 1
     finally:
@@ -375,6 +391,7 @@ def test_the_gateways_worker_list_checks_the_shape_and_an_ignored_mode_header_st
     assert "allow_mode_header = true" in caplog.text
     settings = json.loads((out / "sweep.json").read_text())["settings"]
     assert settings["workers"] == "decode=1,prefill=1"  # read from the gateway's GET /admin/workers
+    assert settings["placement"] == "prefix"  # and its placement, which the table's header takes
     assert (out / "records" / "1P1D" / "pd" / "small_mid_bal_4.jsonl").is_file()  # pd ran pd
     assert not list((out / "records" / "1P1D").glob("local/*.jsonl"))  # the local run was not kept
 
