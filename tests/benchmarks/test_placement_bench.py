@@ -1,0 +1,39 @@
+"""The placement-cost benchmark at a tiny size: both arms run end to end on the simulated 2P2D cluster
+with KV events and print every figure (no speed asserts)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.support.benchmarks import run_benchmark
+
+
+@pytest.mark.bench
+def test_placement_cost_prints_both_arms_side_by_side_and_the_tokenize_parts() -> None:
+    # One conversation at a time: the least-recently-picked P then alternates, so a Turn 2+ whose
+    # history is on the other P is placed by its prefix every other turn.
+    args = ["--rounds", "1", "--conversations", "4", "--turns", "3", "--streams", "1"]
+    args += ["--history-tokens", "128", "--max-tokens", "4", "--tokenize-calls", "5"]
+    figures = run_benchmark("benchmarks.placement", args)
+    arms = {(f["arm"], f["phase"]): f for f in figures if f["figure"] == "arm"}
+    assert set(arms) == {(a, p) for a in ("least_loaded", "prefix") for p in ("turn1", "later")}
+    for (_, phase), f in arms.items():
+        assert f["requests"] == (4 if phase == "turn1" else 8)
+        assert f["sessions_lost"] == 0
+        assert f["own_p50_ms"] is not None and f["own_p50_ms"] > 0
+        assert f["ttft_p50_ms"] > 0
+    # Placement off never asks for the prompt's token ids; on, once per turn (P and D share it).
+    assert all(arms["least_loaded", p]["tokenize_per_request"] == 0 for p in ("turn1", "later"))
+    assert all(arms["prefix", p]["tokenize_per_request"] == 1 for p in ("turn1", "later"))
+    assert arms["least_loaded", "later"]["prefix_share"]["prefill"] == 0
+    assert arms["prefix", "later"]["prefix_share"]["prefill"] > 0
+    (summary,) = [f for f in figures if f["figure"] == "summary"]
+    for phase in ("turn1", "later"):
+        ratios = summary["prefix_vs_least_loaded"][phase]
+        assert all(math.isfinite(ratios[k]) and ratios[k] > 0 for k in ("own_p50_ms", "ttft_p50_ms"))
+    (tokenize,) = [f for f in figures if f["figure"] == "tokenize"]
+    assert tokenize["calls"] == 5
+    assert tokenize["prompt_tokens"] >= 128
+    assert tokenize["round_trip_p50_ms"] > 0 and tokenize["hash_us"] > 0
