@@ -1,14 +1,17 @@
 """What prefix-aware placement costs the gateway per request: prints figures, asserts nothing.
 
     python -m benchmarks.placement [--rounds 5] [--conversations 48] [--turns 4] [--streams 8]
-                                   [--history-tokens 512] [--max-tokens 16]
+                                   [--history-tokens 512] [--max-tokens 16] [--mode pd|ppd]
 
 Two gateways identical but for `[routing] placement` run side by side, alternating, each round a fresh
 process per arm: `least_loaded` (placement off: the least-loaded worker, as before placement) and
 `prefix`. Both follow the same workers' KV events (`[kv_events]`, so the event stream's own cost is in
-both arms) and run `mode = "pd"`, so every turn goes through a prefill worker (P) and Turn 2+ has a P
-to place. They front one simulated 2P2D cluster (`python -m simulator cluster --topology 2P2D`, real
-HTTP, KV events published on real ZMQ sockets), shared by every arm and round.
+both arms) and run --mode: `pd` (the default) sends every turn through a prefill worker (P), so every
+Turn 2+ has a P to place and nothing else asks a worker's `/tokenize`; `ppd` asks a DecisionService
+(started here on the shipped tables) per Turn 2+, after the D residency check's `/tokenize` (both
+arms), whose token ids placement reuses on the turns the table sends through P. They front one
+simulated 2P2D cluster (`python -m simulator cluster --topology 2P2D`, real HTTP, KV events published
+on real ZMQ sockets), shared by every arm and round.
 
 The same load per arm and round: --conversations multi-turn conversations, each opening with a
 unique message of about --history-tokens tokens, then --turns - 1 more turns, each the whole history
@@ -23,8 +26,8 @@ Figures, one JSON object per line:
    its own time to the first token (`ppd_gateway_overhead_seconds`: the handler's time minus the
    time the workers had the request; the `/tokenize` round trip placement makes is inside it) p50/p99
    in ms, the client's TTFT p50/p99, the share of placed legs the resident prefix chose
-   (`ppd_gateway_placements_total`, per role), and the `/tokenize` calls the gateway made per
-   request (`ppd_gateway_worker_tokenize_total`).
+   (`ppd_gateway_placements_total`, per role), the legs through P per request, and the `/tokenize`
+   calls the gateway made per request (`ppd_gateway_worker_tokenize_total`).
 2. `summary`: per arm and phase the medians over the rounds, and `prefix` over `least_loaded` for each.
 3. `tokenize`: where placement's added time goes, the parts alone with the cluster idle: a P's
    `/tokenize` round trip for a last turn's prompt from this process (p50/p99 in ms, --tokenize-calls
@@ -68,22 +71,27 @@ _EVENTS = {
 }
 _OVERHEAD = "ppd_gateway_overhead_seconds"
 _SYNC_DEADLINE_S = 60.0
+# The shipped decision tables (mode ppd): the 2P2D one answers this cluster.
+_TABLES = Path(__file__).resolve().parents[1] / "tables"
 
 
-def _cluster() -> _Proc:
+def _cluster(spin_us: float) -> _Proc:
     """The simulated 2P2D cluster, every worker publishing its KV events."""
-    args = ["simulator", "cluster", "--topology", "2P2D", "--base-port", "0"]
+    args = ["simulator", "cluster", "--topology", "2P2D", "--base-port", "0", "--spin-us", f"{spin_us:g}"]
     return _start(
         [*args, "--kv-events-config", json.dumps(_EVENTS)], env={**os.environ, "PYTHONHASHSEED": _SEED}
     )
 
 
-def _config(path: Path, workers: Sequence[dict[str, str]], placement: str) -> Path:
+def _config(path: Path, workers: Sequence[dict[str, str]], placement: str, decision: str) -> Path:
+    """A gateway's settings; `decision` the DecisionService's host:port for mode ppd, "" for mode pd."""
+
     def table(key: str) -> str:
         return "{ " + ", ".join(f'{w["id"]} = "{w[key]}"' for w in workers) + " }"
 
     path.write_text(
-        'mode = "pd"\n'
+        f'mode = "{"ppd" if decision else "pd"}"\n'
+        + (f'[decision]\naddress = "{decision}"\ndeadline_ms = 1000.0\nfallback = "pd"\n' if decision else "")
         + "".join(
             f'[[workers]]\nid = "{w["id"]}"\nrole = "{w["role"]}"\nurl = "{w["url"]}"\n' for w in workers
         )
@@ -265,6 +273,10 @@ def _figures(
         "ttft_p50_ms": round(_pct(ms, 0.5), 3),
         "ttft_p99_ms": round(_pct(ms, 0.99), 3),
         "prefix_share": by_prefix,
+        # Legs through P per request: 1 in mode pd; in ppd the share of turns the table sent through P.
+        "p_legs_per_request": round(
+            (placed.get("prefill/prefix", 0.0) + placed.get("prefill/least_loaded", 0.0)) / requests, 3
+        ),
         "tokenize_per_request": round(placed["tokenize"] / requests, 3),
     }
 
@@ -306,6 +318,7 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, list[dict[st
         }
     return {
         "figure": "summary",
+        "mode": args.mode,
         "rounds": args.rounds,
         "conversations": args.conversations,
         "turns": args.turns,
@@ -318,11 +331,25 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, list[dict[st
 
 
 def _run(args: argparse.Namespace) -> int:
-    cluster = _cluster()
+    procs = [_cluster(args.worker_spin_us)]
     try:
-        workers: list[dict[str, str]] = cluster.ready["workers"]
+        workers: list[dict[str, str]] = procs[0].ready["workers"]
+        decision = ""
+        if args.mode == "ppd":
+            serve = [
+                "decision_service",
+                "serve",
+                "--tables",
+                str(_TABLES),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+            ]
+            procs.append(_start([*serve, "--log-level", "WARNING"]))
+            decision = f"127.0.0.1:{procs[-1].ready['grpc']}"
         with tempfile.TemporaryDirectory() as tmp:
-            configs = {arm: _config(Path(tmp) / f"{arm}.toml", workers, arm) for arm in ARMS}
+            configs = {arm: _config(Path(tmp) / f"{arm}.toml", workers, arm, decision) for arm in ARMS}
             results: dict[str, dict[str, list[dict[str, Any]]]] = {a: {p: [] for p in PHASES} for a in ARMS}
             with tqdm(total=args.rounds * len(ARMS), desc="placement cost", file=sys.stderr) as bar:
                 for r in range(args.rounds):
@@ -336,7 +363,8 @@ def _run(args: argparse.Namespace) -> int:
         p_url = next(w["url"] for w in workers if w["role"] == "prefill")
         _emit(_tokenize_figure(args, p_url))
     finally:
-        cluster.stop()
+        for proc in reversed(procs):
+            proc.stop()
     return 0
 
 
@@ -358,6 +386,20 @@ def _parser() -> argparse.ArgumentParser:
         help="about how many tokens Turn 1's message has (default 512)",
     )
     add("--max-tokens", type=int, default=16, help="tokens per streamed answer (default 16)")
+    add(
+        "--mode",
+        choices=("pd", "ppd"),
+        default="pd",
+        help="the gateways' mode: pd (every Turn 2+ through P, default) or ppd (a DecisionService on the "
+        "shipped tables decides each Turn 2+)",
+    )
+    add(
+        "--worker-spin-us",
+        type=float,
+        default=0.0,
+        help="the simulated workers' --spin-us (default 0: they sleep between steps, so four workers do "
+        "not busy-wait on the cores the gateway is measured on; their timing is then to the millisecond)",
+    )
     add(
         "--tokenize-calls", type=int, default=200, help="/tokenize calls of the tokenize figure (default 200)"
     )

@@ -22,7 +22,8 @@ def test_placement_cost_prints_both_arms_side_by_side_and_the_tokenize_parts() -
     for (_, phase), f in arms.items():
         assert f["requests"] == (4 if phase == "turn1" else 8)
         assert f["sessions_lost"] == 0
-        assert f["own_p50_ms"] is not None and f["own_p50_ms"] > 0
+        assert f["own_p50_ms"] is not None
+        assert f["own_p50_ms"] > 0
         assert f["ttft_p50_ms"] > 0
     # Placement off never asks for the prompt's token ids; on, once per turn (P and D share it).
     assert all(arms["least_loaded", p]["tokenize_per_request"] == 0 for p in ("turn1", "later"))
@@ -36,4 +37,21 @@ def test_placement_cost_prints_both_arms_side_by_side_and_the_tokenize_parts() -
     (tokenize,) = [f for f in figures if f["figure"] == "tokenize"]
     assert tokenize["calls"] == 5
     assert tokenize["prompt_tokens"] >= 128
-    assert tokenize["round_trip_p50_ms"] > 0 and tokenize["hash_us"] > 0
+    assert tokenize["round_trip_p50_ms"] > 0
+    assert tokenize["hash_us"] > 0
+
+
+@pytest.mark.bench
+def test_in_ppd_mode_both_arms_ask_the_same_tokenize_on_turn_two() -> None:
+    args = ["--rounds", "1", "--conversations", "3", "--turns", "2", "--streams", "1", "--mode", "ppd"]
+    args += ["--history-tokens", "128", "--max-tokens", "4", "--tokenize-calls", "2"]
+    figures = run_benchmark("benchmarks.placement", args)
+    arms = {(f["arm"], f["phase"]): f for f in figures if f["figure"] == "arm"}
+    assert all(f["sessions_lost"] == 0 for f in arms.values())
+    # Turn 2+ asks its D's /tokenize for the residency check either way; placement reuses its ids.
+    assert arms["least_loaded", "later"]["tokenize_per_request"] == 1
+    assert arms["prefix", "later"]["tokenize_per_request"] == 1
+    assert arms["least_loaded", "turn1"]["tokenize_per_request"] == 0
+    assert arms["prefix", "turn1"]["tokenize_per_request"] == 1
+    (summary,) = [f for f in figures if f["figure"] == "summary"]
+    assert summary["mode"] == "ppd"
