@@ -410,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.turns < 2:
         raise SystemExit("--turns must be at least 2: Turn 2+ is what placement finds a prefix for")
+    if min(args.rounds, args.conversations, args.streams, args.tokenize_calls) < 1:
+        raise SystemExit("--rounds, --conversations, --streams and --tokenize-calls must be at least 1")
     return _run(args)
 
 

@@ -4,10 +4,12 @@ with KV events and print every figure (no speed asserts)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 
-from tests.support.benchmarks import run_benchmark
+from tests.support.benchmarks import REPO, run_benchmark
 
 
 @pytest.mark.bench
@@ -55,3 +57,27 @@ def test_in_ppd_mode_both_arms_ask_the_same_tokenize_on_turn_two() -> None:
     assert arms["prefix", "turn1"]["tokenize_per_request"] == 1
     (summary,) = [f for f in figures if f["figure"] == "summary"]
     assert summary["mode"] == "ppd"
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--turns", "1"], "--turns must be at least 2"),
+        (["--streams", "0"], "--streams and --tokenize-calls must be at least 1"),
+    ],
+)
+def test_a_load_with_nothing_to_measure_is_refused_before_anything_starts(
+    args: list[str], message: str
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.placement", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1
+    assert message in out.stderr
+    assert out.stdout == ""
