@@ -154,9 +154,10 @@ class _Proc:
             self.proc.stdout.close()
 
 
-def _start(args: Sequence[str]) -> _Proc:
+def _start(args: Sequence[str], *, env: dict[str, str] | None = None) -> _Proc:
+    """``python -m args`` started and ready (its ready line read); `env` replaces the environment."""
     proc, ready = start_ready(
-        [sys.executable, "-m", *args], timeout_s=60, stderr=subprocess.DEVNULL, name=" ".join(args)
+        [sys.executable, "-m", *args], timeout_s=60, stderr=subprocess.DEVNULL, name=" ".join(args), env=env
     )
     return _Proc(proc, ready)
 
@@ -300,15 +301,20 @@ def _emit(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _histogram(url: str, name: str) -> dict[float, float]:
-    """Cumulative bucket counts of one Prometheus histogram (all label sets summed)."""
+def _scrape(url: str) -> str:
+    """One scrape of a Prometheus /metrics page, its text."""
 
     async def fetch() -> str:
         async with aiohttp.ClientSession() as http, http.get(url) as resp:
             return await resp.text()
 
+    return uvloop.run(fetch())
+
+
+def _histogram(url: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts of one Prometheus histogram (all label sets summed)."""
     counts: dict[float, float] = {}
-    for line in uvloop.run(fetch()).splitlines():
+    for line in _scrape(url).splitlines():
         if line.startswith(name + "_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
             bound = float("inf") if le == "+Inf" else float(le)

@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
-from benchmarks.gateway import MODEL, _emit, _histogram, _pct, _Proc, _quantile, _start
+from benchmarks.gateway import MODEL, _emit, _histogram, _pct, _Proc, _quantile, _scrape, _start
 from devstack.replicas import answers_ping, redis_argv
 
 __all__ = ["main"]
@@ -126,13 +126,8 @@ async def _load(
 
 def _store_errors(base: str) -> float:
     """The gateway's failed shared-store calls so far."""
-
-    async def fetch() -> str:
-        async with aiohttp.ClientSession() as http, http.get(base + "/metrics") as resp:
-            return await resp.text()
-
     prefix = "ppd_gateway_session_store_errors_total{"
-    lines = uvloop.run(fetch()).splitlines()
+    lines = _scrape(base + "/metrics").splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
 
 

@@ -579,6 +579,7 @@ class RequestCore:
         return lambda: self._tokenize(worker, body)
 
     async def _tokenize(self, worker: WorkerView, body: Mapping[str, Any]) -> int | None:
+        self._d.metrics.worker_tokenize.labels("count").inc()
         try:
             reply = await self._d.upstream.post(worker.url + "/tokenize", body, dict(self._worker_headers))
             count = reply.json().get("count") if reply.status == 200 else None
@@ -623,6 +624,7 @@ class RequestCore:
             ):
                 return list(prompt)
             body["prompt"] = prompt if isinstance(prompt, str) else ""
+        self._d.metrics.worker_tokenize.labels("token_ids").inc()
         try:
             reply = await self._d.upstream.post(worker.url + "/tokenize", body, dict(self._worker_headers))
             tokens = reply.json().get("tokens") if reply.status == 200 else None

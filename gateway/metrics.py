@@ -75,6 +75,13 @@ class GatewayMetrics:
             ["role", "by"],
             registry=r,
         )
+        self.worker_tokenize = Counter(
+            "ppd_gateway_worker_tokenize",
+            "Calls to a worker's /tokenize, by purpose: count (psi's new-input tokens) or token_ids "
+            "(the prompt's block hashes for KV residency and placement)",
+            ["purpose"],
+            registry=r,
+        )
         self.explorations = Counter(
             "ppd_gateway_explorations",
             "ppd-mode Turn 2+ requests sent down the path the table did not choose, by that path",

@@ -435,6 +435,7 @@ async def test_unknown_models_are_counted_by_the_workers_tokenizer_in_ppd_mode(
     text = await (await stack.http.get(stack.url + "/metrics")).text()
     assert sample(text, "ppd_gateway_token_counts_total", source="worker") == 1
     assert sample(text, "ppd_gateway_token_counts_total", source="estimate") == 1
+    assert sample(text, "ppd_gateway_worker_tokenize_total", purpose="count") == len(tokenized)
 
 
 async def test_replica_mode_keeps_the_session_on_its_replica(make_stack: StackFactory) -> None:

@@ -129,6 +129,9 @@ async def test_a_pd_turn_two_goes_to_the_p_holding_the_history(gateway: Gateway)
     text = await gateway.metrics()
     assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) == 1
     assert sample(text, "ppd_gateway_placements_total", {"role": "decode", "by": "least_loaded"}) == 1
+    # One /tokenize per placed turn (Turn 1's P and D share it), none for a count: mode pd asks no ψ.
+    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) == 2
+    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "count"}) is None
 
 
 async def test_an_unsynced_stream_falls_back_to_the_least_loaded_p(gateway: Gateway) -> None:
@@ -147,6 +150,9 @@ async def test_least_loaded_placement_ignores_the_history(least_loaded: Gateway)
     messages, p = await _first_turn(least_loaded)
     headers, _ = await least_loaded.chat(messages)
     assert headers["X-PPD-Prefill-Worker"] != p
+    # Nothing to look up: the prompt's token ids are never asked for.
+    text = await least_loaded.metrics()
+    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) is None
 
 
 async def _true(value: bool) -> bool:
