@@ -97,13 +97,14 @@ from gateway.plan import (
     local_fallback,
     plan,
     prefill_elsewhere,
+    prompt_token_ids,
 )
 from gateway.pool import PoolView, WorkerView
 from gateway.ports import ClientRequest, LiveSignals, RouteQuery
 from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
 from gateway.relay import Usage
 from gateway.request_trace import LegSpan, RequestTrace
-from gateway.residency import KvTracking
+from gateway.residency import KvTracking, Marks, prefix_marks
 from gateway.retry_budget import RetryBudget
 from gateway.routing import Decision, static_decision
 from gateway.session_lookup import SessionMatch, find_session, remember_turn
@@ -449,7 +450,10 @@ class RequestCore:
         return await self._through_p(t, plan(preq, t.turn.session, retry, t.view))
 
     async def _placed_request(self, t: ActiveTurn, decision: Decision) -> PlanRequest:
-        """The plan's inputs with the prompt's resident blocks on each synced candidate (plan.py rule 8)."""
+        """The plan's inputs with the prompt's resident blocks on each synced candidate (plan.py rule 8):
+        by the prompt's token ids when the turn has them (the D residency check asked), else by the
+        session's marks of its last P prompt (residency.py rule 5), else by asking a worker's /tokenize
+        (Turn 1, or a session no P leg marked)."""
         preq = self._plan_request(t.request.headers, t.turn)
         kv = self._d.kv
         if preq.placement.policy == "least_loaded" or kv is None or decision.path == "replica":
@@ -463,6 +467,14 @@ class RequestCore:
         tracked = [w for w in t.view.workers if w.role in roles and kv.residency.synced(w.id)]
         if not any(len(t.view.ranked(role)) > 1 for role in roles) or not tracked:
             return preq  # no choice to make, or nothing known: the least loaded, as before
+        marks: Marks = ()
+        if t.token_ids is None and session is not None:  # residency.py rule 5: no /tokenize
+            marks = tuple((blocks, int(h)) for blocks, h in session.prompt_marks)
+        if marks:
+            by_marks = {w.id: kv.residency.resident_by_marks(w.id, marks) for w in tracked}
+            return dataclasses.replace(
+                preq, resident_blocks={w: b for w, b in by_marks.items() if b is not None}
+            )
         if t.token_ids is None:
             t.token_ids = await self._token_ids(tracked[0], t.turn.req)
         if t.token_ids is None:
@@ -710,6 +722,7 @@ class RequestCore:
             prefill_attempts=self._s.policy.prefill_attempts,
             placement=self._placement,
             now=self._d.wall_clock(),
+            prompt_token_ids=self._d.kv is not None and self._placement.policy == "prefix",
         )
 
     # ------------------------------------------------------------------ the P leg
@@ -756,6 +769,7 @@ class RequestCore:
             self.worker_answered(call.worker)
             d.pool.note_pick(call.worker)
             params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
+            outcome.prompt_token_ids = prompt_token_ids(body) or outcome.prompt_token_ids
             return p, params if isinstance(params, Mapping) else None
         if self._s.policy.prefill_failure == "local":
             if failure is not None and not self.may_retry("prefill_failed"):
@@ -886,10 +900,18 @@ class RequestCore:
             answer_key=answer_key,
             decode_kv_params=json.dumps(kv_params, separators=(",", ":")) if kv_params else "",
             decode_kv_expires_at=d.wall_clock() + self._s.routing.bidir_params_ttl_s if kv_params else 0.0,
+            prompt_marks=self._marks(outcome.prompt_token_ids),
         )
         await remember_turn(d.sessions, after, explicit_id=turn.explicit_id)
         if outcome.rebound:
             d.metrics.rebinds.inc()
+
+    def _marks(self, token_ids: list[int] | None) -> tuple[tuple[int, str], ...]:
+        """The session's marks of the prompt P prefilled (residency.py rule 5); () when none."""
+        kv = self._d.kv
+        if kv is None or not token_ids:
+            return ()
+        return tuple((blocks, str(h)) for blocks, h in prefix_marks(kv.hasher.chain(token_ids)))
 
     def count_upstream_error(self, worker: str, role: str, kind: str) -> None:
         self._d.metrics.upstream_errors.labels(worker, role, kind).inc()

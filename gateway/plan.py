@@ -4,7 +4,8 @@ Rules from vLLM's NixlConnector proxy protocol (docs/vllm-protocol.md 1.2-1.5):
 Rule 1 (P leg): a copy of the client body with `kv_transfer_params` = {do_remote_decode: true,
 do_remote_prefill: false, remote_*: null}, `stream` false, `max_tokens` 1 (and
 `max_completion_tokens` 1 when the client sent it), no `stream_options`, no `min_tokens` /
-`min_completion_tokens`.
+`min_completion_tokens`; with `PlanRequest.prompt_token_ids`, `return_token_ids` true (P's answer then
+carries the prompt's token ids, which the session keeps as marks: residency.py rule 5).
 Rule 2 (D leg): the original body plus P's returned `kv_transfer_params`, unmodified (absent when P
 returned none: D then computes the whole prompt itself).
 Rule 3: both legs carry the same `X-Request-Id`.
@@ -46,7 +47,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 from gateway.errors import NoWorkerError
 from gateway.pool import PoolView, WorkerView
@@ -70,6 +71,7 @@ __all__ = [
     "plan_to_json",
     "prefill_body",
     "prefill_elsewhere",
+    "prompt_token_ids",
 ]
 
 KV_FIELD = "kv_transfer_params"
@@ -99,6 +101,8 @@ class PlanRequest:
     # Rule 8: how P and an unbound D are placed, and the prompt's resident blocks per synced worker.
     placement: PlacementSettings = LEAST_LOADED
     resident_blocks: Mapping[str, int] = field(default_factory=dict)
+    # Rule 1: P's answer carries the prompt's token ids (for a later turn's placement).
+    prompt_token_ids: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +130,7 @@ class Plan:
     decode_by_prefix: bool = False
 
 
-def prefill_body(body: Mapping[str, Any]) -> JsonObject:
+def prefill_body(body: Mapping[str, Any], *, token_ids: bool = False) -> JsonObject:
     out = {
         k: v
         for k, v in body.items()
@@ -137,7 +141,29 @@ def prefill_body(body: Mapping[str, Any]) -> JsonObject:
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
+    if token_ids:
+        out["return_token_ids"] = True
     return out
+
+
+#: The most prompt token ids taken from P's answer (far above any model's context).
+_MAX_PROMPT_IDS: Final = 1 << 22
+
+
+def prompt_token_ids(answer: Any) -> list[int] | None:
+    """Rule 1: the prompt's token ids in P's answer to `return_token_ids` (top-level `prompt_token_ids`
+    in chat, the first choice's in completions); None when absent or not a list of token ids."""
+    if not isinstance(answer, Mapping):
+        return None
+    ids = answer.get("prompt_token_ids")
+    choices = answer.get("choices")
+    if ids is None and isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+        ids = choices[0].get("prompt_token_ids")
+    if not isinstance(ids, list) or not 0 < len(ids) <= _MAX_PROMPT_IDS:
+        return None
+    if not all(type(t) is int and t >= 0 for t in ids):
+        return None
+    return ids
 
 
 def _decode_body(body: Mapping[str, Any], *, inject_usage: bool) -> tuple[JsonObject, bool]:
@@ -237,7 +263,7 @@ def plan(request: PlanRequest, session: Session | None, decision: Decision, pool
         raise NoWorkerError("prefill")
     placed, prefill_by_prefix = _placed(pool, "prefill", request)
     prefills = placed[: max(1, request.prefill_attempts)]
-    p_body = prefill_body(request.body)
+    p_body = prefill_body(request.body, token_ids=request.prompt_token_ids)
     calls = tuple(_call(p, request, p_body, stream=False) for p in prefills)
     if path == "bidir":
         params, why = bidir_params(session, request.now)

@@ -19,6 +19,13 @@ edge (gateway/kv_subscriber.py) feeds every batch here with its sequence number.
 4. Workers come and go: the static ones from the settings, the ones registered through the admin API
    that name their publisher are tracked (``track``: unsynced, empty, until their stream syncs) and
    forgotten when they leave (``untrack``); the edge that follows the streams is ``KvStreams``.
+5. A prompt can also be remembered by its *marks* (``prefix_marks``): the chain's hash after 1, 2, 4,
+   8, ... blocks and after its last block, at most ``MAX_MARKS`` of them, a few hundred bytes however
+   long the prompt. Each mark's hash names the whole prefix before it (a block hash covers its
+   parent's), so the resident prefix by marks (``resident_by_marks``) is the longest marked prefix
+   whose marks up to it the worker all holds: rule 3's answer rounded down to a mark. A session keeps
+   the marks of the last prompt a P prefilled for it, from P's own answer (gateway/core.py), so a
+   later turn is placed without asking a worker for its token ids.
 """
 
 from __future__ import annotations
@@ -39,7 +46,33 @@ from ppd.kv_events import (
     external_hash,
 )
 
-__all__ = ["Applied", "KvStreams", "KvTracking", "Residency", "WorkerResidency"]
+__all__ = [
+    "MAX_MARKS",
+    "Applied",
+    "KvStreams",
+    "KvTracking",
+    "Marks",
+    "Residency",
+    "WorkerResidency",
+    "prefix_marks",
+]
+
+#: Rule 5: (leading blocks, the chain's hash after them), shortest prefix first.
+Marks = tuple[tuple[int, int], ...]
+#: Rule 5: the most marks a prompt gets (2^62 blocks before the last one would need more).
+MAX_MARKS = 64
+
+
+def prefix_marks(chain: Sequence[int]) -> Marks:
+    """Rule 5: the marks of a prompt whose block hashes are ``chain`` (empty under one block)."""
+    marks: list[tuple[int, int]] = []
+    blocks = 1
+    while blocks < len(chain):
+        marks.append((blocks, chain[blocks - 1]))
+        blocks *= 2
+    if chain:
+        marks.append((len(chain), chain[-1]))
+    return tuple(marks[-MAX_MARKS:])
 
 
 class Applied(Enum):
@@ -199,6 +232,19 @@ class Residency:
             if h not in blocks:
                 break
             n += 1
+        return n
+
+    def resident_by_marks(self, worker: str, marks: Marks) -> int | None:
+        """Rule 5: the leading blocks of a prompt known by its ``marks`` that the worker holds, to the
+        mark; None when it is not tracked or not synced."""
+        st = self._w.get(worker)
+        if st is None or not st.synced:
+            return None
+        n = 0
+        for blocks, h in marks:
+            if h not in st.blocks:
+                break
+            n = blocks
         return n
 
 

@@ -55,6 +55,9 @@ class TurnOutcome:
     last_token: float | None = None
     # The gateway's own share of the time to first token (see GatewayMetrics.overhead).
     prefill_wait: float = 0.0
+    # The prompt's token ids from P's answer (asked with return_token_ids: plan.py rule 1), for the
+    # session's marks; None when no P leg said them.
+    prompt_token_ids: list[int] | None = None
     decode_sent: float | None = None
     overhead: float | None = None
     ok: bool = False

@@ -69,6 +69,10 @@ def _events_applied(door: FrontDoor, worker: str) -> float:
     return sample(door.metrics(), "ppd_gateway_kv_events_total", {"worker": worker}) or 0.0
 
 
+def _tokenize_calls(door: FrontDoor) -> float:
+    return sample(door.metrics(), "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) or 0.0
+
+
 def _events_published(endpoint: str) -> int:
     return sum(len(b.events) for _, b in replay(endpoint))
 
@@ -103,6 +107,7 @@ def test_a_pd_turn_two_goes_to_the_p_holding_the_history(
         what=f"the gateway applying every KV event {p} ({source[p]}) published for Turn 1",
     )
     before = {w: cluster.by_source(source[w]) for w in ("P0", "P1")}
+    tokenized = _tokenize_calls(placing_gateway)
     # Least-loaded placement would most often take the other P now (both idle, p picked last); which
     # P the prefix moved a leg to, deterministically, is tests/gateway/test_placement.py's business.
     second, answer = conv.turn("Which harbour came third?", mode="pd")
@@ -114,3 +119,5 @@ def test_a_pd_turn_two_goes_to_the_p_holding_the_history(
     assert hit >= blocks * BLOCK, (hit, len(tokens), before[p], after[p])
     assert sum(after[p].values()) - sum(before[p].values()) == answer.usage.prompt_tokens
     assert after[other] == before[other], f"{other}, the prefill worker without the history, saw Turn 2"
+    # Placed by the marks of Turn 1's prompt, which P returned (return_token_ids): no /tokenize asked.
+    assert _tokenize_calls(placing_gateway) == tokenized

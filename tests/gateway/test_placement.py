@@ -129,8 +129,9 @@ async def test_a_pd_turn_two_goes_to_the_p_holding_the_history(gateway: Gateway)
     text = await gateway.metrics()
     assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) == 1
     assert sample(text, "ppd_gateway_placements_total", {"role": "decode", "by": "least_loaded"}) == 1
-    # One /tokenize per placed turn (Turn 1's P and D share it), none for a count: mode pd asks no ψ.
-    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) == 2
+    # One /tokenize, Turn 1's (its P and D share it); Turn 2 is placed by the marks of the prompt P
+    # returned on Turn 1 (return_token_ids), and mode pd asks no ψ count.
+    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) == 1
     assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "count"}) is None
 
 

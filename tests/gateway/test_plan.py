@@ -28,6 +28,7 @@ from gateway.plan import (
     plan_to_json,
     prefill_body,
     prefill_elsewhere,
+    prompt_token_ids,
 )
 from gateway.pool import Load, PoolView, WorkerView
 from gateway.routing import Decision
@@ -135,6 +136,29 @@ def test_prefill_leg_follows_the_nixl_proxy_rules() -> None:
     assert p["vendor_field"] == {"kept": True}
     assert p["temperature"] == 0.3
     assert "max_completion_tokens" not in prefill_body({"model": "m", "prompt": "x"})
+    assert "return_token_ids" not in p
+    assert prefill_body(BODY, token_ids=True)["return_token_ids"] is True
+
+
+@pytest.mark.parametrize(
+    ("answer", "ids"),
+    [
+        ({"object": "chat.completion", "prompt_token_ids": [128000, 9906]}, [128000, 9906]),
+        ({"object": "text_completion", "choices": [{"prompt_token_ids": [1, 2, 3]}]}, [1, 2, 3]),
+        ({"prompt_token_ids": None, "choices": [{"index": 0}]}, None),  # not asked, or not said
+        ({"prompt_token_ids": []}, None),
+        ({"prompt_token_ids": [1, "2"]}, None),
+        ({"prompt_token_ids": [1, True]}, None),
+        ({"prompt_token_ids": [1, -2]}, None),
+        ({"prompt_token_ids": "1 2"}, None),
+        ({"choices": "x"}, None),
+        ([1, 2], None),
+    ],
+)
+def test_ps_answer_gives_the_prompts_token_ids_when_it_has_them(
+    answer: object, ids: list[int] | None
+) -> None:
+    assert prompt_token_ids(answer) == ids
 
 
 def test_decode_leg_is_the_original_body_plus_ps_params_and_both_share_the_request_id() -> None:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.psi import Psi, TokenCount, with_resident
-from gateway.residency import Applied, KvTracking, Residency
+from gateway.residency import MAX_MARKS, Applied, KvTracking, Residency, prefix_marks
 from gateway.settings import Settings, SettingsError
 from ppd.kv_events import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, EventBatch
 
@@ -31,6 +31,30 @@ def test_stores_and_removals_in_sequence_give_the_resident_prefix() -> None:
     assert r.apply("D0", 2, EventBatch(0.0, (AllBlocksCleared(),))) is Applied.OK
     assert r.resident_blocks("D0", [1]) == 0
     assert r.resident_blocks("D9", [1]) is None  # not a tracked worker
+
+
+def test_a_prompts_marks_are_its_chain_after_1_2_4_blocks_and_its_last() -> None:
+    chain = list(range(100, 111))  # 11 blocks
+    assert prefix_marks(chain) == ((1, 100), (2, 101), (4, 103), (8, 107), (11, 110))
+    assert prefix_marks(chain[:8]) == ((1, 100), (2, 101), (4, 103), (8, 107))
+    assert prefix_marks([]) == ()
+    assert len(prefix_marks(list(range(1 << 16)))) == 17 <= MAX_MARKS
+
+
+def test_the_resident_prefix_by_marks_is_rounded_down_to_a_mark() -> None:
+    chain = list(range(1, 12))  # 11 blocks
+    marks = prefix_marks(chain)
+    r = Residency(["P0"], max_blocks=100)
+    assert r.resident_by_marks("P0", marks) is None  # unsynced: unknown
+    r.apply("P0", 0, stored(*chain[:6]))  # six blocks: marks 1, 2 and 4 held, 8 not
+    assert r.resident_by_marks("P0", marks) == 4
+    assert r.resident_blocks("P0", chain) == 6  # the exact answer, which marks round down
+    r.apply("P0", 1, stored(*chain[6:]))
+    assert r.resident_by_marks("P0", marks) == 11
+    r.apply("P0", 2, removed(chain[1]))  # block 2 gone: nothing past block 1 is a prefix any more
+    assert r.resident_by_marks("P0", marks) == 1
+    assert r.resident_by_marks("P0", ()) == 0
+    assert r.resident_by_marks("D9", marks) is None
 
 
 def test_a_gap_makes_the_worker_unknown_until_a_full_resync() -> None:

@@ -148,6 +148,12 @@ def test_values_at_the_bounds_decode() -> None:
         {"decode_kv_params": "[" * 40 + "]" * 40},
         {"decode_kv_params": "[1]"},
         {"decode_kv_params": "{not json"},
+        {"prompt_marks": [[1, "12"], [1, "13"]]},
+        {"prompt_marks": [[2, "12"], [1, "13"]]},
+        {"prompt_marks": [[1, "0x12"]]},
+        {"prompt_marks": [[1, str(2**64)]]},
+        {"prompt_marks": [[1, "1" * 21]]},
+        {"prompt_marks": [[i + 1, "7"] for i in range(65)]},
     ],
 )
 def test_a_sessions_ids_and_params_are_what_the_gateway_accepts(fields: dict[str, object]) -> None:
@@ -164,7 +170,11 @@ _client_ids = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min
 def test_sessions_the_gateway_writes_round_trip_through_its_checks(session: Session, session_id: str) -> None:
     codec = session_codec(max_id_length=16)
     session = dataclasses.replace(
-        session, id=session_id, worker="D-0.a:b_c", decode_kv_params='{"do_remote_decode": true}'
+        session,
+        id=session_id,
+        worker="D-0.a:b_c",
+        decode_kv_params='{"do_remote_decode": true}',
+        prompt_marks=((1, "-9223372036854775808"), (2, "18446744073709551615"), (3, "0")),
     )
     assert codec.decode(codec.encode(session)) == session
 
