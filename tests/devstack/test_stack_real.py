@@ -225,13 +225,17 @@ async def test_ppd_up_with_the_envoy_data_plane_holds_a_conversation_through_env
                     await resp.read()
 
 
-def _trace_of(spans: list[ReceivedSpan], request_id: str) -> dict[str, list[ReceivedSpan]]:
-    """The spans of the trace whose gateway span answered ``request_id``, by name (empty: none yet)."""
-    roots = [
-        s
-        for s in spans
-        if s.name == "ppd.gateway.request" and s.attributes.get("ppd.request_id") == request_id
-    ]
+#: Each front door's span for the whole request, and its service (the picker reads the same [tracing]).
+_FRONT_DOORS = {
+    "python": ("ppd.gateway.request", "ppd-gateway"),
+    "envoy": ("ppd.picker.request", "ppd-picker"),
+}
+
+
+def _trace_of(spans: list[ReceivedSpan], root: str, request_id: str) -> dict[str, list[ReceivedSpan]]:
+    """The spans of the trace whose front door's span ``root`` answered ``request_id``, by name (empty:
+    none yet)."""
+    roots = [s for s in spans if s.name == root and s.attributes.get("ppd.request_id") == request_id]
     if not roots:
         return {}
     trace: dict[str, list[ReceivedSpan]] = {}
@@ -241,14 +245,20 @@ def _trace_of(spans: list[ReceivedSpan], request_id: str) -> dict[str, list[Rece
     return trace
 
 
-async def test_ppd_up_with_a_tracing_endpoint_traces_each_request_across_every_process() -> None:
-    """`--tracing-endpoint`: Turn 1's trace holds the gateway's span and P's and D's `llm_request`;
-    Turn 2's (a decision in ppd mode) the decision service's `ppd.decision.Route` and its worker's."""
+@pytest.mark.parametrize("data_plane", list(_FRONT_DOORS))
+async def test_ppd_up_with_a_tracing_endpoint_traces_each_request_across_every_process(
+    data_plane: str,
+) -> None:
+    """`--tracing-endpoint`, behind each front door: Turn 1's trace holds the front door's span and P's
+    and D's `llm_request`; Turn 2's (a decision in ppd mode) the decision service's `ppd.decision.Route`
+    and its worker's."""
+    root, service = _FRONT_DOORS[data_plane]
     # The batch processors of every child (they inherit ppd-up's environment) export within 0.2 s.
     with otlp_receiver() as otlp:
         async with _ppd_up(
-            "--tracing-endpoint", otlp.endpoint, env={"OTEL_BSP_SCHEDULE_DELAY": "200"}
-        ) as ready:
+            "--data-plane", data_plane, "--tracing-endpoint", otlp.endpoint,
+            env={"OTEL_BSP_SCHEDULE_DELAY": "200"},
+        ) as ready:  # fmt: skip
             async with aiohttp.ClientSession() as http:
                 messages = [{"role": "user", "content": "Trace me across the stack."}]
                 turn1, answer = await _chat(http, ready["gateway"], messages)
@@ -263,7 +273,7 @@ async def test_ppd_up_with_a_tracing_endpoint_traces_each_request_across_every_p
 
             async def exported() -> bool:
                 spans = otlp.spans()
-                traces = [_trace_of(spans, request_id) for request_id in expected]
+                traces = [_trace_of(spans, root, request_id) for request_id in expected]
                 return all(
                     len(trace.get("llm_request", [])) == workers
                     for trace, workers in zip(traces, expected.values(), strict=True)
@@ -271,15 +281,15 @@ async def test_ppd_up_with_a_tracing_endpoint_traces_each_request_across_every_p
 
             await eventually(exported, timeout_s=60.0, what="both turns' spans from every process")
     spans = otlp.spans()
-    first, second = (_trace_of(spans, request_id) for request_id in expected)
-    assert {s.service for s in first["ppd.gateway.request"]} == {"ppd-gateway"}
+    first, second = (_trace_of(spans, root, request_id) for request_id in expected)
+    assert {s.service for s in first[root] + second[root]} == {service}
     assert {s.service for s in first["llm_request"] + second["llm_request"]} == {"vllm"}
     workers_of = [
         {s.parent_span_id for s in trace["llm_request"]}
         <= {s.span_id for s in trace.get("ppd.prefill", []) + trace["ppd.decode"]}
         for trace in (first, second)
     ]
-    assert workers_of == [True, True]  # each worker's span is the child of the gateway's leg to it
+    assert workers_of == [True, True]  # each worker's span is the child of the front door's leg to it
     (route,) = second["ppd.decision.Route"]
     assert route.service == "ppd-decision"
     assert route.parent_span_id in {s.span_id for s in second["ppd.decision"]}
