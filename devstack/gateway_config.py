@@ -1,5 +1,6 @@
 """The gateway's TOML config that ``ppd-up`` generates from its children's ready lines (the workers, the
-decision service's port, the KV event endpoints) and its own settings."""
+decision service's port, the KV event endpoints) and its own settings (with ``--tracing-endpoint``,
+``[tracing]``)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def gateway_config(
         lines += ["", "[routing]", "bidir = true"]
     if settings.slo_ttft_p99_ms is not None:
         lines += ["", "[slo]", f"ttft_p99_ms = {settings.slo_ttft_p99_ms!r}"]
+    if settings.tracing.enabled:
+        lines += _tracing_section(settings)
     for worker in workers:
         if not isinstance(worker, dict) or not all(
             isinstance(worker.get(k), str) for k in ("id", "role", "url")
@@ -85,6 +88,17 @@ def gateway_config(
             f"url = {_toml_str(worker['url'])}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _tracing_section(settings: StackSettings) -> list[str]:
+    """[tracing]: the gateway's (or the picker's) traces to the stack's receiver (devstack/tracing.py)."""
+    return [
+        "",
+        "[tracing]",
+        "enabled = true",
+        f"endpoint = {_toml_str(settings.tracing.endpoint)}",
+        f"sampling_ratio = {float(settings.tracing.sampling_ratio)!r}",
+    ]
 
 
 def _kv_events_section(settings: StackSettings, workers: Sequence[Mapping[str, Any]]) -> list[str]:

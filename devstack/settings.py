@@ -3,8 +3,10 @@ and the facts about each engine that more than one part of the stack needs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from ppd.tracing import TracingSettings
 
 __all__ = ["DATA_PLANES", "DEFAULT_MODEL", "ENGINES", "KV_BLOCK_TOKENS", "StackSettings"]
 
@@ -46,3 +48,6 @@ class StackSettings:
     picker_failure_mode: str = "closed"
     # The gateway's SLO controller ([slo] ttft_p99_ms), milliseconds; None: off (no [slo] section).
     slo_ttft_p99_ms: float | None = None
+    # --tracing-endpoint: every child exports OpenTelemetry traces there (tracing.py); the disabled
+    # default: no child gets a tracing flag or section.
+    tracing: TracingSettings = field(default_factory=TracingSettings)

@@ -16,10 +16,11 @@ Starts, in order, each through its command-line contract (one JSON ready line on
 ``--kv-events`` has every worker publish vLLM's KV cache events and the gateway follow them
 (``[kv_events]``, endpoints from the cluster's ready line); ``--bidir`` runs every worker in vLLM's
 bidirectional KV mode and lets the gateway serve the bidir path (``[routing] bidir``);
-``--slo-ttft-p99-ms`` turns the gateway's SLO controller on (``[slo]``).
+``--slo-ttft-p99-ms`` turns the gateway's SLO controller on (``[slo]``); ``--tracing-endpoint URL`` has
+every child export OpenTelemetry traces to one OTLP/gRPC receiver (tracing.py).
 
-Then prints one JSON line (the URLs, for scripts and tests) and a human banner with copy-paste
-``curl`` and ``openai`` examples, and runs until Ctrl-C/SIGTERM or until a child dies; either way
+Then prints one JSON line (the URLs, for scripts and tests) and a human banner (banner.py) with
+copy-paste ``curl`` and ``openai`` examples, and runs until Ctrl-C/SIGTERM or until a child dies; either way
 every child is stopped. A signal while children are still starting stops the ones started so far
 at once (it does not wait for the next one to get ready). Exit code 0 after a signal, 1 when a child
 failed (named, with its stderr).
@@ -42,11 +43,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from devstack.banner import banner
 from devstack.data_plane import add_data_plane_arguments, check_addressed_by_ip, start_picker_and_envoy
 from devstack.gateway_config import add_slo_argument, gateway_config
 from devstack.replicas import answers_ping, envoy_argv, poll, redis_argv, start_envoy
-from devstack.settings import DEFAULT_MODEL, ENGINES, KV_BLOCK_TOKENS, StackSettings
+from devstack.settings import ENGINES, KV_BLOCK_TOKENS, StackSettings
 from devstack.supervisor import Child, ChildError, ChildSpec, Supervisor
+from devstack.tracing import (
+    add_tracing_arguments,
+    decision_tracing_argv,
+    tracing_settings,
+    worker_tracing_argv,
+)
 
 __all__ = ["StackCommands", "main", "parse_settings", "run_stack"]
 
@@ -90,7 +98,8 @@ class StackCommands:
                 # A --ready-timeout above the cluster's own per-worker default (240 s) reaches it too.
                 if s.ready_timeout_s > _VLLM_WORKER_READY_S:
                     argv += ("--ready-timeout", f"{s.ready_timeout_s:g}")
-                return argv + options + (("--kv-events",) if s.kv_events else ())
+                events: tuple[str, ...] = ("--kv-events",) if s.kv_events else ()
+                return argv + options + events + worker_tracing_argv(s.tracing, s.engine)
             sim_events = ("--kv-events-config", _SIM_KV_EVENTS) if s.kv_events else ()
             return (
                 python,
@@ -107,13 +116,14 @@ class StackCommands:
                 "500",
                 *options,
                 *sim_events,
+                *worker_tracing_argv(s.tracing, s.engine),
             )
 
         return cls(
             cluster=cluster,
             decision=lambda s: (
                 python, "-m", "decision_service", "serve", "--tables", str(s.tables), "--port", "0",
-                "--metrics-port", "0",
+                "--metrics-port", "0", *decision_tracing_argv(s.tracing),
             ),
             gateway=lambda s, config: (
                 python, "-m", "gateway", "serve", "--config", str(config), "--port", str(s.port),
@@ -126,62 +136,6 @@ def _picker_argv(python: str, config: Path) -> tuple[str, ...]:
     return (
         python, "-m", "gateway", "picker", "--config", str(config), "--grpc-port", "0", "--metrics-port", "0",
     )  # fmt: skip
-
-
-def _banner(
-    url: str,
-    settings: StackSettings,
-    cluster: Mapping[str, Any],
-    decision: Mapping[str, Any],
-    gateways: Sequence[str] = (),
-    *,
-    picker: Mapping[str, Any] | None = None,
-) -> str:
-    front = "gateway (OpenAI API):  "
-    replicas = ""
-    if len(gateways) > 1:
-        front = "Envoy (OpenAI API):    "
-        replicas = (
-            f"\n  gateway replicas:      {', '.join(gateways)} (round robin, sessions shared on redis-server)"
-        )
-    if picker is not None:
-        front = "Envoy (OpenAI API):    "
-        replicas = (
-            f"\n  endpoint picker:       grpc 127.0.0.1:{picker.get('grpc')} (Envoy's ext_proc), metrics "
-            f"http://127.0.0.1:{picker.get('metrics')}/metrics; Envoy streams every answer"
-        )
-    workers = "\n".join(f"    {w['id']:<4} {w['role']:<8} {w['url']}" for w in cluster.get("workers", []))
-    model = str(cluster.get("model") or DEFAULT_MODEL)
-    kind = "real vLLM workers (CPU)" if settings.engine == "vllm-cpu" else "simulated workers"
-    # The tiny CPU model: its name, its 4096-token context, and answers short enough for one core.
-    bench = (
-        f" --model {model} --max-context-tokens 3000 --max-output-tokens 256"
-        if settings.engine == "vllm-cpu"
-        else ""
-    )
-    extras = "".join(
-        text for on, text in ((settings.kv_events, ", KV events followed"), (settings.bidir, ", bidir")) if on
-    )
-    return f"""
-PPD stack is up ({settings.topology}, mode {settings.mode}, tables {settings.tables}{extras}).
-  {front}{url}/v1{replicas}
-  decision service:      grpc 127.0.0.1:{decision.get("grpc")}, metrics http://127.0.0.1:{decision.get("metrics")}/metrics
-  {kind}:
-{workers}
-
-Try it:
-  curl -sN {url}/v1/chat/completions -H 'Content-Type: application/json' -H 'X-Session-ID: demo' \\
-    -d '{{"model": "{model}", "max_tokens": 32, "stream": true,
-         "messages": [{{"role": "user", "content": "Hello!"}}]}}' -D - | grep -i -e x-ppd -e data
-
-  python -c 'import openai; c = openai.OpenAI(base_url="{url}/v1", api_key="none"); \\
-print(c.chat.completions.create(model="{model}", max_tokens=32, \\
-messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)'
-
-  ppd-bench run --url {url} --workload sharegpt --qps 2 --duration 10 --out records.jsonl{bench}
-
-Response headers X-PPD-Path and X-PPD-Reason say where each turn ran and why. Ctrl-C stops everything.
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +186,7 @@ async def run_stack(
                 if up.picker is not None:
                     ready |= {"data_plane": settings.data_plane, "picker": up.picker}
                 out.write(json.dumps(ready) + "\n")
-                out.write(_banner(up.url, settings, up.cluster, up.decision, up.gateways, picker=up.picker))
+                out.write(banner(up.url, settings, up.cluster, up.decision, up.gateways, picker=up.picker))
                 out.flush()
                 watcher = asyncio.create_task(supervisor.wait_any_exit())
                 done, _ = await asyncio.wait({stopper, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -382,6 +336,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_slo_argument(parser)
     add_data_plane_arguments(parser)
+    add_tracing_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
@@ -406,6 +361,10 @@ def parse_settings(
             "--data-plane envoy runs one picker behind one Envoy: it cannot be combined with "
             "--gateways N > 1 yet"
         )
+    try:
+        tracing = tracing_settings(args.tracing_endpoint, args.tracing_sampling_ratio)
+    except ValueError as exc:
+        parser.error(str(exc))
     real = args.engine == "vllm-cpu"
     tables: Path = args.tables or (Path("tables") / "vllm-cpu" if real else Path("tables"))
     return StackSettings(
@@ -423,6 +382,7 @@ def parse_settings(
         data_plane=args.data_plane,
         picker_failure_mode=args.picker_failure_mode,
         slo_ttft_p99_ms=args.slo_ttft_p99_ms,
+        tracing=tracing,
     ), str(args.log_level)
 
 

@@ -204,6 +204,9 @@ def worker_command(
     )
     # When set, VLLM_CPU_KVCACHE_SPACE overrides --kv-cache-memory-bytes.
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # Its spans' service.name with --otlp-traces-endpoint (vLLM's default: unknown_service:python), so a
+    # trace tells P from D; a name the caller's environment gives is kept.
+    env.setdefault("OTEL_SERVICE_NAME", f"vllm-{worker.id}")
     if settings.cpu_nixl_fixes:
         env["PPD_VLLM_NIXL_NO_PROGRESS_THREAD"] = "1"
         env["PPD_VLLM_NIXL_NO_KV_PIN"] = "1"

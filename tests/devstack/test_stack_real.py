@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import pytest
 from devstack.ready import parse_ready_line
 from tests.support.ci import require_tool
 from tests.support.metrics import sample, total
+from tests.support.otlp_receiver import ReceivedSpan, otlp_receiver
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
@@ -33,13 +35,16 @@ async def _chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, 
 
 
 @contextlib.asynccontextmanager
-async def _ppd_up(*args: str, ready_s: float = 150.0) -> AsyncIterator[dict[str, Any]]:
-    """ppd-up with the example tables and ``args``; yields its ready line, then stops it with SIGTERM
-    and checks it exited 0."""
+async def _ppd_up(
+    *args: str, ready_s: float = 150.0, env: dict[str, str] | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """ppd-up with the example tables and ``args`` (and ``env`` added to its environment, which every
+    child inherits); yields its ready line, then stops it with SIGTERM and checks it exited 0."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "devstack.stack", "--port", "0", "--tables", str(TABLES),
         "--log-level", "WARNING", "--ready-timeout", "110", *args,
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=None if env is None else {**os.environ, **env},
     )  # fmt: skip
     assert proc.stdout is not None
     try:
@@ -218,3 +223,74 @@ async def test_ppd_up_with_the_envoy_data_plane_holds_a_conversation_through_env
             with pytest.raises(aiohttp.ClientConnectionError):
                 async with http.get(down + "/health") as resp:
                     await resp.read()
+
+
+#: Each front door's span for the whole request, and its service (the picker reads the same [tracing]).
+_FRONT_DOORS = {
+    "python": ("ppd.gateway.request", "ppd-gateway"),
+    "envoy": ("ppd.picker.request", "ppd-picker"),
+}
+
+
+def _trace_of(spans: list[ReceivedSpan], root: str, request_id: str) -> dict[str, list[ReceivedSpan]]:
+    """The spans of the trace whose front door's span ``root`` answered ``request_id``, by name (empty:
+    none yet)."""
+    roots = [s for s in spans if s.name == root and s.attributes.get("ppd.request_id") == request_id]
+    if not roots:
+        return {}
+    trace: dict[str, list[ReceivedSpan]] = {}
+    for span in spans:
+        if span.trace_id == roots[0].trace_id:
+            trace.setdefault(span.name, []).append(span)
+    return trace
+
+
+@pytest.mark.parametrize("data_plane", list(_FRONT_DOORS))
+async def test_ppd_up_with_a_tracing_endpoint_traces_each_request_across_every_process(
+    data_plane: str,
+) -> None:
+    """`--tracing-endpoint`, behind each front door: Turn 1's trace holds the front door's span and P's
+    and D's `llm_request`; Turn 2's (a decision in ppd mode) the decision service's `ppd.decision.Route`
+    and its worker's."""
+    root, service = _FRONT_DOORS[data_plane]
+    # The batch processors of every child (they inherit ppd-up's environment) export within 0.2 s.
+    with otlp_receiver() as otlp:
+        async with _ppd_up(
+            "--data-plane", data_plane, "--tracing-endpoint", otlp.endpoint,
+            env={"OTEL_BSP_SCHEDULE_DELAY": "200"},
+        ) as ready:  # fmt: skip
+            async with aiohttp.ClientSession() as http:
+                messages = [{"role": "user", "content": "Trace me across the stack."}]
+                turn1, answer = await _chat(http, ready["gateway"], messages)
+                messages += [answer["choices"][0]["message"], {"role": "user", "content": "And again?"}]
+                turn2, _ = await _chat(http, ready["gateway"], messages)
+            assert (turn1["X-PPD-Path"], turn2["X-PPD-Turn"]) == ("pd", "2")
+            # A pd turn has a P and a D leg, each with its worker's span; any other path one worker.
+            expected = {
+                turn1["X-Request-Id"]: 2,
+                turn2["X-Request-Id"]: 2 if turn2["X-PPD-Path"] == "pd" else 1,
+            }
+
+            async def exported() -> bool:
+                spans = otlp.spans()
+                traces = [_trace_of(spans, root, request_id) for request_id in expected]
+                return all(
+                    len(trace.get("llm_request", [])) == workers
+                    for trace, workers in zip(traces, expected.values(), strict=True)
+                ) and bool(traces[1].get("ppd.decision.Route"))
+
+            await eventually(exported, timeout_s=60.0, what="both turns' spans from every process")
+    spans = otlp.spans()
+    first, second = (_trace_of(spans, root, request_id) for request_id in expected)
+    assert {s.service for s in first[root] + second[root]} == {service}
+    assert {s.service for s in first["llm_request"] + second["llm_request"]} == {"vllm"}
+    workers_of = [
+        {s.parent_span_id for s in trace["llm_request"]}
+        <= {s.span_id for s in trace.get("ppd.prefill", []) + trace["ppd.decode"]}
+        for trace in (first, second)
+    ]
+    assert workers_of == [True, True]  # each worker's span is the child of the front door's leg to it
+    (route,) = second["ppd.decision.Route"]
+    assert route.service == "ppd-decision"
+    assert route.parent_span_id in {s.span_id for s in second["ppd.decision"]}
+    assert "ppd.decision.Route" not in first  # Turn 1 always goes P then D: no decision asked

@@ -85,6 +85,22 @@ def test_worker_command_pins_sets_the_side_channel_and_asks_for_the_cpu_fixes() 
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
 
 
+def test_each_worker_names_its_trace_service_unless_the_environment_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topology = Topology.parse("1P1D")
+    settings = ClusterSettings(topology=topology)
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    names = [
+        worker_command(PREPARED, settings, worker, http_port=1, side_channel_port=2)[1]["OTEL_SERVICE_NAME"]
+        for worker in topology.workers
+    ]
+    assert names == ["vllm-P0", "vllm-D0"]
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "mine")
+    _, env = worker_command(PREPARED, settings, topology.workers[1], http_port=1, side_channel_port=2)
+    assert env["OTEL_SERVICE_NAME"] == "mine"
+
+
 def test_the_cpu_fixes_are_off_unless_asked_for() -> None:
     topology = Topology.parse("1P1D")
     settings = ClusterSettings(topology=topology, pin=False, cpu_nixl_fixes=False)
