@@ -85,6 +85,7 @@ from gateway.errors import (
 )
 from gateway.limits import check_client_id, check_model_length
 from gateway.openai_types import CompletionRequest, parse_completion_request
+from gateway.openings import Marks
 from gateway.outliers import Ejection, Held
 from gateway.plan import (
     KV_FIELD,
@@ -104,11 +105,11 @@ from gateway.ports import ClientRequest, LiveSignals, RouteQuery
 from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
 from gateway.relay import Usage
 from gateway.request_trace import LegSpan, RequestTrace
-from gateway.residency import KvTracking, Marks, prefix_marks
+from gateway.residency import KvTracking, prefix_marks
 from gateway.retry_budget import RetryBudget
 from gateway.routing import Decision, static_decision
 from gateway.session_lookup import SessionMatch, find_session, remember_turn
-from gateway.sessions import Session, prompt_fingerprint
+from gateway.sessions import KeyChain, Session, prompt_fingerprint
 from gateway.turn import TurnInputs, TurnOutcome
 from gateway.turn_report import TurnReport
 from gateway.types import Role
@@ -470,6 +471,11 @@ class RequestCore:
         marks: Marks = ()
         if t.token_ids is None and session is not None:  # residency.py rule 5: no /tokenize
             marks = tuple((blocks, int(h)) for blocks, h in session.prompt_marks)
+        elif t.token_ids is None and kv.openings is not None and t.turn.req.endpoint == "chat":
+            opening = kv.openings.get(_opening_key(t.turn.req))
+            if not opening:  # openings.py rule 2: nothing known to place by; no /tokenize
+                return preq
+            marks = opening
         if marks:
             by_marks = {w.id: kv.residency.resident_by_marks(w.id, marks) for w in tracked}
             return dataclasses.replace(
@@ -769,7 +775,7 @@ class RequestCore:
             self.worker_answered(call.worker)
             d.pool.note_pick(call.worker)
             params = body.get(KV_FIELD) if isinstance(body, Mapping) else None
-            outcome.prompt_token_ids = prompt_token_ids(body) or outcome.prompt_token_ids
+            outcome.prefill_answer = body
             return p, params if isinstance(params, Mapping) else None
         if self._s.policy.prefill_failure == "local":
             if failure is not None and not self.may_retry("prefill_failed"):
@@ -900,18 +906,22 @@ class RequestCore:
             answer_key=answer_key,
             decode_kv_params=json.dumps(kv_params, separators=(",", ":")) if kv_params else "",
             decode_kv_expires_at=d.wall_clock() + self._s.routing.bidir_params_ttl_s if kv_params else 0.0,
-            prompt_marks=self._marks(outcome.prompt_token_ids),
+            prompt_marks=self._marks(turn, prompt_token_ids(outcome.prefill_answer)),
         )
         await remember_turn(d.sessions, after, explicit_id=turn.explicit_id)
         if outcome.rebound:
             d.metrics.rebinds.inc()
 
-    def _marks(self, token_ids: list[int] | None) -> tuple[tuple[int, str], ...]:
-        """The session's marks of the prompt P prefilled (residency.py rule 5); () when none."""
+    def _marks(self, turn: TurnInputs, token_ids: list[int] | None) -> tuple[tuple[int, str], ...]:
+        """The session's marks of the prompt P prefilled (residency.py rule 5; () when none), also
+        learnt as what prompts opening with its first message share, for a Turn 1 (openings.py)."""
         kv = self._d.kv
         if kv is None or not token_ids:
             return ()
-        return tuple((blocks, str(h)) for blocks, h in prefix_marks(kv.hasher.chain(token_ids)))
+        marks = prefix_marks(kv.hasher.chain(token_ids))
+        if kv.openings is not None and turn.session is None and turn.req.endpoint == "chat":
+            kv.openings.learn(_opening_key(turn.req), marks)
+        return tuple((blocks, str(h)) for blocks, h in marks)
 
     def count_upstream_error(self, worker: str, role: str, kind: str) -> None:
         self._d.metrics.upstream_errors.labels(worker, role, kind).inc()
@@ -932,3 +942,8 @@ def _int_header(headers: Mapping[str, str], name: str) -> int | None:
     if not 0 <= value <= _MAX_HEADER_INT:
         raise BadRequestError(f"header {name} must be an integer in [0, {_MAX_HEADER_INT}]", param=name)
     return value
+
+
+def _opening_key(req: CompletionRequest) -> str:
+    """The content key of a chat request's first message (openings.py): the model and that message."""
+    return KeyChain(req.model).add(req.messages[0]).key()

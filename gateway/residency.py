@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from gateway.openings import Marks, Openings
 from ppd.kv_events import (
     AllBlocksCleared,
     BlockHasher,
@@ -51,14 +52,11 @@ __all__ = [
     "Applied",
     "KvStreams",
     "KvTracking",
-    "Marks",
     "Residency",
     "WorkerResidency",
     "prefix_marks",
 ]
 
-#: Rule 5: (leading blocks, the chain's hash after them), shortest prefix first.
-Marks = tuple[tuple[int, int], ...]
 #: Rule 5: the most marks a prompt gets (2^62 blocks before the last one would need more).
 MAX_MARKS = 64
 
@@ -270,6 +268,8 @@ class KvTracking:
     residency: Residency
     hasher: BlockHasher
     streams: KvStreams | None = None
+    # What Turn 1s opening with a known first message hold in common (gateway/openings.py); None: off.
+    openings: Openings | None = None
 
     def resident_tokens(self, worker: str, token_ids: Sequence[int]) -> int | None:
         """Tokens of the prompt ``token_ids`` resident on ``worker`` (whole blocks); None if unknown."""

@@ -20,6 +20,7 @@ from gateway.decision_client import GrpcDecisionClient
 from gateway.deps import Deps
 from gateway.kv_subscriber import KvSubscriber
 from gateway.metrics import GatewayMetrics
+from gateway.openings import Openings
 from gateway.pool import WorkerPool
 from gateway.ports import DecisionClient, Upstream
 from gateway.probe import PoolMonitor
@@ -146,7 +147,8 @@ def _kv_tracking(
     residency = Residency(kv.endpoints, max_blocks=kv.max_blocks_per_worker)
     hasher = BlockHasher(kv.hash_seed or DEFAULT_NONE_HASH_SEED, kv.block_size)
     subscriber = KvSubscriber.from_settings(residency, kv, metrics)
-    return KvTracking(residency, hasher, subscriber if kv.accept_registered else None), subscriber
+    streams = subscriber if kv.accept_registered else None
+    return KvTracking(residency, hasher, streams, Openings(kv.max_openings)), subscriber
 
 
 def _upstream(settings: Settings) -> Upstream:

@@ -238,6 +238,10 @@ class KvEventSettings:
     block_size: int = 16
     # Blocks tracked per worker; past it the oldest stored is forgotten (residency under-estimated).
     max_blocks_per_worker: int = 1_000_000
+    # First messages (chat) whose prompts' shared leading blocks are remembered, so a Turn 1 opening
+    # with one is placed on the worker holding them without asking /tokenize (gateway/openings.py);
+    # the least recently used is forgotten past it. About 1 KB each.
+    max_openings: int = 4096
     # Workers registered through the admin API may name their publisher (fields kv_events and
     # kv_events_replay) and are then tracked too; needed when no static worker names one.
     accept_registered: bool = False
@@ -253,8 +257,10 @@ class KvEventSettings:
 
     def validate(self) -> None:
         kv = self
-        if kv.block_size <= 0 or kv.max_blocks_per_worker <= 0:
-            raise SettingsError("kv_events.block_size and kv_events.max_blocks_per_worker must be positive")
+        if kv.block_size <= 0 or kv.max_blocks_per_worker <= 0 or kv.max_openings <= 0:
+            raise SettingsError(
+                "kv_events.block_size, max_blocks_per_worker and max_openings must be positive"
+            )
         if min(kv.replay_timeout_s, kv.max_message_bytes, kv.max_replay_bytes, kv.max_pending_bytes) <= 0:
             raise SettingsError("kv_events.replay_timeout_s and max_*_bytes must be positive")
         if not isinstance(kv.endpoints, dict) or not isinstance(kv.replay_endpoints, dict):

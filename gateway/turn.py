@@ -5,6 +5,7 @@ is understood (its session, mode and ψ), apart from `TurnOutcome`, filled in as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.openai_types import CompletionRequest
 from gateway.psi import Psi
@@ -55,9 +56,9 @@ class TurnOutcome:
     last_token: float | None = None
     # The gateway's own share of the time to first token (see GatewayMetrics.overhead).
     prefill_wait: float = 0.0
-    # The prompt's token ids from P's answer (asked with return_token_ids: plan.py rule 1), for the
-    # session's marks; None when no P leg said them.
-    prompt_token_ids: list[int] | None = None
+    # The last P answer (parsed), whose prompt token ids (asked with return_token_ids: plan.py rule 1)
+    # become the session's marks once the turn is over (read then, off the way to the first token).
+    prefill_answer: Any = None
     decode_sent: float | None = None
     overhead: float | None = None
     ok: bool = False

@@ -29,9 +29,9 @@ def test_placement_cost_prints_both_arms_side_by_side_and_the_tokenize_parts() -
         assert f["ttft_p50_ms"] > 0
     # Placement off never asks for the prompt's token ids; on, once per turn (P and D share it).
     assert all(arms["least_loaded", p]["tokenize_per_request"] == 0 for p in ("turn1", "later"))
-    # Turn 1 asks /tokenize for its placement; a later turn is placed by the marks of the prompt P
-    # returned on the turn before (return_token_ids): no call.
-    assert arms["prefix", "turn1"]["tokenize_per_request"] == 1
+    # No call: every opening message is new (nothing to place Turn 1 by), and a later turn is placed by
+    # the marks of the prompt P returned on the turn before (return_token_ids).
+    assert arms["prefix", "turn1"]["tokenize_per_request"] == 0
     assert arms["prefix", "later"]["tokenize_per_request"] == 0
     assert arms["least_loaded", "later"]["prefix_share"]["prefill"] == 0
     assert arms["prefix", "later"]["prefix_share"]["prefill"] > 0
@@ -57,7 +57,7 @@ def test_in_ppd_mode_both_arms_ask_the_same_tokenize_on_turn_two() -> None:
     assert arms["least_loaded", "later"]["tokenize_per_request"] == 1
     assert arms["prefix", "later"]["tokenize_per_request"] == 1
     assert arms["least_loaded", "turn1"]["tokenize_per_request"] == 0
-    assert arms["prefix", "turn1"]["tokenize_per_request"] == 1
+    assert arms["prefix", "turn1"]["tokenize_per_request"] == 0
     (summary,) = [f for f in figures if f["figure"] == "summary"]
     assert summary["mode"] == "ppd"
 

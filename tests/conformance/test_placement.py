@@ -11,10 +11,12 @@ all three workers' KV events.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from tests.conformance.conftest import KV_EVENTS_SEED
@@ -77,16 +79,42 @@ def _events_published(endpoint: str) -> int:
     return sum(len(b.events) for _, b in replay(endpoint))
 
 
+class _Events:
+    """How far the gateway has applied each prefill worker's KV events: every event published before
+    this is made reached the gateway in its resync, or live since (then counted as applied)."""
+
+    def __init__(self, cluster: Cluster, door: FrontDoor) -> None:
+        self.door = door
+        self.workers = {w["id"]: w for w in _as_gateway_workers(cluster)}
+        self.baseline = {w: self._published(w) - _events_applied(door, w) for w in ("P0", "P1")}
+
+    def _published(self, worker: str) -> int:
+        return _events_published(self.workers[worker]["kv_events_replay"])
+
+    def await_applied(self, worker: str, what: str) -> None:
+        wait_until(
+            lambda: _events_applied(self.door, worker) + self.baseline[worker] >= self._published(worker),
+            deadline_s=30.0,
+            what=f"the gateway applying every KV event {worker} published for {what}",
+        )
+
+
+#: The gateway's id -> the cluster worker it is.
+_SOURCE = {wid: src for wid, src, _ in _ROLES}
+
+
+def _chat(door: FrontDoor, model: str, messages: list[Any]) -> tuple[Any, Any]:
+    with openai.OpenAI(base_url=f"{door.url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=4, temperature=0
+        )
+    return raw.headers, raw.parse()
+
+
 def test_a_pd_turn_two_goes_to_the_p_holding_the_history(
     cluster: Cluster, placing_gateway: FrontDoor
 ) -> None:
-    workers = {w["id"]: w for w in _as_gateway_workers(cluster)}
-    source = {wid: src for wid, src, _ in _ROLES}  # the gateway's id -> the cluster's
-    # Every event published before now reached the gateway in its resync (not counted as applied).
-    baseline = {
-        w: _events_published(workers[w]["kv_events_replay"]) - _events_applied(placing_gateway, w)
-        for w in ("P0", "P1")
-    }
+    events = _Events(cluster, placing_gateway)
     conv = Conversation(cluster, placing_gateway)
     # Turn 1: a prompt of several blocks, so a prefix hit is many tokens, not one block by chance.
     first, _ = conv.turn("Remember these harbours in order: " + ", ".join(f"harbour {i}" for i in range(60)))
@@ -94,26 +122,19 @@ def test_a_pd_turn_two_goes_to_the_p_holding_the_history(
     p = first["x-ppd-prefill-worker"]
     other = next(w for w in ("P0", "P1") if w != p)
     tokens = http(
-        cluster.url(source[p]) + "/tokenize", {"model": cluster.model, "messages": conv.messages[:-1]}
+        cluster.url(_SOURCE[p]) + "/tokenize", {"model": cluster.model, "messages": conv.messages[:-1]}
     ).json()["tokens"]
     blocks = len(tokens) // BLOCK
     assert blocks >= 4, f"Turn 1's prompt is {len(tokens)} tokens, want at least 4 blocks"
-    wait_until(
-        lambda: (
-            _events_applied(placing_gateway, p) + baseline[p]
-            >= _events_published(workers[p]["kv_events_replay"])
-        ),
-        deadline_s=30.0,
-        what=f"the gateway applying every KV event {p} ({source[p]}) published for Turn 1",
-    )
-    before = {w: cluster.by_source(source[w]) for w in ("P0", "P1")}
+    events.await_applied(p, "Turn 1")
+    before = {w: cluster.by_source(_SOURCE[w]) for w in ("P0", "P1")}
     tokenized = _tokenize_calls(placing_gateway)
     # Least-loaded placement would most often take the other P now (both idle, p picked last); which
     # P the prefix moved a leg to, deterministically, is tests/gateway/test_placement.py's business.
     second, answer = conv.turn("Which harbour came third?", mode="pd")
     assert (second["x-ppd-path"], second["x-ppd-turn"]) == ("pd", "2")
     assert second["x-ppd-prefill-worker"] == p, f"Turn 2 went to {second['x-ppd-prefill-worker']}, not {p}"
-    after = {w: cluster.by_source(source[w]) for w in ("P0", "P1")}
+    after = {w: cluster.by_source(_SOURCE[w]) for w in ("P0", "P1")}
     hit = after[p]["local_cache_hit"] - before[p]["local_cache_hit"]
     # Turn 1's whole prompt, to a whole block, came from p's prefix cache; p saw all of Turn 2's.
     assert hit >= blocks * BLOCK, (hit, len(tokens), before[p], after[p])
@@ -121,3 +142,34 @@ def test_a_pd_turn_two_goes_to_the_p_holding_the_history(
     assert after[other] == before[other], f"{other}, the prefill worker without the history, saw Turn 2"
     # Placed by the marks of Turn 1's prompt, which P returned (return_token_ids): no /tokenize asked.
     assert _tokenize_calls(placing_gateway) == tokenized
+
+
+def test_a_turn_one_opening_like_an_earlier_one_goes_to_the_p_holding_its_blocks(
+    cluster: Cluster, placing_gateway: FrontDoor
+) -> None:
+    events = _Events(cluster, placing_gateway)
+    tokenized = _tokenize_calls(placing_gateway)
+    system = {"role": "system", "content": f"{uuid.uuid4().hex} You keep the harbour's log. " * 12}
+    first_messages = [system, {"role": "user", "content": "When does the ferry leave?"}]
+    first, _ = _chat(placing_gateway, cluster.model, first_messages)
+    assert first["x-ppd-turn"] == "1"
+    p = first["x-ppd-prefill-worker"]
+    other = next(w for w in ("P0", "P1") if w != p)
+    second_messages = [system, {"role": "user", "content": "Where is the lighthouse?"}]
+    prompts = [
+        http(cluster.url(_SOURCE[p]) + "/tokenize", {"model": cluster.model, "messages": m}).json()["tokens"]
+        for m in (first_messages, second_messages)
+    ]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b) // BLOCK
+    assert shared >= 4, f"the two prompts share {shared} blocks, want at least 4"
+    events.await_applied(p, "the first conversation")
+    before = {w: cluster.by_source(_SOURCE[w]) for w in ("P0", "P1")}
+    # Another conversation opening with the same system prompt: least loaded would most often take
+    # the other P; it goes to p, placed by what p returned for the first (gateway/openings.py).
+    second, answer = _chat(placing_gateway, cluster.model, second_messages)
+    assert (second["x-ppd-turn"], second["x-ppd-prefill-worker"]) == ("1", p)
+    after = {w: cluster.by_source(_SOURCE[w]) for w in ("P0", "P1")}
+    assert after[p]["local_cache_hit"] - before[p]["local_cache_hit"] >= shared * BLOCK
+    assert sum(after[p].values()) - sum(before[p].values()) == answer.usage.prompt_tokens
+    assert after[other] == before[other], f"{other}, the prefill worker without the system prompt, saw it"
+    assert _tokenize_calls(placing_gateway) == tokenized  # neither Turn 1 asked a worker's /tokenize

@@ -129,10 +129,30 @@ async def test_a_pd_turn_two_goes_to_the_p_holding_the_history(gateway: Gateway)
     text = await gateway.metrics()
     assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) == 1
     assert sample(text, "ppd_gateway_placements_total", {"role": "decode", "by": "least_loaded"}) == 1
-    # One /tokenize, Turn 1's (its P and D share it); Turn 2 is placed by the marks of the prompt P
-    # returned on Turn 1 (return_token_ids), and mode pd asks no ψ count.
-    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) == 1
+    # No /tokenize: Turn 1 opens with a message never seen (nothing to place by), Turn 2 is placed by
+    # the marks of the prompt P returned on Turn 1 (return_token_ids); mode pd asks no ψ count.
+    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) is None
     assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "count"}) is None
+
+
+async def test_a_turn_one_opening_like_an_earlier_one_goes_to_the_p_holding_its_blocks(
+    gateway: Gateway,
+) -> None:
+    system = {"role": "system", "content": "You are the harbour master's assistant. " * 24}
+    first = [system, {"role": "user", "content": "When does the ferry leave?"}]
+    headers, _ = await gateway.chat(first)
+    p = headers["X-PPD-Prefill-Worker"]
+    await eventually(lambda: gateway.holds(p, first), what=f"the gateway seeing {p} hold the first opening")
+    hits = await _cache_hits(gateway, p)
+    # Another conversation opening with the same system prompt: least loaded would take the other P.
+    second = [system, {"role": "user", "content": "Where is the lighthouse?"}]
+    headers, _ = await gateway.chat(second)
+    assert (headers["X-PPD-Turn"], headers["X-PPD-Prefill-Worker"]) == ("1", p)
+    assert await _cache_hits(gateway, p) >= hits + 16 * 8  # the system prompt's blocks, from p's cache
+    text = await gateway.metrics()
+    assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) == 1
+    # Placed by what the first conversation's P returned (openings.py): no /tokenize either time.
+    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) is None
 
 
 async def test_an_unsynced_stream_falls_back_to_the_least_loaded_p(gateway: Gateway) -> None:
