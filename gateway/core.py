@@ -105,7 +105,7 @@ from gateway.ports import ClientRequest, LiveSignals, RouteQuery
 from gateway.psi import Psi, WorkerCount, estimate_tokens, measure, with_resident
 from gateway.relay import Usage
 from gateway.request_trace import LegSpan, RequestTrace
-from gateway.residency import KvTracking, prefix_marks
+from gateway.residency import KvTracking, marks_from_text, marks_text, prefix_marks
 from gateway.retry_budget import RetryBudget
 from gateway.routing import Decision, static_decision
 from gateway.session_lookup import SessionMatch, find_session, remember_turn
@@ -470,7 +470,7 @@ class RequestCore:
             return preq  # no choice to make, or nothing known: the least loaded, as before
         marks: Marks = ()
         if t.token_ids is None and session is not None:  # residency.py rule 5: no /tokenize
-            marks = tuple((blocks, int(h)) for blocks, h in session.prompt_marks)
+            marks = marks_from_text(session.prompt_marks)
         elif t.token_ids is None and kv.openings is not None and t.turn.req.endpoint == "chat":
             opening = kv.openings.get(_opening_key(t.turn.req))
             if not opening:  # openings.py rule 2: nothing known to place by; no /tokenize
@@ -912,16 +912,16 @@ class RequestCore:
         if outcome.rebound:
             d.metrics.rebinds.inc()
 
-    def _marks(self, turn: TurnInputs, token_ids: list[int] | None) -> tuple[tuple[int, str], ...]:
-        """The session's marks of the prompt P prefilled (residency.py rule 5; () when none), also
+    def _marks(self, turn: TurnInputs, token_ids: list[int] | None) -> str:
+        """The session's marks of the prompt P prefilled (residency.py rule 5; "" when none), also
         learnt as what prompts opening with its first message share, for a Turn 1 (openings.py)."""
         kv = self._d.kv
         if kv is None or not token_ids:
-            return ()
+            return ""
         marks = prefix_marks(kv.hasher.chain(token_ids))
         if kv.openings is not None and turn.session is None and turn.req.endpoint == "chat":
             kv.openings.learn(_opening_key(turn.req), marks)
-        return tuple((blocks, str(h)) for blocks, h in marks)
+        return marks_text(marks)
 
     def count_upstream_error(self, worker: str, role: str, kind: str) -> None:
         self._d.metrics.upstream_errors.labels(worker, role, kind).inc()

@@ -30,6 +30,7 @@ edge (gateway/kv_subscriber.py) feeds every batch here with its sequence number.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -54,11 +55,39 @@ __all__ = [
     "KvTracking",
     "Residency",
     "WorkerResidency",
+    "marks_from_text",
+    "marks_text",
     "prefix_marks",
 ]
 
 #: Rule 5: the most marks a prompt gets (2^62 blocks before the last one would need more).
 MAX_MARKS = 64
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+
+
+def marks_text(marks: Marks) -> str:
+    """Rule 5's marks as a session keeps them: ``blocks:hash`` pairs, comma-separated (one string of a
+    few hundred bytes, where a tuple of pairs would take over a kilobyte per session)."""
+    return ",".join(f"{blocks}:{h}" for blocks, h in marks)
+
+
+def marks_from_text(text: str) -> Marks:
+    """``marks_text``'s inverse; ValueError unless it is at most ``MAX_MARKS`` pairs of increasing
+    block counts, each with a 64-bit block hash."""
+    if not text:
+        return ()
+    marks: list[tuple[int, int]] = []
+    for pair in text.split(",", MAX_MARKS):
+        blocks_text, sep, hash_text = pair.partition(":")
+        if not sep or not _DECIMAL.fullmatch(blocks_text) or not _DECIMAL.fullmatch(hash_text.lstrip("-")):
+            raise ValueError(f"not a blocks:hash pair: {pair[:40]!r}")
+        blocks, h = int(blocks_text), int(hash_text)
+        if blocks <= (marks[-1][0] if marks else 0) or not -(2**63) <= h < 2**64:
+            raise ValueError("block counts must increase, each hash fit 64 bits")
+        marks.append((blocks, h))
+    if len(marks) > MAX_MARKS:
+        raise ValueError(f"more than {MAX_MARKS} marks")
+    return tuple(marks)
 
 
 def prefix_marks(chain: Sequence[int]) -> Marks:

@@ -20,14 +20,13 @@ finite and at most `Bounds.max_float` in size, and each field's own check (`fiel
 adds the Session's checks: its id is a client identifier (limits.py rule 1: printable ASCII, bounded,
 so echoing it in `X-PPD-Session-Id` is safe), its worker a worker id (pool.py rule 4), its
 `decode_kv_params` empty or a JSON object within the depth bound (it is parsed again for P), its
-`prompt_marks` at most `residency.MAX_MARKS` increasing block counts with 64-bit hashes in decimal.
+`prompt_marks` what `residency.marks_from_text` reads (at most `MAX_MARKS` pairs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -38,15 +37,13 @@ import orjson
 
 from gateway.limits import is_client_id, json_depth_exceeds
 from gateway.pool import is_worker_id
-from gateway.residency import MAX_MARKS
+from gateway.residency import marks_from_text
 from gateway.sessions import Session
 
 __all__ = ["VERSION", "Bounds", "CodecError", "DataclassCodec", "session_codec"]
 
 #: The encoding's version tag; bump it when the envelope (not a field) changes meaning.
 VERSION = 1
-#: A block hash in `Session.prompt_marks`: a decimal integer (the codec's integers are counts only).
-_HASH = re.compile(r"-?[0-9]{1,20}")
 
 T = TypeVar("T")
 _Convert = Callable[[Any], Any]
@@ -155,13 +152,10 @@ def session_codec(*, max_id_length: int, bounds: Bounds = Bounds()) -> Dataclass
         return None
 
     def marks(value: Any) -> str | None:
-        if len(value) > MAX_MARKS:
-            return f"more than {MAX_MARKS} marks"
-        previous = 0
-        for blocks, digest in value:
-            if blocks <= previous or not _HASH.fullmatch(digest) or not -(2**63) <= int(digest) < 2**64:
-                return "not marks: increasing block counts, each with a 64-bit block hash in decimal"
-            previous = blocks
+        try:
+            marks_from_text(value)
+        except ValueError as exc:
+            return f"not prompt marks ({exc})"
         return None
 
     checks = {"id": session_id, "worker": worker, "decode_kv_params": kv_params, "prompt_marks": marks}

@@ -101,11 +101,11 @@ class Session:
     # sends them to P. Single use: every turn replaces them with what its own D leg returned.
     decode_kv_params: str = ""
     decode_kv_expires_at: float = 0.0
-    # The marks of the last prompt a P prefilled for this conversation (gateway/residency.py rule 5:
-    # leading blocks and the block hash after them, in decimal), from P's own answer; no P holds more
-    # of the conversation than that prompt (P never computes an answer), so a later turn's P is placed
-    # by them without asking a worker for the prompt's token ids. () when no P leg said.
-    prompt_marks: tuple[tuple[int, str], ...] = ()
+    # The marks of the last prompt a P prefilled for this conversation (gateway/residency.py rule 5,
+    # as `marks_text` writes them), from P's own answer; no P holds more of the conversation than
+    # that prompt (P never computes an answer), so a later turn's P is placed by them without asking
+    # a worker for the prompt's token ids. "" when no P leg said.
+    prompt_marks: str = ""
 
     def mean_output(self) -> float | None:
         if not self.output_lengths:
@@ -123,9 +123,9 @@ class Session:
         answer_key: str = "",
         decode_kv_params: str = "",
         decode_kv_expires_at: float = 0.0,
-        prompt_marks: tuple[tuple[int, str], ...] = (),
+        prompt_marks: str = "",
     ) -> Session:
-        """The session after a turn; `prompt_marks` () keeps the last P prompt's (a local turn's)."""
+        """The session after a turn; `prompt_marks` "" keeps the last P prompt's (a local turn's)."""
         outputs = (*self.output_lengths, completion_tokens)[-MAX_OUTPUT_HISTORY:]
         return replace(
             self,

@@ -8,7 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.psi import Psi, TokenCount, with_resident
-from gateway.residency import MAX_MARKS, Applied, KvTracking, Residency, prefix_marks
+from gateway.residency import (
+    MAX_MARKS,
+    Applied,
+    KvTracking,
+    Residency,
+    marks_from_text,
+    marks_text,
+    prefix_marks,
+)
 from gateway.settings import Settings, SettingsError
 from ppd.kv_events import AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, EventBatch
 
@@ -39,6 +47,21 @@ def test_a_prompts_marks_are_its_chain_after_1_2_4_blocks_and_its_last() -> None
     assert prefix_marks(chain[:8]) == ((1, 100), (2, 101), (4, 103), (8, 107))
     assert prefix_marks([]) == ()
     assert len(prefix_marks(list(range(1 << 16)))) == 17 <= MAX_MARKS
+
+
+@given(st.lists(st.integers(-(2**63), 2**64 - 1), max_size=5000))
+def test_marks_read_back_as_a_session_keeps_them(chain: list[int]) -> None:
+    marks = prefix_marks(chain)
+    assert marks_from_text(marks_text(marks)) == marks
+    assert len(marks_text(marks)) <= 22 * len(marks) + 10 * len(marks)  # a few hundred bytes
+
+
+@pytest.mark.parametrize(
+    "text", ["1:2,", "1", "1:2,1:3", "a:1", "1:--2", f"1:{2**64}", ",".join(f"{i}:0" for i in range(1, 66))]
+)
+def test_anything_but_marks_is_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        marks_from_text(text)
 
 
 def test_the_resident_prefix_by_marks_is_rounded_down_to_a_mark() -> None:

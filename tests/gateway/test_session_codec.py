@@ -148,12 +148,14 @@ def test_values_at_the_bounds_decode() -> None:
         {"decode_kv_params": "[" * 40 + "]" * 40},
         {"decode_kv_params": "[1]"},
         {"decode_kv_params": "{not json"},
-        {"prompt_marks": [[1, "12"], [1, "13"]]},
-        {"prompt_marks": [[2, "12"], [1, "13"]]},
-        {"prompt_marks": [[1, "0x12"]]},
-        {"prompt_marks": [[1, str(2**64)]]},
-        {"prompt_marks": [[1, "1" * 21]]},
-        {"prompt_marks": [[i + 1, "7"] for i in range(65)]},
+        {"prompt_marks": "1:12,1:13"},
+        {"prompt_marks": "2:12,1:13"},
+        {"prompt_marks": "1:0x12"},
+        {"prompt_marks": f"1:{2**64}"},
+        {"prompt_marks": "1:" + "1" * 21},
+        {"prompt_marks": "1:12,"},
+        {"prompt_marks": "1 : 12"},
+        {"prompt_marks": ",".join(f"{i + 1}:7" for i in range(65))},
     ],
 )
 def test_a_sessions_ids_and_params_are_what_the_gateway_accepts(fields: dict[str, object]) -> None:
@@ -174,7 +176,7 @@ def test_sessions_the_gateway_writes_round_trip_through_its_checks(session: Sess
         id=session_id,
         worker="D-0.a:b_c",
         decode_kv_params='{"do_remote_decode": true}',
-        prompt_marks=((1, "-9223372036854775808"), (2, "18446744073709551615"), (3, "0")),
+        prompt_marks="1:-9223372036854775808,2:18446744073709551615,3:0",
     )
     assert codec.decode(codec.encode(session)) == session
 
