@@ -128,21 +128,27 @@ def core_plan(workers: Sequence[WorkerSpec], cores: Sequence[int]) -> dict[str, 
     return plan
 
 
-def _free_port(host: str, *, rng: random.Random | None = None) -> int:
+def _free_port(host: str, *, rng: random.Random | None = None, taken: set[int] | None = None) -> int:
     """A port for a vLLM worker to bind later: vLLM cannot report a port it picked itself, so one is
     chosen here and handed over. Its KV-event sockets bind theirs tens of seconds later, once the
     engine has loaded, so the port must not be one the kernel hands out meanwhile: it is taken below
     the ephemeral range (`ip_local_port_range`), where no `bind(0)` and no outgoing connection of any
-    process lands, at random, and checked free now."""
+    process lands, at random, and checked free now. ``taken``: the ports chosen before for the same
+    cluster, none of them bound yet, so the check cannot see them (two workers once drew the same
+    port: "Address already in use" from a KV-event publisher); the chosen port is added to it."""
     rng = rng or random.Random()  # noqa: S311 (spreads ports, guards nothing)
+    taken = taken if taken is not None else set()
     low, high = _explicit_ports()
     for _ in range(200):
         port = rng.randint(low, high)
+        if port in taken:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+        taken.add(port)
         return port
     raise RuntimeError(f"no free port between {low} and {high} on {host} after 200 tries")
 
@@ -360,15 +366,19 @@ async def run_cluster(
     supervisor = Supervisor(relay=relay, grace_s=settings.grace_s)
     specs = []
     event_ports: dict[str, tuple[int, int]] = {}
+    chosen: set[int] = set()  # every port handed to a worker of this cluster: never two the same
     for worker in workers:
         if settings.kv_events:
-            event_ports[worker.id] = (_free_port(settings.host), _free_port(settings.host))
+            event_ports[worker.id] = (
+                _free_port(settings.host, taken=chosen),
+                _free_port(settings.host, taken=chosen),
+            )
         argv, env = worker_command(
             prepared,
             settings,
             worker,
-            http_port=_free_port(settings.host),
-            side_channel_port=_free_port(settings.host),
+            http_port=_free_port(settings.host, taken=chosen),
+            side_channel_port=_free_port(settings.host, taken=chosen),
             cores=cores.get(worker.id, ()),
             kv_event_ports=event_ports.get(worker.id),
         )

@@ -186,6 +186,12 @@ def test_worker_ports_come_from_below_the_ephemeral_range_and_are_free() -> None
         again = _free_port("127.0.0.1", rng=random.Random(7))
     assert again != first
     assert low <= again <= high
+    # A port chosen for another worker of the cluster is not bound yet: the draw skips it too.
+    chosen: set[int] = set()
+    first = _free_port("127.0.0.1", rng=random.Random(7), taken=chosen)
+    again = _free_port("127.0.0.1", rng=random.Random(7), taken=chosen)
+    assert again != first
+    assert chosen == {first, again}
 
 
 @pytest.mark.parametrize(
