@@ -457,7 +457,7 @@ class RequestCore:
         (Turn 1, or a session no P leg marked)."""
         preq = self._plan_request(t.request.headers, t.turn)
         kv = self._d.kv
-        if preq.placement.policy == "least_loaded" or kv is None or decision.path == "replica":
+        if kv is None or self._d.placement() == "least_loaded" or decision.path == "replica":
             return preq
         roles: list[Role] = (
             ["prefill"] if decision.path != "local" or decode_gone(t.turn.session, t.view) else []
@@ -728,7 +728,7 @@ class RequestCore:
             prefill_attempts=self._s.policy.prefill_attempts,
             placement=self._placement,
             now=self._d.wall_clock(),
-            prompt_token_ids=self._d.kv is not None and self._placement.policy == "prefix",
+            prompt_token_ids=self._d.placement() == "prefix",
         )
 
     # ------------------------------------------------------------------ the P leg
@@ -906,15 +906,15 @@ class RequestCore:
             answer_key=answer_key,
             decode_kv_params=json.dumps(kv_params, separators=(",", ":")) if kv_params else "",
             decode_kv_expires_at=d.wall_clock() + self._s.routing.bidir_params_ttl_s if kv_params else 0.0,
-            prompt_marks=self._marks(turn, prompt_token_ids(outcome.prefill_answer)),
+            prompt_marks=self._learn_marks(turn, prompt_token_ids(outcome.prefill_answer)),
         )
         await remember_turn(d.sessions, after, explicit_id=turn.explicit_id)
         if outcome.rebound:
             d.metrics.rebinds.inc()
 
-    def _marks(self, turn: TurnInputs, token_ids: list[int] | None) -> str:
-        """The session's marks of the prompt P prefilled (residency.py rule 5; "" when none), also
-        learnt as what prompts opening with its first message share, for a Turn 1 (openings.py)."""
+    def _learn_marks(self, turn: TurnInputs, token_ids: list[int] | None) -> str:
+        """The marks of the prompt P prefilled (residency.py rule 5), as the session keeps them ("" when
+        P said no token ids); a Turn 1 also teaches them to the openings (openings.py)."""
         kv = self._d.kv
         if kv is None or not token_ids:
             return ""
