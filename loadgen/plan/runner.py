@@ -1,5 +1,5 @@
 """The shape advisor's runs: every P:D split of the GPUs x mode x workload of the mix x QPS level, on the
-virtual-time cluster, through the reports' one simulation driver (``reproduce.simulate_run``).
+virtual-time cluster, through the reports' one simulation driver (``reproduce.simulate_cluster``).
 
 Rule 1: the splits of N GPUs are ``kP(N-k)D`` for k = 1..N-1 (at least one of each), plus ``NR`` (every
         GPU a replica, mode ``replica``) when asked. ``ppd`` runs only on a shape with a table in
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Final
 
 from loadgen.plan.recommend import Config, Figures, Objective, combine, figures
-from loadgen.report.reproduce import find_table, simulate_run
+from loadgen.report.reproduce import find_table, run_records, simulate_cluster
 from loadgen.sharegpt import SHAREGPT_WORKLOAD, sharegpt_pool
 from loadgen.tokens import llama3_counter
 from ppd import catalog
@@ -153,7 +153,7 @@ def _seed(seed: int, workload: str, qps: float) -> int:
 
 def _run(task: _Task) -> Figures:
     s, c = task.settings, task.config
-    records = simulate_run(
+    result = simulate_cluster(
         task.component.lists,
         shape=c.shape,
         mode=c.mode,
@@ -167,7 +167,7 @@ def _run(task: _Task) -> Figures:
         table=task.table,
         weights=None if s.objective.uses_slo else (s.objective.w_ttft, s.objective.w_tpot),
     )
-    return figures(records, s.objective)
+    return figures(run_records(result), s.objective)
 
 
 @dataclass(frozen=True, slots=True)

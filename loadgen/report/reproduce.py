@@ -41,8 +41,8 @@ __all__ = [
     "find_table",
     "prefill_heavy_lists",
     "reproduce",
+    "run_records",
     "simulate_cluster",
-    "simulate_run",
     "turn_lists",
 ]
 
@@ -221,7 +221,7 @@ def _plan(settings: ReproduceSettings, tables: dict[str, Path | None]) -> list[_
 def _simulate(
     run: _Run, settings: ReproduceSettings, lists: Sequence[Sequence[tuple[int, int]]]
 ) -> list[Record]:
-    return simulate_run(
+    result = simulate_cluster(
         lists,
         shape=run.shape,
         mode=run.mode,
@@ -236,44 +236,11 @@ def _simulate(
         weights=None if run.w_tpot is None else (1.0, run.w_tpot),
         link=run.link,
     )
+    return run_records(result)
 
 
-def simulate_run(
-    lists: Sequence[Sequence[tuple[int, int]]],
-    *,
-    shape: str,
-    mode: str,
-    qps: float,
-    duration_s: float,
-    workload: str,
-    seed: int,
-    run_id: str,
-    profile: str,
-    model: str,
-    table: Path | None = None,
-    weights: tuple[float, float] | None = None,
-    link: str = "nvlink",
-) -> list[Record]:
-    """One run on the virtual-time cluster: Poisson arrivals of conversations with the given turn lists
-    (cycled), ``shape`` in ``mode`` (``ppd`` routed by ``table`` with ``weights`` = (w_ttft, w_tpot), the
-    table's own weights when None), the records it produced. The one simulation driver of the reports
-    (``ppd-bench report --run``, ``ppd-bench plan``); ``simulate_cluster`` is the same run with the
-    cluster's whole result."""
-    result = simulate_cluster(
-        lists,
-        shape=shape,
-        mode=mode,
-        qps=qps,
-        duration_s=duration_s,
-        workload=workload,
-        seed=seed,
-        run_id=run_id,
-        profile=profile,
-        model=model,
-        table=table,
-        weights=weights,
-        link=link,
-    )
+def run_records(result: ClusterResult) -> list[Record]:
+    """A virtual-time run's records, as the reports read them (``simulate_cluster``'s result)."""
     return [Record.from_dict(r) for r in result.records]
 
 
@@ -294,10 +261,14 @@ def simulate_cluster(
     link: str = "nvlink",
     placement: Placement = "least_loaded",
 ) -> ClusterResult:
-    """``simulate_run``'s run, with ``placement`` (ppd/placement.py), answering the cluster's result
-    (records as dicts, P's prefix-cache hits per request, the legs placement moved, each engine's busy
-    time). A shared-prefix ``workload`` (``shared<L>_<G>x<C>_<turn1>_<class>``) makes its own two-turn
-    conversations, each group's behind its shared prompt; ``lists`` is not used then."""
+    """One run on the virtual-time cluster, the reports' one simulation driver (``ppd-bench report
+    --run``, ``ppd-bench plan``): Poisson arrivals of conversations with the given turn lists (cycled),
+    ``shape`` in ``mode`` (``ppd`` routed by ``table`` with ``weights`` = (w_ttft, w_tpot), the table's
+    own weights when None), legs placed by ``placement`` (ppd/placement.py); the cluster's result
+    (records as dicts, ``run_records`` reads them; P's prefix-cache hits per request, the legs
+    placement moved, each engine's busy time). A shared-prefix ``workload``
+    (``shared<L>_<G>x<C>_<turn1>_<class>``) makes its own two-turn conversations, each group's behind
+    its shared prompt; ``lists`` is not used then."""
     from decision_service.table import Weights
     from simulator.core.cluster import ClusterConfig, simulate
     from simulator.core.profile import load_profile
