@@ -380,7 +380,9 @@ async def discover(options: EngineOptions, flagged: Sequence[WorkerRef]) -> Depl
     timeout = aiohttp.ClientTimeout(total=_PROBE_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         model, length = _model_card(await _get_json(http, f"{url}/v1/models"), url, options.served_model)
-        admin = await _admin_workers(http, url, options.admin_token)
+        # With --worker flags the admin list is asked only for the placement, so only with a token.
+        ask_admin = options.admin_token is not None or not flagged
+        admin = await _admin_workers(http, url, options.admin_token) if ask_admin else None
         listed, placement = admin if admin is not None else ([], None)
         workers = tuple(flagged) if flagged else tuple(listed)
         source = "flags" if flagged else ("admin" if listed else "none")
