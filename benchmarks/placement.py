@@ -32,14 +32,21 @@ Figures, one JSON object per line:
 3. `tokenize`: where placement's added time goes, the parts alone with the cluster idle: a P's
    `/tokenize` round trip for a last turn's prompt from this process (p50/p99 in ms, --tokenize-calls
    calls one after another) and hashing its token ids into block hashes in process (µs, best of 20).
+4. `memory`: what placement keeps, in process, per prompt length (1k, 8k and 32k tokens, 16-token
+   blocks): a session's marks (`Session.prompt_marks`) as bytes in a shared store's entry and as a
+   string in memory, and one remembered opening's marks in memory (`gateway/openings.py`).
+
+One module (about 480 lines): one command, whose four figures share its cluster and its load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -56,6 +63,9 @@ from tqdm import tqdm
 
 from benchmarks.gateway import MODEL, _emit, _histogram, _pct, _Proc, _quantile, _scrape, _start
 from benchmarks.session_store import _turn
+from gateway.residency import marks_text, prefix_marks
+from gateway.session_codec import session_codec
+from gateway.sessions import Session
 from ppd.kv_events import BlockHasher
 
 __all__ = ["main"]
@@ -217,6 +227,30 @@ def _tokenize_figure(args: argparse.Namespace, p_url: str) -> dict[str, Any]:
     }
 
 
+def _memory_figure() -> dict[str, Any]:
+    """Figure 4: bytes placement keeps per session and per remembered opening."""
+    codec = session_codec(max_id_length=64)
+    bare = Session("s" * 32, worker="D0")
+    rng = random.Random(7)  # noqa: S311 (token ids to hash, guards nothing)
+    sizes: dict[str, dict[str, int]] = {}
+    for tokens in (1024, 8192, 32768):
+        marks = prefix_marks(
+            BlockHasher(_SEED, block_size=16).chain([rng.randrange(128_000) for _ in range(tokens)])
+        )
+        text = marks_text(marks)
+        entry = len(codec.encode(dataclasses.replace(bare, prompt_marks=text))) - len(codec.encode(bare))
+        opening = sys.getsizeof(marks) + sum(
+            sys.getsizeof(m) + sys.getsizeof(m[0]) + sys.getsizeof(m[1]) for m in marks
+        )
+        sizes[str(tokens)] = {
+            "marks": len(marks),
+            "session_store_bytes": entry,
+            "session_memory_bytes": sys.getsizeof(text),
+            "opening_memory_bytes": opening,
+        }
+    return {"figure": "memory", "by_prompt_tokens": sizes}
+
+
 def _ms(value: float | None) -> float | None:
     return round(value * 1000, 3) if value is not None else None
 
@@ -362,6 +396,7 @@ def _run(args: argparse.Namespace) -> int:
             _emit(_summary(args, results))
         p_url = next(w["url"] for w in workers if w["role"] == "prefill")
         _emit(_tokenize_figure(args, p_url))
+        _emit(_memory_figure())
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -44,6 +44,14 @@ def test_placement_cost_prints_both_arms_side_by_side_and_the_tokenize_parts() -
     assert tokenize["prompt_tokens"] >= 128
     assert tokenize["round_trip_p50_ms"] > 0
     assert tokenize["hash_us"] > 0
+    (memory,) = [f for f in figures if f["figure"] == "memory"]
+    sizes = memory["by_prompt_tokens"]
+    assert set(sizes) == {"1024", "8192", "32768"}
+    # Bounded whatever the prompt: a few marks more for 32x the tokens, a few hundred bytes each way.
+    assert sizes["1024"]["marks"] < sizes["32768"]["marks"] <= sizes["1024"]["marks"] + 5
+    assert all(
+        0 < s["session_store_bytes"] < 1024 and 0 < s["opening_memory_bytes"] < 4096 for s in sizes.values()
+    )
 
 
 @pytest.mark.bench
