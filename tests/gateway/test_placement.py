@@ -6,6 +6,7 @@ least-loaded P as before."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,8 @@ from aiohttp.test_utils import TestServer
 from gateway.app import DEPS
 from gateway.deps import Deps
 from gateway.residency import KvTracking
+from gateway.session_lookup import remember_turn
+from gateway.sessions import explicit_key
 from ppd.kv_events import BlockHasher, KvEventsConfig
 from simulator.server.worker_group import WorkerGroup
 from tests.simulator.client import start_group
@@ -47,9 +50,12 @@ class Gateway:
         assert deps.kv is not None
         return deps.kv
 
-    async def chat(self, messages: list[dict[str, Any]]) -> tuple[dict[str, str], str]:
+    async def chat(
+        self, messages: list[dict[str, Any]], headers: dict[str, str] | None = None
+    ) -> tuple[dict[str, str], str]:
         body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}
-        async with self.http.post(str(self.server.make_url("/v1/chat/completions")), json=body) as resp:
+        url = str(self.server.make_url("/v1/chat/completions"))
+        async with self.http.post(url, json=body, headers=headers) as resp:
             assert resp.status == 200, await resp.text()
             answer: str = (await resp.json())["choices"][0]["message"]["content"]
             return dict(resp.headers), answer
@@ -153,6 +159,30 @@ async def test_a_turn_one_opening_like_an_earlier_one_goes_to_the_p_holding_its_
     assert sample(text, "ppd_gateway_placements_total", {"role": "prefill", "by": "prefix"}) == 1
     # Placed by what the first conversation's P returned (openings.py): no /tokenize either time.
     assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) is None
+
+
+async def test_a_session_without_marks_is_placed_by_the_prompts_token_ids(gateway: Gateway) -> None:
+    """A session no P leg marked (written by a gateway before marks, or P said no token ids): Turn 2
+    asks a worker's /tokenize once and still goes to the P holding the history."""
+    session_id = "no-marks"
+    sent = {"X-Session-ID": session_id}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Describe the harbour at dawn " * 8}]
+    headers, answer = await gateway.chat(messages, sent)
+    p = headers["X-PPD-Prefill-Worker"]
+    await eventually(lambda: gateway.holds(p, messages), what=f"the gateway seeing {p} hold turn 1")
+    deps: Deps = gateway.server.app[DEPS]
+    session = await deps.sessions.get(explicit_key(session_id))
+    assert session is not None
+    assert session.prompt_marks  # P returned the prompt's token ids
+    await remember_turn(deps.sessions, dataclasses.replace(session, prompt_marks=""), explicit_id=session_id)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and at dusk?"}]
+    headers, _ = await gateway.chat(messages, sent)
+    assert (headers["X-PPD-Turn"], headers["X-PPD-Prefill-Worker"]) == ("2", p)
+    text = await gateway.metrics()
+    assert sample(text, "ppd_gateway_worker_tokenize_total", {"purpose": "token_ids"}) == 1
+    after = await deps.sessions.get(explicit_key(session_id))
+    assert after is not None
+    assert after.prompt_marks  # marked again by Turn 2's P
 
 
 async def test_an_unsynced_stream_falls_back_to_the_least_loaded_p(gateway: Gateway) -> None:

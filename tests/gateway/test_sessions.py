@@ -303,3 +303,14 @@ async def test_token_id_and_unfingerprinted_completions_continue_without_ds_para
         )
         assert match.turn == turn, (explicit, prompt)
         assert match.session is None or match.session.decode_kv_params == ""
+
+
+def test_a_turn_without_ps_token_ids_keeps_the_last_p_prompts_marks() -> None:
+    marked = Session("s").after_turn(
+        worker="D0", prompt_tokens=100, completion_tokens=10, prompt_marks="1:5,6:9"
+    )
+    assert marked.prompt_marks == "1:5,6:9"
+    local = marked.after_turn(worker="D0", prompt_tokens=130, completion_tokens=10)  # no P leg
+    assert local.prompt_marks == "1:5,6:9"
+    again = local.after_turn(worker="D1", prompt_tokens=160, completion_tokens=10, prompt_marks="1:5,8:3")
+    assert again.prompt_marks == "1:5,8:3"
